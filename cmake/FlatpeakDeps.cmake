@@ -1,0 +1,50 @@
+# Third-party dependencies, all from Debian packages (tools/setup-deps.sh installs them).
+#   nlohmann-json: card, config and plan JSON;  fmt: formatting;  CLI11: the command line;
+#   Eigen: GEMMs in the CPU executor;  GoogleTest / Google Benchmark: tests and benchmarks;
+#   OpenMPI (optional): multi-rank execution;  CUDA toolkit (optional): the CUDA backend.
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(fmt REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(Eigen3 3.3 REQUIRED NO_MODULE)
+if(FLATPEAK_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+if(FLATPEAK_BENCH)
+  find_package(benchmark QUIET)
+  if(NOT benchmark_FOUND)
+    message(STATUS "flatpeak: Google Benchmark not found; benchmarks disabled")
+    set(FLATPEAK_BENCH OFF)
+  endif()
+endif()
+
+set(FLATPEAK_HAVE_MPI OFF)
+if(FLATPEAK_MPI)
+  find_package(MPI COMPONENTS CXX QUIET)
+  if(MPI_CXX_FOUND)
+    set(FLATPEAK_HAVE_MPI ON)
+  endif()
+endif()
+message(STATUS "flatpeak: MPI ${FLATPEAK_HAVE_MPI}")
+
+# CUDA is optional: look for nvcc on PATH and under /usr/local/cuda, which is where the
+# toolkit lives on machines that do not put it on PATH.
+set(FLATPEAK_HAVE_CUDA OFF)
+if(FLATPEAK_CUDA)
+  if(NOT CMAKE_CUDA_COMPILER)
+    find_program(FLATPEAK_NVCC nvcc HINTS ENV CUDA_HOME ENV CUDA_PATH PATHS /usr/local/cuda/bin)
+    if(FLATPEAK_NVCC)
+      set(CMAKE_CUDA_COMPILER "${FLATPEAK_NVCC}" CACHE FILEPATH "CUDA compiler")
+    endif()
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)  # H100/H200; the targets that matter
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(FLATPEAK_HAVE_CUDA ON)
+  endif()
+endif()
+message(STATUS "flatpeak: CUDA ${FLATPEAK_HAVE_CUDA}")

@@ -1,0 +1,112 @@
+#include "sizes.h"
+
+#include <cctype>
+#include <cmath>
+#include <limits>
+
+#include <fmt/format.h>
+
+namespace flatpeak {
+
+namespace {
+// Splits "123.5GiB" into the number "123.5" and the suffix "GiB". Fails on signs and blanks.
+bool split_number(const std::string& text, std::string& number, std::string& suffix) {
+  size_t i = 0;
+  bool seen_digit = false, seen_dot = false;
+  while (i < text.size()) {
+    const char c = text[i];
+    if (std::isdigit(static_cast<unsigned char>(c))) {
+      seen_digit = true;
+    } else if (c == '.' && !seen_dot) {
+      seen_dot = true;
+    } else {
+      break;
+    }
+    ++i;
+  }
+  if (!seen_digit) return false;
+  number = text.substr(0, i);
+  suffix = text.substr(i);
+  return true;
+}
+
+std::optional<int64_t> parse_integer(const std::string& digits) {
+  if (digits.empty() || digits.size() > 19) return std::nullopt;
+  int64_t value = 0;
+  for (char c : digits) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return std::nullopt;
+    const int64_t digit = c - '0';
+    if (value > (std::numeric_limits<int64_t>::max() - digit) / 10) return std::nullopt;
+    value = value * 10 + digit;
+  }
+  return value;
+}
+}  // namespace
+
+std::optional<int64_t> parse_tokens(const std::string& text) {
+  std::string number, suffix;
+  if (!split_number(text, number, suffix) || number.find('.') != std::string::npos) return std::nullopt;
+  int64_t multiplier = 1;
+  if (suffix == "K" || suffix == "k") {
+    multiplier = int64_t{1} << 10;
+  } else if (suffix == "M") {
+    multiplier = int64_t{1} << 20;
+  } else if (suffix == "G") {
+    multiplier = int64_t{1} << 30;
+  } else if (!suffix.empty()) {
+    return std::nullopt;
+  }
+  const auto value = parse_integer(number);
+  if (!value || *value <= 0) return std::nullopt;
+  if (*value > std::numeric_limits<int64_t>::max() / multiplier) return std::nullopt;
+  return *value * multiplier;
+}
+
+std::optional<int64_t> parse_bytes(const std::string& text) {
+  std::string number, suffix;
+  if (!split_number(text, number, suffix)) return std::nullopt;
+  struct Unit {
+    const char* name;
+    double multiplier;
+  };
+  static const Unit kUnits[] = {
+      {"", 1.0},       {"B", 1.0},        {"KB", 1e3},       {"MB", 1e6},
+      {"GB", 1e9},     {"TB", 1e12},      {"KiB", 1024.0},   {"MiB", 1048576.0},
+      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+  };
+  const Unit* unit = nullptr;
+  for (const auto& candidate : kUnits) {
+    if (suffix == candidate.name) unit = &candidate;
+  }
+  if (unit == nullptr) return std::nullopt;
+  // Integers stay exact; decimals go through long double (exact to well past TiB scale).
+  if (number.find('.') == std::string::npos) {
+    const auto value = parse_integer(number);
+    if (!value) return std::nullopt;
+    const auto multiplier = static_cast<int64_t>(unit->multiplier);
+    if (*value > std::numeric_limits<int64_t>::max() / multiplier) return std::nullopt;
+    return *value * multiplier;
+  }
+  if (suffix.empty() || suffix == "B") return std::nullopt;  // fractional bytes make no sense
+  const long double value = std::stold(number) * static_cast<long double>(unit->multiplier);
+  if (!(value < static_cast<long double>(std::numeric_limits<int64_t>::max()))) return std::nullopt;
+  return static_cast<int64_t>(std::floor(value));
+}
+
+std::string format_bytes(int64_t bytes) {
+  const double magnitude = std::fabs(static_cast<double>(bytes));
+  if (magnitude >= 1099511627776.0) return fmt::format("{:.2f} TiB", static_cast<double>(bytes) / 1099511627776.0);
+  if (magnitude >= 1073741824.0) return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / 1073741824.0);
+  if (magnitude >= 1048576.0) return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / 1048576.0);
+  if (magnitude >= 1024.0) return fmt::format("{:.1f} KiB", static_cast<double>(bytes) / 1024.0);
+  return fmt::format("{} B", bytes);
+}
+
+std::string format_tokens(int64_t tokens) {
+  if (tokens > 0 && tokens % (int64_t{1} << 30) == 0) return fmt::format("{}G", tokens >> 30);
+  if (tokens > 0 && tokens % (int64_t{1} << 20) == 0) return fmt::format("{}M", tokens >> 20);
+  if (tokens > 0 && tokens % (int64_t{1} << 10) == 0) return fmt::format("{}K", tokens >> 10);
+  return fmt::format("{}", tokens);
+}
+
+}  // namespace flatpeak

@@ -1,0 +1,27 @@
+// Parsing and printing of token counts and byte sizes, as DESIGN.md defines them.
+//   parse_tokens("1M") == 1048576;  parse_bytes("80GiB") == 85899345920;  parse_bytes("141GB")
+//   format_bytes(85899345920) == "80.00 GiB"
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace flatpeak {
+
+// Token counts: a positive integer, optionally with K, M or G = powers of 1024 ("32K", "1M").
+// Returns nullopt for anything else (empty, negative, fractions, other suffixes, overflow).
+std::optional<int64_t> parse_tokens(const std::string& text);
+
+// Byte sizes: an integer or decimal number with a unit: B, KB, MB, GB, TB (powers of 1000)
+// or KiB, MiB, GiB, TiB (powers of 1024); a bare integer is bytes. Result rounded down to bytes.
+// Returns nullopt for anything else (unknown suffix, negative, overflow past int64).
+std::optional<int64_t> parse_bytes(const std::string& text);
+
+// "80.00 GiB", "512.0 MiB", "123 B": binary units, for tables meant for people.
+std::string format_bytes(int64_t bytes);
+
+// "1M", "32K", "1000": the shortest exact token spelling.
+std::string format_tokens(int64_t tokens);
+
+}  // namespace flatpeak
