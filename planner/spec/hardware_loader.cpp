@@ -1,0 +1,220 @@
+#include "hardware_loader.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "spec/embedded_cards.h"
+#include "spec/errors.h"
+#include "spec/json_util.h"
+
+namespace flatpeak {
+
+namespace {
+
+std::string lowercase(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
+  return text;
+}
+
+// Reads the fields of one card, recording every problem instead of stopping at the first.
+class CardReader {
+ public:
+  CardReader(const nlohmann::json& card, std::string file) : card_(card), file_(std::move(file)) {}
+
+  int64_t positive_integer(const char* key) {
+    const nlohmann::json* value = find(key, "a positive integer");
+    if (value == nullptr) return 0;
+    if (!value->is_number_integer() || value->get<int64_t>() <= 0) {
+      problem(key, fmt::format("must be a positive integer (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    return value->get<int64_t>();
+  }
+
+  double positive_number(const char* key) {
+    const nlohmann::json* value = find(key, "a positive number");
+    if (value == nullptr) return 0;
+    if (!value->is_number() || !(value->get<double>() > 0) || !std::isfinite(value->get<double>())) {
+      problem(key, fmt::format("must be a positive number (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    return value->get<double>();
+  }
+
+  double fraction(const char* key) {
+    const nlohmann::json* value = find(key, "a number in [0, 1)");
+    if (value == nullptr) return 0;
+    if (!value->is_number() || !(value->get<double>() >= 0 && value->get<double>() < 1)) {
+      problem(key, fmt::format("must be a number in [0, 1) (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    return value->get<double>();
+  }
+
+  int64_t nonnegative_integer(const char* key) {
+    const nlohmann::json* value = find(key, "an integer >= 0");
+    if (value == nullptr) return 0;
+    if (!value->is_number_integer() || value->get<int64_t>() < 0) {
+      problem(key, fmt::format("must be an integer >= 0 (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    return value->get<int64_t>();
+  }
+
+  bool boolean(const char* key) {
+    const nlohmann::json* value = find(key, "true or false");
+    if (value == nullptr) return false;
+    if (!value->is_boolean()) {
+      problem(key, fmt::format("must be true or false (got {})", describe_json_value(*value)));
+      return false;
+    }
+    return value->get<bool>();
+  }
+
+  std::string string(const char* key) {
+    const nlohmann::json* value = find(key, "a string");
+    if (value == nullptr) return "";
+    if (!value->is_string() || value->get<std::string>().empty()) {
+      problem(key, fmt::format("must be a non-empty string (got {})", describe_json_value(*value)));
+      return "";
+    }
+    return value->get<std::string>();
+  }
+
+  std::vector<std::string> string_list(const char* key) {
+    const nlohmann::json* value = find(key, "a list of strings");
+    std::vector<std::string> list;
+    if (value == nullptr) return list;
+    if (!value->is_array()) {
+      problem(key, fmt::format("must be a list of strings (got {})", describe_json_value(*value)));
+      return list;
+    }
+    for (size_t i = 0; i < value->size(); ++i) {
+      const auto& item = (*value)[i];
+      if (!item.is_string()) {
+        errors_.add({file_, child_pointer("/" + std::string(key), std::to_string(i)),
+                     fmt::format("must be a string (got {})", describe_json_value(item)), ""});
+      } else {
+        list.push_back(item.get<std::string>());
+      }
+    }
+    return list;
+  }
+
+  // Keys that are allowed but not read (free-form documentation).
+  void allow(const char* key) { known_.emplace_back(key); }
+
+  void report_unknown_keys() {
+    for (const auto& [key, value] : card_.items()) {
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      const std::string guess = did_you_mean(key, known_);
+      errors_.add({file_, child_pointer("", key),
+                   guess.empty() ? "unknown key" : fmt::format("unknown key (did you mean \"{}\"?)", guess), ""});
+    }
+  }
+
+  InputErrors& errors() { return errors_; }
+
+ private:
+  const nlohmann::json* find(const char* key, const char* what) {
+    known_.emplace_back(key);
+    const auto it = card_.find(key);
+    if (it == card_.end()) {
+      problem(key, fmt::format("required key missing (expected {})", what));
+      return nullptr;
+    }
+    return &*it;
+  }
+
+  void problem(const char* key, std::string message) {
+    errors_.add({file_, child_pointer("", key), std::move(message), ""});
+  }
+
+  const nlohmann::json& card_;
+  std::string file_;
+  std::vector<std::string> known_;
+  InputErrors errors_;
+};
+
+bool matches_card(const HardwareSpec& spec, const std::string& wanted) {
+  const std::string key = lowercase(wanted);
+  if (lowercase(spec.name) == key) return true;
+  return std::any_of(spec.aliases.begin(), spec.aliases.end(),
+                     [&](const std::string& alias) { return lowercase(alias) == key; });
+}
+
+}  // namespace
+
+HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& file) {
+  if (!card.is_object()) {
+    throw InputError(Diagnostic{file, "", fmt::format("a hardware card must be a JSON object (got {})",
+                                                      describe_json_value(card)), ""});
+  }
+  CardReader read(card, file);
+  HardwareSpec spec;
+  spec.source = file;
+  spec.name = read.string("name");
+  spec.aliases = read.string_list("aliases");
+  read.allow("description");
+  read.allow("notes");
+  spec.device_memory_bytes = read.positive_integer("device_memory_bytes");
+  spec.hbm_bandwidth_bytes_per_s = read.positive_number("hbm_bandwidth_bytes_per_s");
+  spec.bf16_dense_flops = read.positive_number("bf16_dense_flops");
+  spec.scale_up_bandwidth_bytes_per_s = read.positive_number("scale_up_bandwidth_bytes_per_s");
+  spec.host_link_bandwidth_bytes_per_s = read.positive_number("host_link_bandwidth_bytes_per_s");
+  spec.inter_node_bandwidth_bytes_per_s = read.positive_number("inter_node_bandwidth_bytes_per_s");
+  spec.gpus_per_node = read.positive_integer("gpus_per_node");
+  spec.host_memory_bytes_per_node = read.positive_integer("host_memory_bytes_per_node");
+  spec.host_memory_bandwidth_bytes_per_s = read.positive_number("host_memory_bandwidth_bytes_per_s");
+  spec.cpu_cores_per_node = read.positive_integer("cpu_cores_per_node");
+  spec.runtime_overhead_bytes = read.nonnegative_integer("runtime_overhead_bytes");
+  spec.fragmentation_fraction = read.fraction("fragmentation_fraction");
+  spec.allocation_alignment_bytes = read.positive_integer("allocation_alignment_bytes");
+  spec.overhead_calibrated = read.boolean("overhead_calibrated");
+  read.report_unknown_keys();
+  if (spec.allocation_alignment_bytes > 0 &&
+      (spec.allocation_alignment_bytes & (spec.allocation_alignment_bytes - 1)) != 0) {
+    read.errors().add({file, "/allocation_alignment_bytes",
+                       fmt::format("must be a power of two (got {})", spec.allocation_alignment_bytes), ""});
+  }
+  read.errors().throw_if_any();
+  return spec;
+}
+
+std::vector<HardwareSpec> list_hardware_cards() {
+  std::vector<HardwareSpec> cards;
+  for (const auto& embedded : embedded_hardware_cards()) {
+    const std::string file = "embedded:models/hardware/" + embedded.name + ".json";
+    cards.push_back(parse_hardware_card(parse_json_text(embedded.json, file), file));
+  }
+  std::sort(cards.begin(), cards.end(),
+            [](const HardwareSpec& a, const HardwareSpec& b) { return a.name < b.name; });
+  return cards;
+}
+
+HardwareSpec load_hardware(const std::string& name_or_path) {
+  const std::vector<HardwareSpec> cards = list_hardware_cards();
+  for (const auto& card : cards) {
+    if (matches_card(card, name_or_path)) return card;
+  }
+  std::error_code ignored;
+  if (std::filesystem::is_regular_file(name_or_path, ignored)) {
+    return parse_hardware_card(parse_json_text(read_text_file(name_or_path), name_or_path), name_or_path);
+  }
+  std::vector<std::string> names;
+  std::string listing;
+  for (const auto& card : cards) {
+    names.push_back(card.name);
+    for (const auto& alias : card.aliases) names.push_back(alias);
+    listing += (listing.empty() ? "" : ", ") + card.name;
+  }
+  const std::string guess = did_you_mean(name_or_path, names);
+  std::string hint = guess.empty() ? "" : fmt::format("did you mean '{}'? ", guess);
+  hint += fmt::format("hardware cards: {}; or give the path to a hardware card JSON", listing);
+  throw InputError(Diagnostic{"", "--gpu", fmt::format("unknown hardware '{}'", name_or_path), hint});
+}
+
+}  // namespace flatpeak
