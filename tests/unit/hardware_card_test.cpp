@@ -1,0 +1,91 @@
+// Hardware cards: device-reported memory from the reference figures, aliases, and validation
+// that reports every problem in one pass.
+#include "spec/hardware_loader.h"
+
+#include <gtest/gtest.h>
+
+#include "spec/errors.h"
+
+namespace flatpeak {
+namespace {
+
+std::vector<std::string> messages_of(const InputError& error) {
+  std::vector<std::string> messages;
+  for (const auto& d : error.diagnostics()) messages.push_back(d.to_string());
+  return messages;
+}
+
+TEST(HardwareCards, DeviceReportedMemory) {
+  // nvidia-smi / rocm-smi figures (reference/models/README.md, "Accelerators").
+  EXPECT_EQ(load_hardware("H100-80GB").device_memory_bytes, int64_t{85520809984});
+  EXPECT_EQ(load_hardware("H200").device_memory_bytes, int64_t{150754820096});
+  EXPECT_EQ(load_hardware("A100-80GB").device_memory_bytes, int64_t{85899345920});
+  EXPECT_EQ(load_hardware("B200").device_memory_bytes, int64_t{192265846784});
+  EXPECT_EQ(load_hardware("GB200").device_memory_bytes, int64_t{198674743296});
+  EXPECT_EQ(load_hardware("MI300X").device_memory_bytes, int64_t{205822885888});
+}
+
+TEST(HardwareCards, PerDirectionBandwidthsAndNode) {
+  const HardwareSpec h200 = load_hardware("H200");
+  EXPECT_DOUBLE_EQ(h200.scale_up_bandwidth_bytes_per_s, 450e9);  // 900 GB/s bidirectional
+  EXPECT_DOUBLE_EQ(h200.host_link_bandwidth_bytes_per_s, 64e9);  // PCIe Gen5 x16, 128 bidirectional
+  EXPECT_DOUBLE_EQ(h200.hbm_bandwidth_bytes_per_s, 4.8e12);
+  EXPECT_DOUBLE_EQ(h200.bf16_dense_flops, 989.4e12);
+  EXPECT_EQ(h200.gpus_per_node, 8);
+  EXPECT_EQ(h200.host_memory_bytes_per_node, int64_t{2048000000000});
+  EXPECT_EQ(h200.runtime_overhead_bytes, int64_t{3} << 30);
+  EXPECT_DOUBLE_EQ(h200.fragmentation_fraction, 0.05);
+  EXPECT_EQ(load_hardware("GB200").gpus_per_node, 4);
+}
+
+TEST(HardwareCards, AliasesAreCaseInsensitive) {
+  EXPECT_EQ(load_hardware("H100").name, "H100-80GB");
+  EXPECT_EQ(load_hardware("h100").name, "H100-80GB");
+  EXPECT_EQ(load_hardware("H200-141GB").name, "H200");
+  EXPECT_EQ(load_hardware("a100").name, "A100-80GB");
+  EXPECT_EQ(list_hardware_cards().size(), 7u);
+}
+
+TEST(HardwareCards, UnknownNameSuggestsTheNearest) {
+  try {
+    load_hardware("H300");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    EXPECT_EQ(e.diagnostics()[0].to_string(), "--gpu: unknown hardware 'H300'");
+    EXPECT_EQ(e.diagnostics()[0].hint.rfind("did you mean 'H100'? hardware cards: A100-80GB, B200, GB200, H100-80GB, H200, MI300X, MI325X", 0), 0u)
+        << e.diagnostics()[0].hint;
+  }
+}
+
+TEST(HardwareCards, EveryProblemInOnePass) {
+  nlohmann::json card = nlohmann::json::parse(R"({
+    "name": "X", "aliases": ["Y", 3], "device_memory_bytes": 0, "hbm_bandwidth_bytes_per_s": "fast",
+    "bf16_dense_flops": 1e15, "scale_up_bandwidth_bytes_per_s": 1e11, "host_link_bandwidth_bytes_per_s": 6e10,
+    "inter_node_bandwidth_bytes_per_s": 5e10, "gpus_per_node": 8, "host_memory_bytes_per_node": 1000,
+    "host_memory_bandwidth_bytes_per_s": 1e11, "cpu_cores_per_node": 64, "runtime_overhead_bytes": 0,
+    "fragmentation_fraction": 1.5, "allocation_alignment_bytes": 500, "overhead_calibrated": false,
+    "gpus_per_nod": 8 })");
+  try {
+    parse_hardware_card(card, "x.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::vector<std::string> expected = {
+        "x.json: /aliases/1: must be a string (got 3)",
+        "x.json: /device_memory_bytes: must be a positive integer (got 0)",
+        "x.json: /hbm_bandwidth_bytes_per_s: must be a positive number (got \"fast\")",
+        "x.json: /fragmentation_fraction: must be a number in [0, 1) (got 1.5)",
+        "x.json: /gpus_per_nod: unknown key (did you mean \"gpus_per_node\"?)",
+        "x.json: /allocation_alignment_bytes: must be a power of two (got 500)",
+    };
+    EXPECT_EQ(messages_of(e), expected);
+  }
+}
+
+TEST(HardwareCards, NotAnObject) {
+  EXPECT_THROW(parse_hardware_card(nlohmann::json::array(), "x.json"), InputError);
+  EXPECT_THROW(parse_hardware_card(nlohmann::json(3), "x.json"), InputError);
+}
+
+}  // namespace
+}  // namespace flatpeak

@@ -1,0 +1,59 @@
+// Token counts and byte sizes as DESIGN.md defines them: K/M/G tokens are powers of 1024;
+// KB..TB are decimal and KiB..TiB binary; anything else is rejected.
+#include "spec/sizes.h"
+
+#include <gtest/gtest.h>
+
+namespace flatpeak {
+namespace {
+
+TEST(ParseTokens, PowersOf1024) {
+  EXPECT_EQ(parse_tokens("1M"), 1048576);
+  EXPECT_EQ(parse_tokens("32K"), 32768);
+  EXPECT_EQ(parse_tokens("32k"), 32768);
+  EXPECT_EQ(parse_tokens("2G"), int64_t{2147483648});
+  EXPECT_EQ(parse_tokens("1000"), 1000);
+  EXPECT_EQ(parse_tokens("1048576"), 1048576);
+}
+
+TEST(ParseTokens, RejectsEverythingElse) {
+  for (const char* bad : {"", "0", "-1", "1.5M", "1MB", "1m", "M", "1 M", "abc", "1KiB", "99999999999999999999",
+                          "9223372036854775807G"}) {
+    EXPECT_FALSE(parse_tokens(bad).has_value()) << bad;
+  }
+}
+
+TEST(ParseBytes, DecimalAndBinaryUnits) {
+  EXPECT_EQ(parse_bytes("80GiB"), int64_t{85899345920});
+  EXPECT_EQ(parse_bytes("141GB"), int64_t{141000000000});
+  EXPECT_EQ(parse_bytes("2TB"), int64_t{2000000000000});
+  EXPECT_EQ(parse_bytes("1.5TiB"), int64_t{1649267441664});
+  EXPECT_EQ(parse_bytes("512"), 512);
+  EXPECT_EQ(parse_bytes("512B"), 512);
+  EXPECT_EQ(parse_bytes("3GiB"), int64_t{3} << 30);
+  EXPECT_EQ(parse_bytes("0"), 0);
+}
+
+TEST(ParseBytes, RejectsEverythingElse) {
+  for (const char* bad : {"", "80G", "80gb", "80 GiB", "-1GB", "1.5", "1.5B", "GiB", "80GiBs", "1e9",
+                          "9223372036854775807KB", "99999999999TiB"}) {
+    EXPECT_FALSE(parse_bytes(bad).has_value()) << bad;
+  }
+}
+
+TEST(FormatBytes, BinaryUnitsForPeople) {
+  EXPECT_EQ(format_bytes(85899345920), "80.00 GiB");
+  EXPECT_EQ(format_bytes(512), "512 B");
+  EXPECT_EQ(format_bytes(int64_t{3} << 20), "3.0 MiB");
+  EXPECT_EQ(format_bytes(int64_t{2} << 40), "2.00 TiB");
+}
+
+TEST(FormatTokens, ShortestExactSpelling) {
+  EXPECT_EQ(format_tokens(1048576), "1M");
+  EXPECT_EQ(format_tokens(32768), "32K");
+  EXPECT_EQ(format_tokens(1000), "1000");
+  EXPECT_EQ(format_tokens(int64_t{1} << 30), "1G");
+}
+
+}  // namespace
+}  // namespace flatpeak
