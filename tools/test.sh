@@ -20,7 +20,7 @@ ASAN_OPTIONS=detect_leaks=1 ctest --preset asan -j "$jobs"
 if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null 2>&1; then
   echo "== cuda preset: compile for sm_90; GPU tests report skipped without a device"
   cmake --preset cuda >/dev/null
-  cmake --build --preset cuda -j "$jobs"
+  cmake --build --preset cuda -j "$jobs" --target flatpeak_cuda_tests
   ctest --preset cuda -j "$jobs" -L cuda
 else
   echo "== cuda preset: nvcc not found, CUDA build not exercised"

@@ -1,0 +1,61 @@
+// Malformed JSON names the line and column; did-you-mean suggests only near misses.
+#include "spec/json_util.h"
+
+#include <gtest/gtest.h>
+
+#include "spec/errors.h"
+
+namespace flatpeak {
+namespace {
+
+Diagnostic parse_failure(const std::string& text) {
+  try {
+    parse_json_text(text, "card.json");
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.diagnostics().size(), 1u);
+    return e.diagnostics().at(0);
+  }
+  ADD_FAILURE() << "expected a parse error for: " << text;
+  return {};
+}
+
+TEST(ParseJsonText, LineAndColumnOfTheError) {
+  const Diagnostic missing_comma = parse_failure("{\n  \"a\": 1\n  \"b\": 2\n}\n");
+  EXPECT_EQ(missing_comma.file, "card.json");
+  EXPECT_EQ(missing_comma.pointer, "3:5");  // where the parser stopped: the end of "b"
+  EXPECT_EQ(missing_comma.message.rfind("malformed JSON: syntax error", 0), 0u) << missing_comma.message;
+
+  const Diagnostic truncated = parse_failure("{\"a\": [1, 2");
+  EXPECT_EQ(truncated.pointer, "1:12");
+  EXPECT_EQ(parse_failure("").pointer, "1:1");
+}
+
+TEST(ParseJsonText, ValidDocument) {
+  EXPECT_EQ(parse_json_text("{\"a\": [1, 2]}", "x.json")["a"][1], 2);
+}
+
+TEST(ReadTextFile, MissingFileNamesIt) {
+  try {
+    read_text_file("/nonexistent/flatpeak.json");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.diagnostics()[0].to_string(), "/nonexistent/flatpeak.json: cannot open file for reading");
+  }
+}
+
+TEST(ChildPointer, EscapesPerRfc6901) {
+  EXPECT_EQ(child_pointer("", "a"), "/a");
+  EXPECT_EQ(child_pointer("/x", "a/b~c"), "/x/a~1b~0c");
+}
+
+TEST(DidYouMean, NearMissesOnly) {
+  const std::vector<std::string> keys = {"num_experts_per_tok", "n_routed_experts", "hidden_size"};
+  EXPECT_EQ(did_you_mean("num_expert_per_tok", keys), "num_experts_per_tok");
+  EXPECT_EQ(did_you_mean("hiden_size", keys), "hidden_size");
+  EXPECT_EQ(did_you_mean("vocab_size", keys), "");
+  EXPECT_EQ(did_you_mean("H100", {"A100-80GB", "H100-80GB", "H200"}), "H200");  // one edit beats containment
+  EXPECT_EQ(did_you_mean("gpt-oss", {"gpt-oss-120b", "DeepSeek-V3"}), "gpt-oss-120b");
+}
+
+}  // namespace
+}  // namespace flatpeak
