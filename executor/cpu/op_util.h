@@ -1,0 +1,30 @@
+// Argument checks and dtype dispatch shared by the CPU ops (internal to executor/cpu).
+//   require(args.hidden > 0, "rmsnorm", "hidden must be > 0");
+//   dispatch_compute(args.dtype, "rmsnorm", [&](auto tag) { using T = decltype(tag); run<T>(); });
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec {
+
+inline void require(bool ok, const char* op, const std::string& what) {
+  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
+}
+
+// Calls f(T{}) with T = float for F32 and Bf16 for BF16; other dtypes are an argument error.
+template <class F>
+void dispatch_compute(DType dtype, const char* op, F&& f) {
+  if (dtype == DType::F32) {
+    f(float{});
+  } else if (dtype == DType::BF16) {
+    f(Bf16{});
+  } else {
+    require(false, op, std::string("compute dtype must be f32 or bf16 (got ") + dtype_name(dtype) +
+                           ")");
+  }
+}
+
+}  // namespace flatpeak::exec
