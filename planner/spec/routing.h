@@ -16,8 +16,8 @@ namespace flatpeak {
 using CountMatrix = std::vector<std::vector<int64_t>>;
 
 // The expert-parallel layout one MoE layer is routed over. Experts are split E/EP per rank:
-// expert e lives on rank e / (E/EP). Requires EP ≥ 1, E % EP == 0, 1 ≤ k ≤ E (checked by
-// validate_routing_model; the other functions assume a valid shape).
+// expert e lives on rank e / (E/EP). Requires EP ≥ 1, E % EP == 0, 1 ≤ k ≤ E: the functions
+// below throw std::invalid_argument otherwise (the caller validates --ep against the model).
 struct RoutingShape {
   int64_t ep_ranks = 1;     // EP
   int64_t num_experts = 1;  // E
@@ -90,7 +90,7 @@ std::string to_string(const RoutingModel& model);
 RoutingFile load_routing_file(const std::string& path);
 RoutingFile parse_routing_file(const std::string& json_text, const std::string& path);
 
-// Checks the model against a shape: EP, E, k themselves; rho=X ≤ ρ_max; hot-expert h ≤ E; a
+// Checks the model against a valid shape: rho=X ≤ ρ_max; hot-expert h ≤ E; a
 // file's ep_ranks and num_experts equal to the shape's and its layer count 1 or num_moe_layers
 // (num_moe_layers = 0 skips that check). Throws InputError naming --imbalance.
 void validate_routing_model(const RoutingModel& model, const RoutingShape& shape,
