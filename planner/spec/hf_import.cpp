@@ -11,6 +11,7 @@
 #include "hf_import.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -130,7 +131,22 @@ class Fields {
       : object_(object), base_(std::move(base)), out_(out) {}
 
   std::string pointer(const std::string& key) const { return child_pointer(base_, key); }
-  void error(const std::string& key, std::string message) { out_.add(pointer(key), std::move(message)); }
+  void error(const std::string& key, std::string message) {
+    bad_.insert(key);
+    out_.add(pointer(key), std::move(message));
+  }
+
+  // A problem with entry `index` of the array under `key`.
+  void error_item(const std::string& key, size_t index, std::string message) {
+    bad_.insert(key);
+    out_.add(pointer(key) + "/" + std::to_string(index), std::move(message));
+  }
+
+  // False when reading `key` reported a problem: checks that combine several keys (top-k <= E)
+  // are skipped then, so that one bad value gives one diagnostic.
+  bool ok(std::initializer_list<const char*> keys) const {
+    return std::none_of(keys.begin(), keys.end(), [this](const char* k) { return bad_.count(k) > 0; });
+  }
 
   // nullptr when the key is absent; JSON null is returned as a value (callers decide).
   const json* find(const std::string& key) {
@@ -149,17 +165,22 @@ class Fields {
   int64_t required_int(const std::string& key, int64_t min, int64_t max) {
     const json* v = find(key);
     if (v == nullptr) {
+      bad_.insert(key);
       out_.add_missing(pointer(key), key, &object_);
       return min;
     }
-    return checked_int(key, *v, min, max).value_or(min);
+    const auto x = checked_int(key, *v, min, max);
+    if (!x) bad_.insert(key);
+    return x.value_or(min);
   }
 
   // Absent or null gives `fallback` (unchecked); anything else must be an integer in [min, max].
   int64_t optional_int(const std::string& key, int64_t fallback, int64_t min, int64_t max) {
     const json* v = find(key);
     if (v == nullptr || v->is_null()) return fallback;
-    return checked_int(key, *v, min, max).value_or(fallback);
+    const auto x = checked_int(key, *v, min, max);
+    if (!x) bad_.insert(key);
+    return x.value_or(fallback);
   }
 
   bool optional_bool(const std::string& key, bool fallback) {
@@ -208,10 +229,17 @@ class Fields {
       return std::nullopt;
     }
     std::vector<int64_t> values;
+    bool all_good = true;
     for (size_t i = 0; i < v->size(); ++i) {
       if (auto x = checked_int_at(pointer(key) + "/" + std::to_string(i), (*v)[i], min, max)) {
         values.push_back(*x);
+      } else {
+        all_good = false;
       }
+    }
+    if (!all_good) {
+      bad_.insert(key);
+      return std::nullopt;
     }
     return values;
   }
@@ -258,6 +286,7 @@ class Fields {
   const json& object_;
   std::string base_;
   Collector& out_;
+  std::set<std::string> bad_;
 };
 
 // The dims every family has, read under their usual HF names.
@@ -281,7 +310,7 @@ CommonDims read_common(Fields& f, bool read_kv_heads) {
   d.tied = f.optional_bool("tie_word_embeddings", false);
   if (read_kv_heads) {
     d.kv_heads = f.optional_int("num_key_value_heads", d.heads, 1, kMaxDim);
-    if (d.heads % d.kv_heads != 0) {
+    if (f.ok({"num_attention_heads", "num_key_value_heads"}) && d.heads % d.kv_heads != 0) {
       f.error("num_key_value_heads",
               fmt::format("must divide num_attention_heads (got {}, num_attention_heads = {})",
                           d.kv_heads, d.heads));
@@ -303,6 +332,7 @@ void apply_common(ModelSpec& m, const CommonDims& d) {
 // head_dim when the config gives it, else hidden/heads (which must then divide evenly).
 int64_t read_head_dim(Fields& f, const CommonDims& d) {
   if (f.has("head_dim")) return f.required_int("head_dim", 1, kMaxDim);
+  if (!f.ok({"hidden_size", "num_attention_heads"})) return 1;
   if (d.hidden % d.heads != 0) {
     f.error("hidden_size", fmt::format("must be a multiple of num_attention_heads when head_dim is not "
                                        "given (got {}, num_attention_heads = {})",
@@ -310,6 +340,11 @@ int64_t read_head_dim(Fields& f, const CommonDims& d) {
     return 1;
   }
   return d.hidden / d.heads;
+}
+
+// The largest valid layer index, for lists of layer indices (any index when the count is bad).
+int64_t last_layer_index(Fields& f, const CommonDims& d) {
+  return f.ok({"num_hidden_layers"}) ? d.layers - 1 : kMaxLayers - 1;
 }
 
 // Routed experts and top-k under the family's key names; top-k must be in 1..E.
@@ -320,7 +355,7 @@ void read_experts(Fields& f, ModelSpec& m, const std::string& experts_key, const
   if (!top_k_alt_key.empty() && !f.has(top_k_key) && f.has(top_k_alt_key)) used_key = top_k_alt_key;
   const json* raw = f.find(used_key);
   m.top_k = f.required_int(used_key, 1, kMaxExperts);
-  if (raw != nullptr && raw->is_number_integer() && m.top_k > m.num_experts && m.num_experts >= 1) {
+  if (raw != nullptr && f.ok({experts_key.c_str(), used_key.c_str()}) && m.top_k > m.num_experts) {
     f.error(used_key, fmt::format("must be in 1..{} (got {}, {} = {})", experts_key, m.top_k, experts_key,
                                   m.num_experts));
   }
@@ -361,7 +396,7 @@ void import_deepseek(Fields& f, ModelSpec& m, const std::string& family) {
   m.shared_expert_ffn_width = m.num_shared_experts * m.expert_ffn_width;
   const int64_t first_dense = f.optional_int("first_k_dense_replace", 0, 0, kMaxLayers);
   const int64_t moe_freq = f.optional_int("moe_layer_freq", 1, 1, kMaxLayers);
-  if (first_dense > d.layers) {
+  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
     f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
                                                  first_dense, d.layers));
   }
@@ -391,7 +426,7 @@ void import_qwen3_moe(Fields& f, ModelSpec& m) {
   read_experts(f, m, "num_experts", "num_experts_per_tok");
   m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
   const int64_t sparse_step = f.optional_int("decoder_sparse_step", 1, 1, kMaxLayers);
-  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, std::max<int64_t>(0, d.layers - 1));
+  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, last_layer_index(f, d));
   const bool use_sliding = f.optional_bool("use_sliding_window", false);
   int64_t window = 0;
   int64_t max_window_layers = d.layers;
@@ -403,7 +438,9 @@ void import_qwen3_moe(Fields& f, ModelSpec& m) {
   std::vector<bool> is_moe(static_cast<size_t>(d.layers));
   for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = (i + 1) % sparse_step == 0;
   if (mlp_only) {
-    for (int64_t i : *mlp_only) is_moe[static_cast<size_t>(i)] = false;
+    for (int64_t i : *mlp_only) {
+      if (i < d.layers) is_moe[static_cast<size_t>(i)] = false;
+    }
   }
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
@@ -439,6 +476,8 @@ void import_gpt_oss(Fields& f, ModelSpec& m) {
     if (!types->is_array()) {
       f.error("layer_types", fmt::format("must be an array of \"sliding_attention\" or \"full_attention\" (got {})",
                                          describe_json_value(*types)));
+    } else if (!f.ok({"num_hidden_layers"})) {
+      // the length check needs a valid layer count
     } else if (static_cast<int64_t>(types->size()) != d.layers) {
       f.error("layer_types", fmt::format("must have one entry per layer (got {} entries, num_hidden_layers = {})",
                                          types->size(), d.layers));
@@ -450,7 +489,7 @@ void import_gpt_oss(Fields& f, ModelSpec& m) {
         } else if (t == "full_attention") {
           sliding[i] = false;
         } else {
-          f.error("layer_types/" + std::to_string(i),
+          f.error_item("layer_types", i,
                   fmt::format("must be \"sliding_attention\" or \"full_attention\" (got {})", describe_json_value(t)));
         }
       }
@@ -500,7 +539,7 @@ void import_glm4_moe(Fields& f, ModelSpec& m) {
   m.router_correction_bias = true;
   m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
   const int64_t first_dense = f.optional_int("first_k_dense_replace", 1, 0, kMaxLayers);
-  if (first_dense > d.layers) {
+  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
     f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
                                                  first_dense, d.layers));
   }
@@ -544,14 +583,16 @@ void import_llama4(Fields& f, ModelSpec& m, bool tied_outer) {
   m.num_shared_experts = 1;
   m.shared_expert_ffn_width = m.expert_ffn_width;
   const int64_t step = f.optional_int("interleave_moe_layer_step", 1, 1, kMaxLayers);
-  const auto moe_list = f.optional_int_list("moe_layers", 0, std::max<int64_t>(0, d.layers - 1));
+  const auto moe_list = f.optional_int_list("moe_layers", 0, last_layer_index(f, d));
   const int64_t chunk = f.optional_int("attention_chunk_size", 0, 1, int64_t{1} << 40);
   const int64_t nope_interval = f.optional_int("no_rope_layer_interval", 4, 1, kMaxLayers);
   const auto rope_flags = f.optional_int_list("no_rope_layers", 0, 1);
 
   std::vector<bool> is_moe(static_cast<size_t>(d.layers), false);
   if (moe_list) {
-    for (int64_t i : *moe_list) is_moe[static_cast<size_t>(i)] = true;
+    for (int64_t i : *moe_list) {
+      if (i < d.layers) is_moe[static_cast<size_t>(i)] = true;
+    }
   } else {
     for (int64_t i = step - 1; i < d.layers; i += step) is_moe[static_cast<size_t>(i)] = true;
   }
@@ -562,7 +603,9 @@ void import_llama4(Fields& f, ModelSpec& m, bool tied_outer) {
   std::vector<bool> rope(static_cast<size_t>(d.layers));
   for (int64_t i = 0; i < d.layers; ++i) rope[static_cast<size_t>(i)] = (i + 1) % nope_interval != 0;
   if (rope_flags && !rope_flags->empty()) {
-    if (static_cast<int64_t>(rope_flags->size()) < d.layers) {
+    if (!f.ok({"num_hidden_layers"})) {
+      // the length check needs a valid layer count
+    } else if (static_cast<int64_t>(rope_flags->size()) < d.layers) {
       f.error("no_rope_layers", fmt::format("must have at least one entry per layer (got {} entries, "
                                             "num_hidden_layers = {})",
                                             rope_flags->size(), d.layers));
