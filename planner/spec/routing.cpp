@@ -365,7 +365,10 @@ RoutingFile parse_routing_file(const std::string& json_text, const std::string& 
   if (layers == j.end() || !layers->is_array() || layers->empty()) {
     add("/layers", "must be a non-empty array of EP x E matrices");
   }
-  errors.throw_if_any();
+  if (layers == j.end() || !layers->is_array() || layers->empty() || file.ep_ranks == 0 ||
+      file.num_experts == 0) {
+    errors.throw_if_any();
+  }
 
   for (size_t l = 0; l < layers->size(); ++l) {
     const std::string lp = fmt::format("/layers/{}", l);
