@@ -3,7 +3,7 @@
 function(emit_cards var_out list_name files)
   set(body "")
   foreach(path IN LISTS files)
-    get_filename_component(card_name "${path}" NAME_WE)
+    get_filename_component(card_name "${path}" NAME_WLE)  # NAME_WE would cut "GLM-4.5" to "GLM-4"
     file(READ "${path}" text)
     string(APPEND body "    {\"${card_name}\", R\"FLATPEAK_CARD(${text})FLATPEAK_CARD\"},\n")
   endforeach()
