@@ -47,14 +47,18 @@ struct LlaResult {
   bool triggered = false;          // LLA ran; false = λ fall-back to plain EP (no weight moves)
   double native_imbalance = 1.0;   // max/mean per-rank native load: what λ is compared with
   int64_t capacity_rows = 0;       // cap (0 when not triggered)
-  std::vector<std::vector<LlaRange>> assignment;  // [E]: native rank's range first, then
-                                                  // helpers; empty when the expert has no rows
+  std::vector<std::vector<LlaRange>> assignment;  // [E]: the native rank's range first (when it
+                                                  // keeps any), then helpers in plan order; empty
+                                                  // when the expert has no rows. A forced
+                                                  // placement may give a helper a second range.
+                                                  // Ranges tile [0, l_e) in order.
   std::vector<int64_t> rank_rows;  // [EP] R_p: rows each rank computes (its receive total)
   std::vector<LlaWeightTransfer> weight_transfers;  // every helper range, in plan order
   std::vector<int64_t> foreign_experts_per_rank;    // [EP] S_p: distinct experts a rank borrows
   std::vector<int64_t> lent_weights_per_rank;       // [EP] S_sent: distinct (expert, helper)
                                                     // pairs a rank lends
-  int64_t forced_rows = 0;         // rows placed by forced overflow (no rank had room)
+  int64_t forced_rows = 0;         // rows placed by the forced fall-back (no helper accepted
+                                   // them; they may exceed the cap)
   double rho_l = 1.0;              // ρ_L = max rank_rows / mean (1.0 when all zero)
 };
 
@@ -77,6 +81,8 @@ LlaResult least_loaded_assignment(const std::vector<int64_t>& expert_loads, int6
 
 // The load bound §2.7 derives for LLA paths: R_p ≤ cap + δ with
 // δ = max(0, (EP−1)·m + (α+1)·EP − (α−1)·EP·N), N = rows per source rank (T·k); rounded up.
+// A derivation, not a proof for every path: the tests check it on 2000 random skewed load
+// vectors (EP 2..16), where it held. For a plan, use the LLA result's own rank_rows / rho_l.
 int64_t lla_slack_rows(const LlaKnobs& knobs, int64_t ep_ranks, int64_t rows_per_rank);
 
 // How one source's copies split over computing ranks: [E] ranges over the source's own copies
@@ -104,6 +110,8 @@ struct PipelinedRounds {
   int64_t max_round_received_rows = 0;   // max over rounds and destinations
   int64_t received_bound_rows = 0;       // max_d of the bound above (≥ max_round_received_rows)
 };
+// Exact, with no copy materialised; cost O(EP³·n·log EP): meant for the executor and tests. The
+// planner only needs round_receive_bound_rows (O(EP²)).
 PipelinedRounds pipelined_rounds(const CountMatrix& send_rows, int64_t chunk_cap_rows);
 
 // Position (0-based) of source's copy `index` (0 ≤ index < rows_per_destination[destination])

@@ -77,6 +77,10 @@ inline bool operator!=(const RoutingModel& a, const RoutingModel& b) { return !(
 // proportion to their shares (evenly where those are all zero); ExpectedLoads says so.
 // The shares become integer inclusion weights w_s[e] in units of 2^-30 of a token
 // (Σ_e w = k·2^30, each w ≤ 2^30), so the expected copies of e from one source are T·w/2^30.
+// Shares use only IEEE + − × ÷ (exact on every platform) except zipf's std::pow, whose last-bit
+// differences between math libraries could, rarely, move one unit of 2^-30.
+// The hot rank of rho / hot-rank and the hot experts are the same in every layer (a planner's
+// worst layer is then any layer); file=PATH is the way to vary routing per layer or per source.
 
 // Parses --imbalance: "balanced", "rho=X", "hot-expert=f,h", "hot-rank=f", "zipf=s",
 // "file=PATH" (the file is read and checked here). Throws InputError listing every problem, each
