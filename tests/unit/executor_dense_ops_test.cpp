@@ -124,6 +124,9 @@ TEST(ExecutorRmsNorm, MatchesFp64AndFiniteDifferences) {
 struct AttnShape {
   int64_t T, a, g, d, tile;
 };
+void PrintTo(const AttnShape& s, std::ostream* os) {
+  *os << "T=" << s.T << " a=" << s.a << " g=" << s.g << " d=" << s.d << " tile=" << s.tile;
+}
 
 // Naive causal GQA with the full [T, T] score matrix, in fp64.
 Vec attention_ref(const Vec& q, const Vec& k, const Vec& v, const AttnShape& s, Vec* lse = nullptr) {

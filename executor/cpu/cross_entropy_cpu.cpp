@@ -1,0 +1,182 @@
+#include <algorithm>
+#include <cmath>
+
+#include "executor/cpu/gemm_cpu.h"
+#include "executor/cpu/op_util.h"
+#include "executor/ops/cross_entropy.h"
+
+namespace flatpeak::exec {
+namespace {
+
+void check(const CrossEntropyArgs& a) {
+  require(a.tokens >= 0 && a.vocab > 0 && a.hidden > 0, "cross_entropy",
+          "need tokens >= 0 and vocab, hidden > 0");
+  require(a.token_block_rows > 0 && a.vocab_block_rows > 0, "cross_entropy",
+          "block sizes must be > 0");
+  require(a.x && a.w && a.targets && a.lse && a.loss && a.workspace, "cross_entropy",
+          "needs x, w, targets, lse, loss and a workspace");
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    require(a.targets[t] < a.vocab, "cross_entropy", "targets must be < vocab");
+  }
+}
+
+// Workspace layout (fp32): logits block [T_blk, V_blk], dX accumulator [T_blk, H],
+// running max, running sum, target logit [T_blk] each.
+struct Workspace {
+  float* logits;
+  float* dx_acc;
+  float* row_max;
+  float* row_sum;
+  float* target_logit;
+};
+
+Workspace carve(const CrossEntropyArgs& a) {
+  const int64_t tb = a.token_block_rows;
+  float* p = a.workspace;
+  Workspace ws{};
+  ws.logits = p;
+  p += tb * a.vocab_block_rows;
+  ws.dx_acc = p;
+  p += tb * a.hidden;
+  ws.row_max = p;
+  ws.row_sum = p + tb;
+  ws.target_logit = p + 2 * tb;
+  return ws;
+}
+
+// logits[r, c] = x[t0 + r] · w[v0 + c], fp32.
+template <class T>
+void logits_block(const CrossEntropyArgs& a, int64_t t0, int64_t tb, int64_t v0, int64_t vb,
+                  float* logits) {
+  gemm_cpu(false, true, tb, vb, a.hidden, 1.0f, static_cast<const T*>(a.x) + t0 * a.hidden,
+           a.hidden, static_cast<const T*>(a.w) + v0 * a.hidden, a.hidden, false, logits, vb);
+}
+
+template <class T>
+void forward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, int64_t tb) {
+  std::fill(ws.row_max, ws.row_max + tb, -INFINITY);
+  std::fill(ws.row_sum, ws.row_sum + tb, 0.0f);
+  std::fill(ws.target_logit, ws.target_logit + tb, 0.0f);
+  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
+    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
+    logits_block<T>(a, t0, tb, v0, vb, ws.logits);
+    for (int64_t r = 0; r < tb; ++r) {
+      const float* z = ws.logits + r * vb;
+      float block_max = -INFINITY;
+      for (int64_t c = 0; c < vb; ++c) block_max = std::max(block_max, z[c]);
+      float block_sum = 0.0f;
+      for (int64_t c = 0; c < vb; ++c) block_sum += std::exp(z[c] - block_max);
+      lse_fold(ws.row_max[r], ws.row_sum[r], block_max, block_sum);
+      const int64_t y = a.targets[t0 + r];
+      if (y >= v0 && y < v0 + vb) ws.target_logit[r] = z[y - v0];
+    }
+  }
+  for (int64_t r = 0; r < tb; ++r) {
+    const float lse = ws.row_max[r] + std::log(ws.row_sum[r]);
+    a.lse[t0 + r] = lse;
+    a.loss[t0 + r] = a.targets[t0 + r] >= 0 ? lse - ws.target_logit[r] : 0.0f;
+  }
+}
+
+template <class T>
+void backward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, int64_t tb) {
+  std::fill(ws.dx_acc, ws.dx_acc + tb * a.hidden, 0.0f);
+  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
+    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
+    logits_block<T>(a, t0, tb, v0, vb, ws.logits);
+    for (int64_t r = 0; r < tb; ++r) {
+      float* z = ws.logits + r * vb;  // becomes dz in place
+      const int64_t y = a.targets[t0 + r];
+      const float lse = a.lse[t0 + r];
+      for (int64_t c = 0; c < vb; ++c) {
+        z[c] = y < 0 ? 0.0f : cross_entropy_dlogit(z[c], lse, v0 + c == y, a.grad_scale);
+      }
+    }
+    const float* dz = ws.logits;
+    gemm_cpu(false, false, tb, a.hidden, vb, 1.0f, dz, vb,
+             static_cast<const T*>(a.w) + v0 * a.hidden, a.hidden, true, ws.dx_acc, a.hidden);
+    gemm_cpu(true, false, vb, a.hidden, tb, 1.0f, dz, vb,
+             static_cast<const T*>(a.x) + t0 * a.hidden, a.hidden, true, a.d_w + v0 * a.hidden,
+             a.hidden);
+  }
+  T* dx = static_cast<T*>(a.d_x) + t0 * a.hidden;
+  for (int64_t i = 0; i < tb * a.hidden; ++i) store_f32(&dx[i], ws.dx_acc[i]);
+}
+
+enum class Pass { Forward, Backward, Fused };
+
+void run(const CrossEntropyArgs& a, Pass pass) {
+  check(a);
+  if (pass != Pass::Forward) {
+    require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
+  }
+  const Workspace ws = carve(a);
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
+      const int64_t tb = std::min(a.token_block_rows, a.tokens - t0);
+      if (pass != Pass::Backward) forward_block<T>(a, ws, t0, tb);
+      if (pass != Pass::Forward) backward_block<T>(a, ws, t0, tb);
+    }
+  });
+}
+
+}  // namespace
+
+int64_t blocked_cross_entropy_workspace_bytes(const CrossEntropyArgs& a) {
+  const int64_t tb = a.token_block_rows;
+  return (tb * a.vocab_block_rows + tb * a.hidden + 3 * tb) * 4;
+}
+
+void blocked_cross_entropy_forward_cpu(const CrossEntropyArgs& a) { run(a, Pass::Forward); }
+void blocked_cross_entropy_backward_cpu(const CrossEntropyArgs& a) { run(a, Pass::Backward); }
+void blocked_cross_entropy_fused_cpu(const CrossEntropyArgs& a) { run(a, Pass::Fused); }
+
+void materialized_cross_entropy_forward_cpu(const MaterializedCrossEntropyArgs& a) {
+  require(a.tokens >= 0 && a.vocab > 0 && a.hidden > 0, "cross_entropy",
+          "need tokens >= 0 and vocab, hidden > 0");
+  require(a.x && a.w && a.targets && a.logits && a.log_probs && a.lse && a.loss, "cross_entropy",
+          "materialised forward needs x, w, targets, logits, log_probs, lse and loss");
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    T* logits = static_cast<T*>(a.logits);
+    gemm_cpu(false, true, a.tokens, a.vocab, a.hidden, 1.0f, static_cast<const T*>(a.x), a.hidden,
+             static_cast<const T*>(a.w), a.hidden, false, logits, a.vocab);
+    for (int64_t t = 0; t < a.tokens; ++t) {
+      const T* z = logits + t * a.vocab;
+      float* lp = a.log_probs + t * a.vocab;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < a.vocab; ++j) mx = std::max(mx, to_f32(z[j]));
+      float sum = 0.0f;
+      for (int64_t j = 0; j < a.vocab; ++j) sum += std::exp(to_f32(z[j]) - mx);
+      const float lse = mx + std::log(sum);
+      for (int64_t j = 0; j < a.vocab; ++j) lp[j] = to_f32(z[j]) - lse;
+      a.lse[t] = lse;
+      const int64_t y = a.targets[t];
+      require(y < a.vocab, "cross_entropy", "targets must be < vocab");
+      a.loss[t] = y >= 0 ? -lp[y] : 0.0f;
+    }
+  });
+}
+
+void materialized_cross_entropy_backward_cpu(const MaterializedCrossEntropyArgs& a) {
+  require(a.log_probs && a.d_logits && a.d_x && a.d_w && a.x && a.w && a.targets,
+          "cross_entropy", "materialised backward needs log_probs, d_logits, d_x, d_w, x, w");
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t t = 0; t < a.tokens; ++t) {
+      const int64_t y = a.targets[t];
+      for (int64_t j = 0; j < a.vocab; ++j) {
+        const float p = std::exp(a.log_probs[t * a.vocab + j]);
+        a.d_logits[t * a.vocab + j] = y < 0 ? 0.0f : a.grad_scale * (p - (j == y ? 1.0f : 0.0f));
+      }
+    }
+    const float* dz = a.d_logits;
+    gemm_cpu(false, false, a.tokens, a.hidden, a.vocab, 1.0f, dz, a.vocab,
+             static_cast<const T*>(a.w), a.hidden, false, static_cast<T*>(a.d_x), a.hidden);
+    gemm_cpu(true, false, a.vocab, a.hidden, a.tokens, 1.0f, dz, a.vocab,
+             static_cast<const T*>(a.x), a.hidden, true, a.d_w, a.hidden);
+  });
+}
+
+}  // namespace flatpeak::exec
