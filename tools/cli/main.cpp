@@ -26,6 +26,7 @@ std::vector<Command> command_table() {
   return {
       make_models_command(),
       make_inspect_command(),
+      make_plan_command(),
   };
 }
 

@@ -1,0 +1,82 @@
+// The per-phase memory terms of one GPU, by component. Each function adds the terms of one part
+// of the step; timeline.cpp composes them into phases (persistent state + that phase's live set).
+//   Context ctx{model, run, workload};
+//   TermList t(ctx.run.alignment_bytes);  add_attention_saved(ctx, 12, t);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "run_spec.h"
+#include "terms.h"
+#include "workload.h"
+
+namespace flatpeak::planner {
+
+struct Context {
+  const ModelSpec& model;
+  const ResolvedRun& run;
+  const Workload& work;
+  TermList list() const { return TermList(run.alignment_bytes); }
+  bool is_mtp(int64_t layer) const { return layer >= model.num_layers; }
+  // Layer spec of a decoder layer; MTP modules use full attention and the model's FFN kind.
+  LayerSpec layer_spec(int64_t layer) const;
+};
+
+// A phase's own transient terms, with the phase-name suffix they belong to.
+struct PhaseTerms {
+  std::string suffix;  // "moe/dispatch", "moe/dispatch/r0", "fwd/blk0"
+  std::string folds;   // phases this one stands for ("r0-r15"); empty when none
+  TermList terms;
+};
+
+// ---- layer working set (memory_terms_layer.cpp): attention, norms, dense FFN, residual grads.
+// No-grad forward of attention (checkpointed forward): the transients at the flash kernel.
+void add_attention_forward(const Context& c, int64_t layer, TermList& t);
+// What the recomputed attention keeps for its backward (norm-1 output, Q/K/V/O, lse, residual).
+void add_attention_saved(const Context& c, int64_t layer, TermList& t, bool with_residual);
+// Attention backward: the saved set plus the gradients and the flash fp32 accumulators.
+void add_attention_backward(const Context& c, int64_t layer, TermList& t);
+// Ring attention (CP > 1): received KV chunks (and travelling dK/dV in backward); sliding-window
+// layers need only a halo of window tokens from the previous rank.
+void add_ring_attention(const Context& c, int64_t layer, bool backward, TermList& t);
+// FFN part shared by dense layers and shared experts: no-grad forward, saved, backward.
+void add_ffn_forward(const Context& c, const char* prefix, int64_t width, TermList& t);
+void add_ffn_saved(const Context& c, const char* prefix, int64_t width, TermList& t);
+void add_ffn_backward_grads(const Context& c, const char* prefix, int64_t width, TermList& t);
+// The residual stream around the FFN block: h1 = x + attn(x), and the norm-2 output.
+void add_ffn_block_inputs(const Context& c, TermList& t);
+// Gradients flowing through a layer's backward: dy [T, H] and the fp32 residual accumulator.
+void add_layer_grad_stream(const Context& c, TermList& t);
+
+// ---- MoE dispatch (memory_terms_dispatch.cpp), worst rank, one MoE layer.
+std::vector<PhaseTerms> moe_forward_phases(const Context& c, int64_t layer);    // no-grad forward
+std::vector<PhaseTerms> moe_recompute_phases(const Context& c, int64_t layer);  // backward's recompute
+std::vector<PhaseTerms> moe_backward_phases(const Context& c, int64_t layer);
+
+// ---- vocabulary projection and loss (memory_terms_vocab.cpp).
+// Phases of one loss (main or an MTP head): forward, then backward (empty for in-forward).
+std::vector<PhaseTerms> loss_forward_phases(const Context& c);
+std::vector<PhaseTerms> loss_backward_phases(const Context& c);
+// What one loss keeps between its forward and its backward (for the MTP losses that precede it).
+void add_loss_saved(const Context& c, const std::string& prefix, TermList& t);
+
+// ---- model state, FSDP, boundaries, host (memory_terms_state.cpp).
+// Parameter, gradient and optimizer shards; grad_shard_params of the gradients live now.
+void add_model_state(const Context& c, int64_t grad_shard_params, TermList& t);
+// FSDP: units gathered (bf16), one prefetched, an unsharded grad being produced (bf16), and a
+// reduce-scatter input in flight (fp32). -1 = none.
+struct FsdpLive {
+  int64_t gathered = -1, prefetch = -1, grad = -1, reduce_scatter = -1;
+};
+void add_fsdp(const Context& c, const FsdpLive& live, TermList& t);
+// Checkpoint boundaries resident on the device: `resident` layer inputs, `in_flight` offloaded
+// boundaries being copied or prefetched, and the final hidden state when `final_hidden`.
+void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool final_hidden, TermList& t);
+// Host memory of one GPU's process: pinned optimizer state and staging, offloaded boundaries.
+TermList host_terms_per_gpu(const Context& c);
+// Optimizer-step phases: (suffix, device transient terms).
+std::vector<PhaseTerms> optimizer_phases(const Context& c);
+
+}  // namespace flatpeak::planner

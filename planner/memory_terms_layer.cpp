@@ -1,0 +1,138 @@
+// The layer working set: attention (flash-style, no S² tensor; GQA/MHA; MLA with per-head K and
+// V as training materialises them), ring-attention buffers for CP > 1, norms, dense FFN and
+// shared experts, and the gradient stream. Shapes in DESIGN.md's symbols; bf16 unless stated.
+#include <algorithm>
+
+#include "memory_model.h"
+
+namespace flatpeak::planner {
+
+namespace {
+constexpr Category kAct = Category::Activations;
+}
+
+LayerSpec Context::layer_spec(int64_t layer) const {
+  if (layer < model.num_layers) return model.layers[static_cast<size_t>(layer)];
+  LayerSpec s;
+  s.ffn = model.num_experts > 0 ? FfnKind::Moe : FfnKind::Dense;
+  return s;
+}
+
+namespace {
+
+// Q, K, V, O and the MLA latents: the tensors flash attention reads and backward needs.
+void add_qkvo(const Context& c, TermList& t, const char* prefix) {
+  const ModelSpec& m = c.model;
+  const int64_t T = c.work.tokens;
+  const std::string p = prefix;
+  if (m.attention == AttentionKind::Mla) {
+    if (m.q_lora_rank > 0) t.add(p + "q latent", {{"T", T}, {"q_lora", m.q_lora_rank}}, kBf16, kAct);
+    t.add(p + "kv latent", {{"T", T}, {"kv_lora+rope", m.kv_lora_rank + m.qk_rope_head_dim}}, kBf16, kAct);
+  }
+  t.add(p + "q", {{"T", T}, {"a*d", m.num_heads * m.head_dim}}, kBf16, kAct);
+  t.add(p + "k", {{"T", T}, {"g*d", m.num_kv_heads * m.head_dim}}, kBf16, kAct);
+  t.add(p + "v", {{"T", T}, {"g*dv", m.num_kv_heads * m.v_head_dim}}, kBf16, kAct);
+  t.add(p + "o (flash output)", {{"T", T}, {"a*dv", m.num_heads * m.v_head_dim}}, kBf16, kAct);
+  t.add(p + "lse", {{"a", m.num_heads}, {"T", T}}, kFp32, kAct);
+}
+
+}  // namespace
+
+void add_attention_forward(const Context& c, int64_t layer, TermList& t) {
+  const int64_t T = c.work.tokens;
+  const int64_t H = c.model.hidden_size;
+  t.add("norm-1 output", {{"T", T}, {"H", H}}, kBf16, kAct);
+  add_qkvo(c, t, "");
+  add_ring_attention(c, layer, false, t);
+}
+
+void add_attention_saved(const Context& c, int64_t layer, TermList& t, bool with_residual) {
+  (void)layer;
+  const int64_t T = c.work.tokens;
+  const int64_t H = c.model.hidden_size;
+  t.add("norm-1 output (saved)", {{"T", T}, {"H", H}}, kBf16, kAct);
+  t.add("norm rstd (saved)", {{"T", T}}, kFp32, kAct, 2);
+  add_qkvo(c, t, "saved ");
+  if (with_residual) t.add("attention residual h1 (saved)", {{"T", T}, {"H", H}}, kBf16, kAct);
+}
+
+void add_attention_backward(const Context& c, int64_t layer, TermList& t) {
+  const ModelSpec& m = c.model;
+  const int64_t T = c.work.tokens;
+  const int64_t H = m.hidden_size;
+  add_attention_saved(c, layer, t, false);
+  add_layer_grad_stream(c, t);
+  t.add("d o", {{"T", T}, {"a*dv", m.num_heads * m.v_head_dim}}, kBf16, kAct);
+  t.add("dq", {{"T", T}, {"a*d", m.num_heads * m.head_dim}}, kBf16, kAct);
+  t.add("dk", {{"T", T}, {"g*d", m.num_kv_heads * m.head_dim}}, kBf16, kAct);
+  t.add("dv", {{"T", T}, {"g*dv", m.num_kv_heads * m.v_head_dim}}, kBf16, kAct);
+  t.add("flash dq accumulator", {{"T", T}, {"a*d", m.num_heads * m.head_dim}}, kFp32, kAct);
+  t.add("flash delta (rowsum dO*O)", {{"a", m.num_heads}, {"T", T}}, kFp32, kAct);
+  if (m.attention == AttentionKind::Mla)
+    t.add("d kv latent", {{"T", T}, {"kv_lora+rope", m.kv_lora_rank + m.qk_rope_head_dim}}, kBf16, kAct);
+  t.add("d norm-1 output", {{"T", T}, {"H", H}}, kBf16, kAct);
+  add_ring_attention(c, layer, true, t);
+}
+
+void add_ring_attention(const Context& c, int64_t layer, bool backward, TermList& t) {
+  if (c.run.cp <= 1) return;
+  const ModelSpec& m = c.model;
+  const int64_t T = c.work.tokens;
+  const int64_t kv = m.num_kv_heads * (m.head_dim + m.v_head_dim);
+  const LayerSpec spec = c.layer_spec(layer);
+  if (spec.window != AttentionWindow::Full && spec.attention_window_tokens > 0) {
+    // Only the last `window` tokens of the previous rank's chunk are attended to.
+    const int64_t halo = std::min(spec.attention_window_tokens, T);
+    t.add("ring halo K,V (sliding window)", {{"window", halo}, {"g*(d+dv)", kv}}, kBf16, kAct);
+    if (backward) t.add("ring halo dK,dV", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+    return;
+  }
+  // Double-buffered KV chunks in flight (the one computed on + the one arriving).
+  t.add("ring K,V chunks in flight", {{"T", T}, {"g*(d+dv)", kv}}, kBf16, kAct, 2);
+  if (!backward) {
+    t.add("ring output accumulator", {{"T", T}, {"a*dv", m.num_heads * m.v_head_dim}}, kFp32, kAct);
+    t.add("ring lse accumulator", {{"a", m.num_heads}, {"T", T}}, kFp32, kAct);
+  } else {
+    t.add("ring dK,dV travelling with the chunk", {{"T", T}, {"g*(d+dv)", kv}}, kFp32, kAct, 2);
+  }
+}
+
+void add_ffn_block_inputs(const Context& c, TermList& t) {
+  const int64_t T = c.work.tokens;
+  const int64_t H = c.model.hidden_size;
+  t.add("attention residual h1", {{"T", T}, {"H", H}}, kBf16, kAct);
+  t.add("norm-2 output", {{"T", T}, {"H", H}}, kBf16, kAct);
+}
+
+void add_ffn_forward(const Context& c, const char* prefix, int64_t width, TermList& t) {
+  if (width <= 0) return;
+  const int64_t T = c.work.tokens;
+  const std::string p = prefix;
+  t.add(p + " gate,up", {{"T", T}, {"2F", 2 * width}}, kBf16, kAct);
+  t.add(p + " act*up", {{"T", T}, {"F", width}}, kBf16, kAct);
+}
+
+void add_ffn_saved(const Context& c, const char* prefix, int64_t width, TermList& t) {
+  if (width <= 0) return;
+  const int64_t T = c.work.tokens;
+  const std::string p = prefix;
+  t.add(p + " gate,up (saved)", {{"T", T}, {"2F", 2 * width}}, kBf16, kAct);
+  t.add(p + " act*up (saved)", {{"T", T}, {"F", width}}, kBf16, kAct);
+}
+
+void add_ffn_backward_grads(const Context& c, const char* prefix, int64_t width, TermList& t) {
+  if (width <= 0) return;
+  const int64_t T = c.work.tokens;
+  const std::string p = prefix;
+  t.add(p + " d act*up", {{"T", T}, {"F", width}}, kBf16, kAct);
+  t.add(p + " d gate,up", {{"T", T}, {"2F", 2 * width}}, kBf16, kAct);
+}
+
+void add_layer_grad_stream(const Context& c, TermList& t) {
+  const int64_t T = c.work.tokens;
+  const int64_t H = c.model.hidden_size;
+  t.add("dy (layer output grad)", {{"T", T}, {"H", H}}, kBf16, kAct);
+  t.add("residual grad accumulator", {{"T", T}, {"H", H}}, kFp32, kAct);
+}
+
+}  // namespace flatpeak::planner

@@ -1,0 +1,100 @@
+// Model state (parameter, gradient and optimizer shards), FSDP transients, checkpoint boundaries,
+// host memory and the optimizer step. Shard symbol P/N: this GPU's share of every FSDP unit
+// (dense parts over N, local experts over N/EP).
+#include <algorithm>
+
+#include "memory_model.h"
+
+namespace flatpeak::planner {
+
+namespace {
+bool offload_optimizer(const Context& c) { return c.run.optimizer != OptimizerPlacement::Gpu; }
+}  // namespace
+
+void add_model_state(const Context& c, int64_t grad_shard_params, TermList& t) {
+  const int64_t P = c.work.shard_params;
+  if (!offload_optimizer(c)) {
+    // Baseline FSDP2: fp32 sharded params are the master; fp32 reduce-scattered grads; Adam m, v.
+    t.add_flat("param shards (fp32, master)", "P/N", P, kFp32, Category::Params);
+    t.add_flat("grad shards", "P/N", grad_shard_params, kFp32, Category::Grads);
+    t.add_flat("Adam m", "P/N", P, kFp32, Category::Optimizer);
+    t.add_flat("Adam v", "P/N", P, kFp32, Category::Optimizer);
+  } else {
+    // Optimizer offload: the GPU keeps bf16 param and grad shards; master, m, v on the host.
+    t.add_flat("param shards", "P/N", P, kBf16, Category::Params);
+    t.add_flat("grad shards", "P/N", grad_shard_params, kBf16, Category::Grads);
+  }
+}
+
+void add_fsdp(const Context& c, const FsdpLive& live, TermList& t) {
+  const auto& units = c.work.units;
+  auto params = [&](int64_t unit) {
+    int64_t p = units[static_cast<size_t>(unit)].gathered_params;
+    // Ring-DTP: each rank holds and reduces only its V/R shard of the LM head.
+    if (unit == c.work.head_unit && c.run.vocab == VocabMode::RingDtp) p = ceil_div(p, c.run.ring_size);
+    return p;
+  };
+  auto name = [&](int64_t unit) { return units[static_cast<size_t>(unit)].name; };
+  if (live.gathered >= 0)
+    t.add_flat("gathered params " + name(live.gathered), "U", params(live.gathered), kBf16, Category::Fsdp);
+  if (live.prefetch >= 0)
+    t.add_flat("prefetched params " + name(live.prefetch), "U", params(live.prefetch), kBf16, Category::Fsdp);
+  if (live.grad >= 0)
+    t.add_flat("unsharded grads " + name(live.grad), "U", params(live.grad), kBf16, Category::Fsdp);
+  if (live.reduce_scatter >= 0)
+    t.add_flat("reduce-scatter input " + name(live.reduce_scatter), "U", params(live.reduce_scatter), kFp32,
+               Category::Fsdp);
+}
+
+void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool final_hidden, TermList& t) {
+  const int64_t T = c.work.tokens;
+  const int64_t H = c.model.hidden_size;
+  t.add("checkpoint boundaries", {{"T", T}, {"H", H}}, kBf16, Category::Boundaries, resident);
+  t.add("offloaded boundaries on device (copy or prefetch)", {{"T", T}, {"H", H}}, kBf16, Category::Boundaries,
+        in_flight);
+  if (final_hidden) t.add("final hidden h_L", {{"T", T}, {"H", H}}, kBf16, Category::Boundaries);
+}
+
+TermList host_terms_per_gpu(const Context& c) {
+  TermList t(1);
+  const int64_t P = c.work.shard_params;
+  const Space host = Space::Host;
+  if (offload_optimizer(c)) {
+    t.add_flat("fp32 master", "P/N", P, kFp32, Category::Optimizer, 1, host);
+    t.add_flat("Adam m", "P/N", P, kFp32, Category::Optimizer, 1, host);
+    t.add_flat("Adam v", "P/N", P, kFp32, Category::Optimizer, 1, host);
+    t.add_flat("fp32 grad staging", "P/N", P, kFp32, Category::Optimizer, 1, host);
+    if (c.run.optimizer == OptimizerPlacement::Serial) {
+      t.add_flat("grad D2H landing", "P/N", P, kBf16, Category::Optimizer, 1, host);
+      t.add_flat("param H2D staging", "P/N", P, kBf16, Category::Optimizer, 1, host);
+    } else {
+      const int64_t bucket = std::min(c.run.bucket_params, P);
+      t.add("bucket staging (grad in, param out)", {{"2", 2}, {"depth", c.run.bucket_depth}, {"bucket", bucket}}, kBf16,
+            Category::Optimizer, 1, host);
+    }
+  }
+  const int64_t offloaded = std::count(c.run.sco_offloaded.begin(), c.run.sco_offloaded.end(), true);
+  t.add("offloaded checkpoint boundaries", {{"T", c.work.tokens}, {"H", c.model.hidden_size}}, kBf16,
+        Category::Boundaries, offloaded, host);
+  return t;
+}
+
+std::vector<PhaseTerms> optimizer_phases(const Context& c) {
+  std::vector<PhaseTerms> out;
+  switch (c.run.optimizer) {
+    case OptimizerPlacement::Gpu:
+      out.push_back(PhaseTerms{"step", "", c.list()});  // fused AdamW: no transients
+      break;
+    case OptimizerPlacement::Serial:
+      for (const char* s : {"d2h", "cpu_step", "h2d"}) out.push_back(PhaseTerms{s, "", c.list()});
+      break;
+    case OptimizerPlacement::Stream: {
+      const int64_t buckets = ceil_div(c.work.shard_params, std::max<int64_t>(1, c.run.bucket_params));
+      out.push_back(PhaseTerms{"bucket0", buckets > 1 ? "bucket0-bucket" + std::to_string(buckets - 1) : "", c.list()});
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace flatpeak::planner

@@ -1,0 +1,194 @@
+// Assembling a plan: timeline -> five peaks -> GPU and host verdicts; --cp auto; JSON.
+#include "plan.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+namespace flatpeak::planner {
+
+const char* to_string(PeakKind kind) {
+  switch (kind) {
+    case PeakKind::Dispatch: return "dispatch";
+    case PeakKind::Vocab: return "vocab";
+    case PeakKind::Checkpoint: return "checkpoint";
+    case PeakKind::Optimizer: return "optimizer";
+    case PeakKind::Layer: break;
+  }
+  return "layer";
+}
+
+namespace {
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// The phases where a peak can sit ("home" phases) and the categories of its own terms.
+bool is_home(PeakKind kind, const std::string& phase) {
+  const bool moe = phase.find("/moe/") != std::string::npos;
+  const bool layer_phase = starts_with(phase, "fwd/L") || starts_with(phase, "bwd/L") ||
+                           starts_with(phase, "fwd/MTP") || starts_with(phase, "bwd/MTP");
+  switch (kind) {
+    case PeakKind::Dispatch: return moe;
+    case PeakKind::Vocab: return starts_with(phase, "loss/");
+    case PeakKind::Checkpoint: return layer_phase;
+    case PeakKind::Optimizer: return starts_with(phase, "opt/");
+    case PeakKind::Layer: return (starts_with(phase, "fwd/") || starts_with(phase, "bwd/")) && !moe;
+  }
+  return false;
+}
+
+bool in_component(PeakKind kind, Category category) {
+  switch (kind) {
+    case PeakKind::Dispatch: return category == Category::Dispatch;
+    case PeakKind::Vocab: return category == Category::Vocab;
+    case PeakKind::Checkpoint: return category == Category::Boundaries;
+    case PeakKind::Optimizer:
+      return category == Category::Params || category == Category::Grads || category == Category::Optimizer;
+    case PeakKind::Layer: return category == Category::Activations;
+  }
+  return false;
+}
+
+int64_t component_of(PeakKind kind, const TermList& terms) {
+  int64_t sum = 0;
+  for (const auto& t : terms.terms())
+    if (t.space == Space::Device && in_component(kind, t.category)) sum += t.bytes;
+  return sum;
+}
+
+}  // namespace
+
+PlanSummary summarize(const Timeline& timeline, const ResolvedRun& run, const HardwareSpec& hardware) {
+  PlanSummary s;
+  for (int k = 0; k < kPeakCount; ++k) {
+    const auto kind = static_cast<PeakKind>(k);
+    Peak& peak = s.peaks[static_cast<size_t>(k)];
+    peak.kind = kind;
+    const Phase* best = nullptr;
+    int64_t best_component = -1, best_total = -1;
+    for (const Phase& p : timeline.phases) {
+      if (!is_home(kind, p.name)) continue;
+      const int64_t comp = component_of(kind, p.terms);
+      const int64_t total = p.device_bytes();
+      // The phase where the component is largest; ties go to the larger total, then the earlier.
+      if (comp > best_component || (comp == best_component && total > best_total)) {
+        best = &p;
+        best_component = comp;
+        best_total = total;
+      }
+    }
+    if (!best) continue;
+    peak.bytes = best_total;
+    peak.component_bytes = best_component;
+    peak.phase = best->name;
+    for (const auto& t : best->terms.terms())
+      if (t.space == Space::Device && in_component(kind, t.category)) peak.terms.push_back(t);
+  }
+  for (const Phase& p : timeline.phases) {
+    if (p.device_bytes() > s.gpu_peak_bytes) {
+      s.gpu_peak_bytes = p.device_bytes();
+      s.gpu_peak_phase = p.name;
+    }
+  }
+  // Binding: the peak at the GPU's peak phase whose own component is largest there.
+  int64_t best_share = -1;
+  for (const Peak& peak : s.peaks) {
+    if (peak.bytes != s.gpu_peak_bytes || peak.phase.empty()) continue;
+    if (peak.component_bytes > best_share) {
+      best_share = peak.component_bytes;
+      s.binding = peak.kind;
+    }
+  }
+  if (best_share < 0) {  // the GPU's peak phase is no peak's home (cannot happen): largest peak
+    int64_t most = -1;
+    for (const Peak& peak : s.peaks)
+      if (peak.bytes > most) most = peak.bytes, s.binding = peak.kind;
+  }
+  s.overhead_bytes = run.overhead_bytes;
+  s.fragmentation_bytes = static_cast<int64_t>(std::ceil(run.fragmentation * static_cast<double>(s.gpu_peak_bytes)));
+  s.required_bytes = checked_add(checked_add(s.gpu_peak_bytes, s.overhead_bytes), s.fragmentation_bytes);
+  s.budget_bytes = hardware.device_memory_bytes;
+  s.gpu_fits = s.required_bytes <= s.budget_bytes;
+
+  s.host_per_gpu_bytes = timeline.host_per_gpu.bytes(Space::Host);
+  s.host_fixed_bytes = run.host_fixed_bytes_per_node;
+  s.host_peak_bytes = checked_add(checked_mul(run.gpus_per_node, s.host_per_gpu_bytes), s.host_fixed_bytes);
+  s.host_budget_bytes = static_cast<int64_t>(std::floor(run.host_usable_fraction * static_cast<double>(run.host_memory_bytes_per_node)));
+  s.host_fits = s.host_peak_bytes <= s.host_budget_bytes;
+  return s;
+}
+
+Plan make_plan_resolved(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run) {
+  Plan p;
+  p.model = model;
+  p.hardware = hardware;
+  p.run = run;
+  p.work = make_workload(p.model, p.run);
+  p.timeline = build_timeline(Context{p.model, p.run, p.work});
+  p.summary = summarize(p.timeline, p.run, p.hardware);
+  p.warnings = run.warnings;
+  for (const auto& load : p.work.moe_loads)
+    if (!load.clamp_note.empty()) {
+      p.warnings.push_back(load.clamp_note);
+      break;
+    }
+  return p;
+}
+
+namespace {
+
+RunSpec baseline_spec(const RunSpec& spec) {
+  RunSpec b;
+  b.gpus = spec.gpus;
+  b.context_tokens = spec.context_tokens;
+  b.micro_batch = spec.micro_batch;
+  b.global_batch = spec.global_batch;
+  b.ep = spec.ep;
+  b.gpus_per_node = spec.gpus_per_node;
+  b.host_memory_bytes_per_node = spec.host_memory_bytes_per_node;
+  b.mtp = spec.mtp;
+  b.imbalance = spec.imbalance;
+  b.overhead_bytes = spec.overhead_bytes;
+  b.fragmentation = spec.fragmentation;
+  b.schedule = Schedule::Baseline;
+  return b;
+}
+
+}  // namespace
+
+Plan make_plan(const ModelSpec& model, const HardwareSpec& hardware, const RunSpec& spec) {
+  Plan plan;
+  if (!spec.cp_auto) {
+    InputErrors errs;
+    const ResolvedRun run = resolve_run(model, hardware, spec, errs);
+    errs.throw_if_any();
+    plan = make_plan_resolved(model, hardware, run);
+  } else {
+    bool have = false;
+    int64_t tried = 0;
+    for (int64_t cp = 1; cp <= spec.gpus; cp *= 2) {
+      if (spec.gpus % cp != 0 || spec.context_tokens % cp != 0) continue;
+      InputErrors errs;
+      const ResolvedRun run = resolve_run(model, hardware, spec, errs, cp);
+      if (!errs.empty()) {
+        if (!have) errs.throw_if_any();
+        break;  // a knob that held at smaller CP no longer does: keep the last valid plan
+      }
+      plan = make_plan_resolved(model, hardware, run);
+      have = true;
+      tried = cp;
+      if (plan.summary.fits()) break;
+    }
+    if (!plan.summary.fits())
+      plan.warnings.push_back(fmt::format("--cp auto: no power-of-two CP up to {} fits; showing CP = {}", tried, tried));
+  }
+  // The baseline schedule at the same placement (N, CP, EP, batch, routing).
+  RunSpec base = baseline_spec(spec);
+  InputErrors errs;
+  const ResolvedRun base_run = resolve_run(model, hardware, base, errs, plan.run.cp);
+  if (errs.empty()) plan.baseline = make_plan_resolved(model, hardware, base_run).summary;
+  else plan.baseline = plan.summary;
+  return plan;
+}
+
+}  // namespace flatpeak::planner

@@ -1,0 +1,78 @@
+// A plan: the resolved inputs and knobs, the predicted timeline, the five peaks, whether the GPU
+// and the host fit, and the same summary for the baseline schedule. One JSON document.
+//   Plan p = make_plan(model, hardware, spec);      // InputError lists every bad flag
+//   nlohmann::ordered_json j = plan_to_json(p);      // schema_version 1, stable key order
+//   int exit_code = p.summary.fits() ? 0 : 3;
+#pragma once
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "run_spec.h"
+#include "timeline.h"
+#include "workload.h"
+
+namespace flatpeak::planner {
+
+inline constexpr int kPlanSchemaVersion = 1;
+
+enum class PeakKind { Dispatch, Vocab, Checkpoint, Optimizer, Layer };
+inline constexpr int kPeakCount = 5;
+const char* to_string(PeakKind kind);
+
+struct Peak {
+  PeakKind kind = PeakKind::Layer;
+  int64_t bytes = 0;            // total tracked device memory at `phase`
+  int64_t component_bytes = 0;  // this peak's own terms at `phase`
+  std::string phase;            // "" when the step has no such phase (dispatch of a dense model)
+  std::vector<Term> terms;      // the component's terms at `phase`
+};
+
+// The summary of one schedule: five peaks, the GPU and the host against their budgets.
+struct PlanSummary {
+  std::array<Peak, kPeakCount> peaks;
+  int64_t gpu_peak_bytes = 0;
+  std::string gpu_peak_phase;
+  int64_t overhead_bytes = 0;
+  int64_t fragmentation_bytes = 0;
+  int64_t required_bytes = 0;  // peak + overhead + fragmentation × peak
+  int64_t budget_bytes = 0;    // the device's reported memory
+  bool gpu_fits = false;
+  PeakKind binding = PeakKind::Layer;
+  int64_t host_per_gpu_bytes = 0;
+  int64_t host_fixed_bytes = 0;
+  int64_t host_peak_bytes = 0;    // per node: gpus_per_node × per GPU + fixed
+  int64_t host_budget_bytes = 0;  // per node: host DRAM × usable fraction
+  bool host_fits = false;
+  bool fits() const { return gpu_fits && host_fits; }
+  const Peak& peak(PeakKind kind) const { return peaks[static_cast<size_t>(kind)]; }
+};
+
+struct Plan {
+  ModelSpec model;
+  HardwareSpec hardware;
+  ResolvedRun run;
+  Workload work;
+  Timeline timeline;
+  PlanSummary summary;
+  PlanSummary baseline;
+  std::vector<std::string> warnings;
+};
+
+// The peaks and budgets of a computed timeline.
+PlanSummary summarize(const Timeline& timeline, const ResolvedRun& run, const HardwareSpec& hardware);
+
+// Resolves, builds the timeline and summarises it; --cp auto tries CP = 1, 2, 4, ... (powers of
+// two dividing N and S) and keeps the first that fits (the largest tried when none does).
+Plan make_plan(const ModelSpec& model, const HardwareSpec& hardware, const RunSpec& spec);
+
+// Resolved run -> plan without the CP search and without the baseline summary.
+Plan make_plan_resolved(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run);
+
+nlohmann::ordered_json plan_to_json(const Plan& plan);
+nlohmann::ordered_json timeline_to_json(const Timeline& timeline);
+
+}  // namespace flatpeak::planner

@@ -1,0 +1,286 @@
+// Composes the phases of one step (the worst micro-batch, then the optimizer step):
+//   fwd/embed, fwd/L<l>/..., loss/..., [fwd/MTP<j>/..., loss/mtp<j>/...], bwd/MTP<j>/...,
+//   bwd/L<l>/recompute/..., bwd/L<l>/moe/..., bwd/L<l>/attn, bwd/embed, opt/...
+// Layers with the same signature (FFN kind, attention window, routing) are folded into one
+// representative: the last in forward order, which has the most boundaries resident both at the
+// end of the forward pass and at the start of the backward pass.
+#include "timeline.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+namespace flatpeak::planner {
+
+namespace {
+
+using Signature = std::tuple<bool, int, int, int64_t, int64_t>;
+
+std::string ranges(const std::vector<int64_t>& layers, const char* prefix, int64_t base) {
+  std::string out;
+  for (size_t i = 0; i < layers.size();) {
+    size_t j = i;
+    while (j + 1 < layers.size() && layers[j + 1] == layers[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += prefix + std::to_string(layers[i] - base);
+    if (j > i) out += std::string("-") + prefix + std::to_string(layers[j] - base);
+    i = j + 1;
+  }
+  return out;
+}
+
+class Builder {
+ public:
+  explicit Builder(const Context& c) : c_(c) {
+    L_ = c.model.num_layers;
+    M_ = c.run.mtp ? c.model.mtp_layers : 0;
+    for (int64_t l = 0; l < L_; ++l) offloaded_.push_back(c.run.sco_offloaded.size() > static_cast<size_t>(l) &&
+                                                         c.run.sco_offloaded[static_cast<size_t>(l)]);
+    // Signatures and their representatives.
+    std::map<Signature, std::vector<int64_t>> groups;
+    for (int64_t l = 0; l < L_ + M_; ++l) groups[signature(l)].push_back(l);
+    for (auto& [sig, members] : groups) {
+      const int64_t rep = members.back();
+      reps_.push_back(rep);
+      const bool mtp = rep >= L_;
+      folds_[rep] = members.size() > 1 ? ranges(members, mtp ? "MTP" : "L", mtp ? L_ : 0) : "";
+    }
+    std::sort(reps_.begin(), reps_.end());
+    all_grads_ = c.work.accumulation_steps > 1;
+  }
+
+  Timeline build() {
+    Timeline tl;
+    tl.host_per_gpu = host_terms_per_gpu(c_);
+    forward_embedding();
+    for (int64_t l : reps_)
+      if (l < L_) forward_layer(l);
+    loss_forward("loss", 0);
+    for (int64_t l : reps_)
+      if (l >= L_) {
+        forward_layer(l);
+        loss_forward("loss/mtp" + std::to_string(l - L_), 1 + l - L_);
+      }
+    // Backward: MTP losses and modules first (created last), then the main loss and the layers.
+    std::vector<int64_t> bwd(reps_.rbegin(), reps_.rend());
+    for (int64_t l : bwd)
+      if (l >= L_) {
+        loss_backward("loss/mtp" + std::to_string(l - L_), 1 + l - L_, true);
+        backward_layer(l);
+      }
+    loss_backward("loss", 0, M_ > 0);
+    for (int64_t l : bwd)
+      if (l < L_) backward_layer(l);
+    backward_embedding();
+    for (auto& p : optimizer_phases(c_)) emit("opt/" + p.suffix, p.folds, persistent_state(c_.work.shard_params), p.terms);
+    tl.phases = std::move(phases_);
+    return tl;
+  }
+
+ private:
+  Signature signature(int64_t l) const {
+    const LayerSpec s = c_.layer_spec(l);
+    const bool mtp = l >= L_;
+    int64_t moe = c_.work.moe_index[static_cast<size_t>(l)];
+    const int64_t routing = moe >= 0 && c_.work.moe_loads.size() > 1 ? moe % static_cast<int64_t>(c_.work.moe_loads.size()) : -1;
+    const bool window_matters = c_.run.cp > 1;
+    return {mtp, static_cast<int>(s.ffn), window_matters ? static_cast<int>(s.window) : 0,
+            window_matters ? s.attention_window_tokens : 0, routing + (mtp ? l * 1000 : 0)};
+  }
+
+  std::string layer_name(int64_t l) const { return l < L_ ? "L" + std::to_string(l) : "MTP" + std::to_string(l - L_); }
+  int64_t unit(int64_t l) const { return c_.work.layer_unit(l); }
+
+  // Grad shards live now: all of them when accumulating, else the units already reduced.
+  int64_t grads(int64_t reduced_shard_params) const { return all_grads_ ? c_.work.shard_params : reduced_shard_params; }
+
+  TermList persistent_state(int64_t grad_params) const {
+    TermList t = c_.list();
+    add_model_state(c_, grad_params, t);
+    return t;
+  }
+
+  int64_t resident_upto(int64_t l) const {  // device-resident boundaries among inputs 0..l
+    int64_t n = 0;
+    for (int64_t i = 0; i <= std::min(l, L_ - 1); ++i) n += offloaded_[static_cast<size_t>(i)] ? 0 : 1;
+    if (l >= L_) n += l - L_ + 1;  // MTP module inputs stay on the device
+    return n;
+  }
+
+  void emit(const std::string& name, const std::string& folds, const TermList& base, const TermList& extra) {
+    Phase p{name, folds, base};
+    p.terms.append(extra);
+    phases_.push_back(std::move(p));
+  }
+
+  void forward_embedding() {
+    TermList base = persistent_state(grads(0));
+    add_fsdp(c_, FsdpLive{0, unit(0), -1, -1}, base);
+    TermList t = c_.list();
+    t.add("token ids", {{"T", c_.work.tokens}}, kInt64, Category::Activations);
+    t.add("embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+    emit("fwd/embed", "", base, t);
+  }
+
+  void forward_layer(int64_t l) {
+    const bool mtp = l >= L_;
+    TermList base = persistent_state(grads(0));
+    const int64_t next = l + 1 < L_ + M_ ? unit(l + 1) : c_.work.head_unit;
+    add_fsdp(c_, FsdpLive{unit(l), next, -1, -1}, base);
+    const bool in_flight = !mtp && offloaded_[static_cast<size_t>(l)];
+    add_boundaries(c_, resident_upto(l), in_flight ? 1 : 0, mtp, base);
+    if (mtp) add_loss_saved(c_, "main loss ", base);  // the main loss's backward runs after MTP's
+    const std::string prefix = "fwd/" + layer_name(l) + "/";
+    const std::string folds = folds_[l];
+    TermList attn = c_.list();
+    if (mtp) attn.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+    add_attention_forward(c_, l, attn);
+    emit(prefix + "attn", folds, base, attn);
+    if (c_.layer_spec(l).ffn == FfnKind::Moe && c_.model.num_experts > 0) {
+      for (auto& p : moe_forward_phases(c_, l)) {
+        TermList t = c_.list();
+        add_ffn_block_inputs(c_, t);
+        if (p.suffix == "moe/experts" || p.suffix.rfind("moe/dispatch/r", 0) == 0)
+          add_ffn_forward(c_, "shared expert", c_.model.shared_expert_ffn_width, t);
+        t.append(p.terms);
+        emit(prefix + p.suffix, join(folds, p.folds), base, t);
+      }
+    } else {
+      TermList t = c_.list();
+      add_ffn_block_inputs(c_, t);
+      add_ffn_forward(c_, "dense FFN", c_.model.dense_ffn_width, t);
+      emit(prefix + "ffn", folds, base, t);
+    }
+  }
+
+  static std::string join(const std::string& a, const std::string& b) {
+    if (a.empty()) return b;
+    if (b.empty()) return a;
+    return a + " x " + b;
+  }
+
+  // Terms of losses whose backward has not run yet while `index` runs (MTP losses run first).
+  void loss_forward(const std::string& name, int64_t index) {
+    TermList base = persistent_state(grads(0));
+    add_boundaries(c_, resident_upto(L_ - 1) + index, 0, true, base);
+    if (index > 0) add_loss_saved(c_, "main loss ", base);
+    for (auto& p : loss_forward_phases(c_)) emit(name + "/" + p.suffix, p.folds, base, p.terms);
+  }
+
+  void loss_backward(const std::string& name, int64_t index, bool mtp_pending) {
+    TermList base = persistent_state(grads(reduced_));
+    add_boundaries(c_, resident_upto(L_ - 1) + (index > 0 ? index : 0), 0, true, base);
+    if (index > 0) add_loss_saved(c_, "main loss ", base);
+    (void)mtp_pending;
+    const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
+    add_fsdp(c_, FsdpLive{-1, next, -1, reduce_scatter_}, base);
+    auto phases = loss_backward_phases(c_);
+    if (phases.empty()) {
+      // Gradients were computed in the forward pass; the backward only scales them.
+      TermList t = c_.list();
+      add_loss_saved(c_, "", t);
+      emit(name + "/bwd", "", base, t);
+    }
+    for (auto& p : phases) emit(name + "/" + p.suffix, p.folds, base, p.terms);
+    if (index == 0) {
+      reduce_scatter_ = c_.work.head_unit;
+      reduced_ += c_.work.units[static_cast<size_t>(c_.work.head_unit)].shard_params;
+    }
+  }
+
+  void backward_layer(int64_t l) {
+    const bool mtp = l >= L_;
+    const std::string prefix = "bwd/" + layer_name(l) + "/";
+    const std::string folds = folds_[l];
+    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : unit(L_ - 1)) : (l > 0 ? unit(l - 1) : 0);
+    // Boundaries: inputs 0..l not offloaded, plus this layer's fetched input and the prefetch.
+    int64_t in_flight = 0;
+    if (!mtp) {
+      in_flight += offloaded_[static_cast<size_t>(l)] ? 1 : 0;
+      for (int64_t i = std::max<int64_t>(0, l - c_.run.sco_prefetch); i < l; ++i) in_flight += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
+    }
+    auto base_of = [&](bool with_grad) {
+      TermList base = persistent_state(grads(reduced_));
+      add_fsdp(c_, FsdpLive{unit(l), prev, with_grad ? unit(l) : -1, reduce_scatter_}, base);
+      add_boundaries(c_, resident_upto(l), in_flight, false, base);
+      if (mtp) add_loss_saved(c_, "main loss ", base);
+      return base;
+    };
+    const TermList rec = base_of(false);
+    const TermList bwd = base_of(true);
+    TermList attn_rec = c_.list();
+    if (mtp) attn_rec.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+    add_attention_saved(c_, l, attn_rec, false);
+    add_ring_attention(c_, l, false, attn_rec);
+    add_layer_grad_stream(c_, attn_rec);
+    emit(prefix + "recompute/attn", folds, rec, attn_rec);
+
+    // The FFN block's saved inputs and the attention saved set stay live through its backward.
+    TermList block = c_.list();
+    if (mtp) block.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+    add_attention_saved(c_, l, block, false);
+    add_ffn_block_inputs(c_, block);
+    add_layer_grad_stream(c_, block);
+    if (c_.layer_spec(l).ffn == FfnKind::Moe && c_.model.num_experts > 0) {
+      const int64_t Fs = c_.model.shared_expert_ffn_width;
+      for (auto& p : moe_recompute_phases(c_, l)) {
+        TermList t = block;
+        add_ffn_saved(c_, "shared expert", Fs, t);
+        t.append(p.terms);
+        emit(prefix + "recompute/" + p.suffix, join(folds, p.folds), rec, t);
+      }
+      for (auto& p : moe_backward_phases(c_, l)) {
+        TermList t = block;
+        add_ffn_saved(c_, "shared expert", Fs, t);
+        if (p.suffix == "moe/experts" || p.suffix.rfind("moe/dispatch/r", 0) == 0) add_ffn_backward_grads(c_, "shared expert", Fs, t);
+        t.append(p.terms);
+        emit(prefix + p.suffix, join(folds, p.folds), bwd, t);
+      }
+    } else {
+      const int64_t F = c_.model.dense_ffn_width;
+      TermList t = block;
+      add_ffn_saved(c_, "dense FFN", F, t);
+      emit(prefix + "recompute/ffn", folds, rec, t);
+      add_ffn_backward_grads(c_, "dense FFN", F, t);
+      t.add("d norm-2 output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      emit(prefix + "ffn", folds, bwd, t);
+    }
+    TermList attn = c_.list();
+    add_attention_backward(c_, l, attn);
+    emit(prefix + "attn", folds, bwd, attn);
+    reduce_scatter_ = unit(l);
+    // Folded layers reduce too: account for every layer this representative stands for.
+    reduced_ += c_.work.units[static_cast<size_t>(unit(l))].shard_params * fold_count(l);
+  }
+
+  int64_t fold_count(int64_t l) const {
+    const Signature s = signature(l);
+    int64_t n = 0;
+    for (int64_t i = 0; i < L_ + M_; ++i) n += signature(i) == s ? 1 : 0;
+    return n;
+  }
+
+  void backward_embedding() {
+    TermList base = persistent_state(grads(reduced_));
+    add_fsdp(c_, FsdpLive{0, -1, 0, reduce_scatter_}, base);
+    TermList t = c_.list();
+    t.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+    emit("bwd/embed", "", base, t);
+  }
+
+  const Context& c_;
+  int64_t L_ = 0, M_ = 0;
+  std::vector<bool> offloaded_;
+  std::vector<int64_t> reps_;
+  std::map<int64_t, std::string> folds_;
+  bool all_grads_ = false;
+  int64_t reduced_ = 0;          // grad shard params already reduce-scattered
+  int64_t reduce_scatter_ = -1;  // unit whose reduce-scatter is in flight
+  std::vector<Phase> phases_;
+};
+
+}  // namespace
+
+Timeline build_timeline(const Context& c) { return Builder(c).build(); }
+
+}  // namespace flatpeak::planner

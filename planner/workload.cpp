@@ -1,0 +1,134 @@
+#include "workload.h"
+
+#include <algorithm>
+
+#include "spec/least_loaded.h"
+#include "spec/routing.h"
+#include "terms.h"
+
+namespace flatpeak::planner {
+
+namespace {
+
+// [EP][EP] rows source s sends to destination d under standard EP.
+CountMatrix ep_send_rows(const CountMatrix& copies, const RoutingShape& shape) {
+  const auto ep = static_cast<size_t>(shape.ep_ranks);
+  CountMatrix send(ep, std::vector<int64_t>(ep, 0));
+  for (size_t s = 0; s < copies.size(); ++s)
+    for (size_t e = 0; e < copies[s].size(); ++e)
+      send[s][static_cast<size_t>(shape.rank_of_expert(static_cast<int64_t>(e)))] += copies[s][e];
+  return send;
+}
+
+MoeLoad moe_load(const ModelSpec& model, const ResolvedRun& run, int64_t tokens, int64_t moe_layer) {
+  const RoutingShape shape{run.ep, model.num_experts, model.top_k};
+  const ExpectedLoads expected = expected_loads(run.imbalance, shape, tokens, moe_layer);
+  MoeLoad load;
+  load.send_rows = checked_mul(tokens, model.top_k);
+  const auto received = received_rows_per_rank(expected.copies, shape);
+  load.recv_rows_ep = *std::max_element(received.begin(), received.end());
+  load.rho_ep = imbalance_rho(received);
+  load.clamp_note = expected.clamp_note;
+  if (run.llep) {
+    LlaKnobs knobs;
+    knobs.llep_alpha = run.llep_alpha;
+    knobs.min_rows_per_gemm = run.llep_min_rows;
+    knobs.imbalance_trigger = run.llep_lambda;
+    const LlaResult lla = least_loaded_assignment(expert_loads(expected.copies), run.ep, knobs);
+    load.lla_ran = lla.triggered;
+    load.recv_rows_llep = lla.triggered ? *std::max_element(lla.rank_rows.begin(), lla.rank_rows.end()) : load.recv_rows_ep;
+    load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
+    for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
+    for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
+    if (run.chunk_cap_rows > 0) {
+      // Round buffers are sized at launch from the cap, EP and ρ_L (striping) or EP·C (none);
+      // known loads that would overflow them shrink the cap instead (more rounds, same memory).
+      const CountMatrix send = lla.triggered ? lla_send_rows(lla, expected.copies) : ep_send_rows(expected.copies, shape);
+      const int64_t C = std::min(run.chunk_cap_rows, load.send_rows);
+      int64_t buffer = run.striping ? round_receive_bound_rows(C, run.ep, std::max(1.0, load.rho_llep))
+                                    : checked_mul(run.ep, C);
+      buffer = std::min(buffer, load.recv_rows_llep);
+      int64_t cap = C;
+      if (run.striping && round_receive_bound_rows(send, C) > buffer) cap = std::max<int64_t>(1, shrink_chunk_cap(send, C, buffer));
+      load.chunk_cap_rows = cap;
+      load.round_recv_rows = buffer;
+      load.rounds = ceil_div(load.send_rows, cap);
+    }
+  }
+  return load;
+}
+
+}  // namespace
+
+Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
+  Workload w;
+  w.gpus = run.gpus;
+  w.cp = run.cp;
+  w.dp = run.dp();
+  w.ep = run.ep;
+  w.tokens = checked_mul(run.micro_batch, run.context_tokens) / run.cp;
+  w.accumulation_steps = run.accumulation_steps();
+  w.counts = count_params(model);
+  const ParamCounts& pc = w.counts;
+  const int64_t E = model.num_experts;
+  w.experts_per_rank = E > 0 ? E / run.ep : 0;
+  w.expert_params_each = pc.expert_params;
+  const int64_t N = run.gpus;
+  const int64_t expert_group = N / std::max<int64_t>(1, run.ep);
+
+  auto dense_unit = [&](const std::string& name, int64_t params) {
+    return FsdpUnit{name, params, params, ceil_div(params, N)};
+  };
+  auto layer_unit = [&](const std::string& name, FfnKind ffn) {
+    const int64_t common = pc.attention_per_layer + pc.layer_norms_per_layer;
+    if (ffn == FfnKind::Dense) return dense_unit(name, common + pc.dense_ffn_per_layer);
+    const int64_t dense = common + pc.router_per_layer + pc.shared_experts_per_layer;
+    const int64_t local_experts = checked_mul(w.experts_per_rank, pc.expert_params);
+    FsdpUnit u;
+    u.name = name;
+    u.params = dense + checked_mul(E, pc.expert_params);
+    u.gathered_params = dense + local_experts;
+    u.shard_params = ceil_div(dense, N) + ceil_div(local_experts, expert_group);
+    return u;
+  };
+
+  w.units.push_back(dense_unit("embedding", pc.embedding));
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < model.num_layers; ++l) {
+    const FfnKind ffn = model.layers[static_cast<size_t>(l)].ffn;
+    w.units.push_back(layer_unit("L" + std::to_string(l), ffn));
+    w.moe_index.push_back(ffn == FfnKind::Moe && E > 0 ? moe_layers++ : -1);
+  }
+  if (run.mtp) {
+    // An MTP module: its decoder layer (MoE when the model has experts) plus enorm, hnorm,
+    // eh_proj [2H -> H] and the shared-head norm, gathered together.
+    const int64_t H = model.hidden_size;
+    const FfnKind ffn = E > 0 ? FfnKind::Moe : FfnKind::Dense;
+    for (int64_t j = 0; j < model.mtp_layers; ++j) {
+      FsdpUnit u = layer_unit("MTP" + std::to_string(j), ffn);
+      const int64_t extra = 2 * H + 2 * H * H + H;
+      u.params += extra;
+      u.gathered_params += extra;
+      u.shard_params += ceil_div(extra, N);
+      w.units.push_back(u);
+      w.moe_index.push_back(ffn == FfnKind::Moe ? moe_layers++ : -1);
+    }
+  }
+  // Final norm + LM head (with tied embeddings the head's weight is the embedding's).
+  w.units.push_back(dense_unit("head", pc.final_norm + pc.lm_head));
+  w.head_unit = static_cast<int64_t>(w.units.size()) - 1;
+  for (const auto& u : w.units) {
+    w.shard_params = checked_add(w.shard_params, u.shard_params);
+    w.trained_params = checked_add(w.trained_params, u.params);
+  }
+
+  if (moe_layers > 0) {
+    const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file &&
+                           run.imbalance.file->layers.size() > 1;
+    const int64_t distinct = per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
+    for (int64_t m = 0; m < distinct; ++m) w.moe_loads.push_back(moe_load(model, run, w.tokens, m));
+  }
+  return w;
+}
+
+}  // namespace flatpeak::planner
