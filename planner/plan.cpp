@@ -90,19 +90,20 @@ PlanSummary summarize(const Timeline& timeline, const ResolvedRun& run, const Ha
       s.gpu_peak_phase = p.name;
     }
   }
-  // Binding: the peak at the GPU's peak phase whose own component is largest there.
+  // Binding: at the GPU's peak phase, the peak (of those whose home that phase is) whose own
+  // component is largest there; e.g. the dispatch block running with many boundaries resident.
+  const Phase* top = nullptr;
+  for (const Phase& p : timeline.phases)
+    if (p.name == s.gpu_peak_phase) top = &p;
   int64_t best_share = -1;
-  for (const Peak& peak : s.peaks) {
-    if (peak.bytes != s.gpu_peak_bytes || peak.phase.empty()) continue;
-    if (peak.component_bytes > best_share) {
-      best_share = peak.component_bytes;
-      s.binding = peak.kind;
+  for (int k = 0; top && k < kPeakCount; ++k) {
+    const auto kind = static_cast<PeakKind>(k);
+    if (!is_home(kind, top->name)) continue;
+    const int64_t share = component_of(kind, top->terms);
+    if (share > best_share) {
+      best_share = share;
+      s.binding = kind;
     }
-  }
-  if (best_share < 0) {  // the GPU's peak phase is no peak's home (cannot happen): largest peak
-    int64_t most = -1;
-    for (const Peak& peak : s.peaks)
-      if (peak.bytes > most) most = peak.bytes, s.binding = peak.kind;
   }
   s.overhead_bytes = run.overhead_bytes;
   s.fragmentation_bytes = static_cast<int64_t>(std::ceil(run.fragmentation * static_cast<double>(s.gpu_peak_bytes)));

@@ -1,0 +1,297 @@
+// Hand-derived bytes for the tiny MoE of planner_test_util.h, phase by phase and peak by peak,
+// for the baseline, practice, flatpeak and each technique alone.
+// Tiny MoE: H=8, V=32, L=2, E=4, k=2, F=4, a=2, g=1, d=dv=4; N=2, S=16 (T=16), EP=2.
+// Parameters (hand count): attention 8*8 (q) + 8*4 (k) + 8*4 (v) + 8*8 (o) = 192; norms 16;
+// router 8*4 = 32; one expert 3*8*4 = 96; MoE layer 192+16+32+4*96 = 624; embedding 256,
+// LM head 256, final norm 8: total 1768.
+// FSDP units per GPU: embedding shard 128; layer: dense part 240 -> shard 120, local experts
+// 2*96 = 192 over N/EP = 1 -> 192; layer shard 312, gathered 240 + 192 = 432; head 264 -> 132.
+// Shard P/N = 128 + 2*312 + 132 = 884.
+#include <gtest/gtest.h>
+
+#include "planner_test_util.h"
+
+namespace flatpeak::planner::test {
+namespace {
+
+constexpr int64_t kShard = 884;
+const std::vector<std::pair<std::string, std::string>> kBase = {{"--gpus", "2"}, {"--context", "16"}};
+
+std::vector<std::pair<std::string, std::string>> with(std::vector<std::pair<std::string, std::string>> extra) {
+  auto f = kBase;
+  f.insert(f.end(), extra.begin(), extra.end());
+  return f;
+}
+
+TEST(PlannerTiny, ParamCountsAndFsdpUnits) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), kBase);
+  EXPECT_EQ(p.work.counts.total, 1768);
+  EXPECT_EQ(p.run.ep, 2);  // largest divisor of N = 2 and E = 4 that is <= 2 GPUs per node
+  EXPECT_EQ(p.work.tokens, 16);
+  ASSERT_EQ(p.work.units.size(), 4u);
+  EXPECT_EQ(p.work.units[0].shard_params, 128);
+  EXPECT_EQ(p.work.units[1].gathered_params, 432);
+  EXPECT_EQ(p.work.units[1].shard_params, 312);
+  EXPECT_EQ(p.work.units[3].shard_params, 132);
+  EXPECT_EQ(p.work.shard_params, kShard);
+  // Balanced routing: each source sends T*k = 32 copies, each rank receives 2 experts * 8 * 2.
+  EXPECT_EQ(p.work.moe_loads[0].send_rows, 32);
+  EXPECT_EQ(p.work.moe_loads[0].recv_rows_ep, 32);
+}
+
+TEST(PlannerTiny, BaselinePhasesAndPeaks) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), kBase);
+  // Persistent state before any reduce-scatter: fp32 params 884*4 + m + v = 3 * 3536 = 10608.
+  const int64_t state = 3 * kShard * 4;
+  // fwd/embed: state + gathered embedding 256*2 + prefetched L0 432*2 + ids 16*8 + output 16*8*2.
+  EXPECT_EQ(phase(p, "fwd/embed").device_bytes(), state + 512 + 864 + 128 + 256);
+  // fwd/L1/attn: gathered L1 + prefetched head (264*2); boundaries x0, x1 (2*256); attention
+  // transients: norm-1 out 256, q 16*8*2 = 256, k 128, v 128, o 256, lse 2*16*4 = 128.
+  EXPECT_EQ(phase(p, "fwd/L1/attn").device_bytes(), state + 864 + 528 + 512 + (256 + 256 + 128 + 128 + 256 + 128));
+  // fwd/L1/moe/dispatch: h1 + norm-2 out (512); routing: logits, scores, scattered probs
+  // 3*16*4*4 = 768, map 64, top-k weights 128, ids 256 (1216); sort idx 32*8 = 256, permuted probs
+  // 128; send 32*8*2 = 512, receive R=32: 512 + probs 128.
+  const int64_t route = 768 + 64 + 128 + 256;
+  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch").device_bytes(),
+            state + 864 + 528 + 512 + 512 + route + 384 + 512 + 512 + 128);
+
+  // Loss (materialized): boundaries x0, x1 + final hidden (768).
+  // loss/fwd vocab: X 256 + W 32*8*2 = 512 + logits 16*32*2 = 1024 + log-softmax 2048 = 3840.
+  EXPECT_EQ(phase(p, "loss/fwd").device_bytes(), state + 768 + 3840);
+  // loss/bwd vocab: + dlogits 2048 + dX 256 + dW 512 = 6656; FSDP prefetch of L1 (864).
+  const Peak& vocab = p.summary.peak(PeakKind::Vocab);
+  EXPECT_EQ(vocab.phase, "loss/bwd");
+  EXPECT_EQ(vocab.component_bytes, 6656);
+  EXPECT_EQ(vocab.bytes, state + 768 + 6656 + 864);
+
+  // Backward of L1 after the loss: grad shard of the head reduced (132*4 = 528); gathered L1,
+  // prefetched L0, head reduce-scatter input in flight 264*4 = 1056; boundaries x0, x1 (512);
+  // attention saved 1280 (norm-1 out 256, rstd 2*64, q 256, k 128, v 128, o 256, lse 128);
+  // h1 + norm-2 out 512; dy 256 + fp32 residual grad 512.
+  const int64_t bwd_state = state + 528;
+  const int64_t rec_base = bwd_state + 864 + 864 + 1056 + 512;
+  const int64_t block = 1280 + 512 + 768;
+  // recompute/moe/combine: route + meta 384 + saved expert input 512, fc1 32*8*2 = 512, act*prob
+  // 256 + fc2 out 512 + unpermuted 512 + combine receive 512 + MoE output 256.
+  const int64_t combine = route + 384 + 1280 + 512 + 512 + 512 + 256;
+  EXPECT_EQ(phase(p, "bwd/L1/recompute/moe/combine").device_bytes(), rec_base + block + combine);
+  // bwd/L1/moe/experts adds unsharded L1 grads 864: route + meta + saved 1280 + grads 1280.
+  EXPECT_EQ(phase(p, "bwd/L1/moe/experts").device_bytes(), rec_base + 864 + block + route + 384 + 1280 + 1280);
+  const Peak& dispatch = p.summary.peak(PeakKind::Dispatch);
+  EXPECT_EQ(dispatch.phase, "bwd/L1/recompute/moe/combine");
+  EXPECT_EQ(dispatch.component_bytes, combine);
+  // bwd/L1/attn: saved 1280 + dy, residual grad 768 + d o 256, dq 256, dk 128, dv 128, dq accum
+  // 16*8*4 = 512, delta 128, d norm-1 out 256.
+  const int64_t attn_bwd = 1280 + 768 + 256 + 256 + 128 + 128 + 512 + 128 + 256;
+  EXPECT_EQ(phase(p, "bwd/L1/attn").device_bytes(), rec_base + 864 + attn_bwd);
+  const Peak& layer = p.summary.peak(PeakKind::Layer);
+  EXPECT_EQ(layer.phase, "bwd/L1/attn");
+  EXPECT_EQ(layer.component_bytes, attn_bwd);
+  // Checkpoint: 2 boundaries (512) from fwd/L1 to bwd/L1; ties go to the largest total.
+  const Peak& ckpt = p.summary.peak(PeakKind::Checkpoint);
+  EXPECT_EQ(ckpt.component_bytes, 512);
+  // Optimizer: fp32 param + grad + m + v shards, 16 B per shard parameter.
+  const Peak& opt = p.summary.peak(PeakKind::Optimizer);
+  EXPECT_EQ(opt.phase, "opt/step");
+  EXPECT_EQ(opt.component_bytes, 16 * kShard);
+  EXPECT_EQ(opt.bytes, 16 * kShard);
+  // GPU: the expert backward of L1 is the largest phase here (its dispatch share 4160 is the
+  // largest component there), although the dispatch component peaks at the recompute combine.
+  const int64_t top = rec_base + 864 + block + route + 384 + 1280 + 1280;
+  EXPECT_EQ(p.summary.gpu_peak_bytes, top);
+  EXPECT_EQ(p.summary.gpu_peak_phase, "bwd/L1/moe/experts");
+  EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
+  EXPECT_EQ(ckpt.bytes, top);
+  EXPECT_EQ(p.summary.required_bytes, top + 1000 + (top * 5 + 99) / 100);
+  EXPECT_TRUE(p.summary.fits());
+  // Host: only the fixed per-node term.
+  EXPECT_EQ(p.summary.host_peak_bytes, kHostFixedBytesPerNode);
+}
+
+TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--schedule", "practice"}}));
+  EXPECT_EQ(p.run.vocab, VocabMode::Blocked);
+  // Liger heuristic: ceil(V/H) = 4, next_pow2(ceil(16/4)) = 4 tokens per block; V_blk = V.
+  EXPECT_EQ(p.run.token_block, 4);
+  EXPECT_EQ(p.run.vocab_block, 32);
+  // Gradients in forward: X 256, W 512, logits block 4*32*4 = 512, online state 3*16*4 = 192,
+  // lse 64, dlogits block 4*32*2 = 256, dX acc 16*8*4 = 512, dW acc 32*8*4 = 1024.
+  const Peak& vocab = p.summary.peak(PeakKind::Vocab);
+  EXPECT_EQ(vocab.phase, "loss/fwd/blk0");
+  EXPECT_EQ(vocab.component_bytes, 256 + 512 + 512 + 192 + 64 + 256 + 512 + 1024);
+  // The backward only scales the dX computed in forward (fp32, 512).
+  EXPECT_EQ(phase(p, "loss/bwd").terms.bytes(Category::Vocab), 512);
+  // Synchronous offload: only the boundary in use is on the device; host holds both.
+  EXPECT_EQ(phase(p, "fwd/L1/attn").terms.bytes(Category::Boundaries), 256);
+  EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Boundaries), 256);  // final hidden only
+  EXPECT_EQ(phase(p, "bwd/L1/attn").terms.bytes(Category::Boundaries), 256);
+  EXPECT_EQ(p.summary.host_per_gpu_bytes, 2 * 256);
+  EXPECT_EQ(p.summary.host_peak_bytes, 2 * 512 + kHostFixedBytesPerNode);
+}
+
+TEST(PlannerTiny, RingDtpAlone) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--ring-dtp", "on"}}));
+  EXPECT_EQ(p.run.ring_size, 2);
+  EXPECT_EQ(p.run.ring_rotate, RingRotate::Weights);  // [V/R=16, H] <= [T=16, H] per hop
+  // fwd block: X 256, W shard 16*8*2 = 256, logits block 16*16*4 = 1024, state 192, lse 64,
+  // W shard in flight 256.
+  EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Vocab), 256 + 256 + 1024 + 192 + 64 + 256);
+  // bwd block (recompute): X, W shard, lse, logits block, dlogits 16*16*2 = 512, W in flight,
+  // dX acc 512, dW shard accumulators travelling 2*16*8*4 = 1024.
+  const Peak& vocab = p.summary.peak(PeakKind::Vocab);
+  EXPECT_EQ(vocab.phase, "loss/bwd/blk0");
+  EXPECT_EQ(vocab.component_bytes, 256 + 256 + 64 + 1024 + 512 + 256 + 512 + 1024);
+  // Rotating activations instead: X blocks in flight 2*16*8*2 = 512, state 2*3*16*4 = 384,
+  // dX blocks 2*16*8*4 = 1024; dW shard accumulator 16*8*4 = 512.
+  const Plan a = plan_of(tiny_moe(), tiny_gpu(), with({{"--ring-dtp", "on"}, {"--ring-rotate", "activations"}}));
+  EXPECT_EQ(a.summary.peak(PeakKind::Vocab).component_bytes,
+            256 + 256 + 64 + 1024 + 512 + 512 + 384 + 1024 + 512 + 512);
+  // The dispatch component is the baseline's; its total is smaller by the head's reduce-scatter
+  // input, which Ring-DTP shards over the ring (264*4 -> 132*4).
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, p.baseline.peak(PeakKind::Dispatch).component_bytes);
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).bytes, p.baseline.peak(PeakKind::Dispatch).bytes - 528);
+}
+
+TEST(PlannerTiny, ScoAlone) {
+  const Plan p = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}}));
+  // fwd/L2: only x2 (being copied) on the device; baseline holds x0..x2.
+  EXPECT_EQ(phase(p, "fwd/L2/attn").terms.bytes(Category::Boundaries), 256);
+  EXPECT_EQ(phase(plan_of(tiny_moe(3), tiny_gpu(), kBase), "fwd/L2/attn").terms.bytes(Category::Boundaries), 3 * 256);
+  // bwd/L2: x2 fetched + x1 prefetched.
+  EXPECT_EQ(phase(p, "bwd/L2/attn").terms.bytes(Category::Boundaries), 512);
+  EXPECT_EQ(p.summary.host_per_gpu_bytes, 3 * 256);
+  // Offload only the first layer's boundary ("1" = a count): x1, x2 stay on the device, and the
+  // prefetch window of bwd/L2 (x1) is resident already.
+  const Plan one = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}, {"--sco-layers", "1"}}));
+  EXPECT_EQ(phase(one, "bwd/L2/attn").terms.bytes(Category::Boundaries), 2 * 256);
+  const Plan set = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}, {"--sco-layers", "1-2"}}));
+  EXPECT_EQ(phase(set, "bwd/L2/attn").terms.bytes(Category::Boundaries), 3 * 256);  // x0, x2 fetched, x1 prefetched
+  EXPECT_EQ(one.summary.host_per_gpu_bytes, 256);
+}
+
+TEST(PlannerTiny, OptimizerOffloadSerialAndStream) {
+  const Plan s = plan_of(tiny_moe(), tiny_gpu(), with({{"--optimizer", "serial"}}));
+  // GPU: bf16 param + grad shards (4 B per shard parameter).
+  EXPECT_EQ(s.summary.peak(PeakKind::Optimizer).component_bytes, 4 * kShard);
+  EXPECT_EQ(s.summary.peak(PeakKind::Optimizer).phase, "opt/d2h");
+  // Host: master, m, v, fp32 grad staging (16 B) + bf16 landing and staging (4 B) per parameter.
+  EXPECT_EQ(s.summary.host_per_gpu_bytes, 20 * kShard);
+  const Plan b = plan_of(tiny_moe(), tiny_gpu(), with({{"--optimizer", "stream"}, {"--bucket-params", "100"}, {"--bucket-depth", "3"}}));
+  EXPECT_EQ(b.summary.peak(PeakKind::Optimizer).component_bytes, 4 * kShard);
+  EXPECT_EQ(b.summary.peak(PeakKind::Optimizer).phase, "opt/bucket0");
+  // Host: 16 B per parameter + 2 directions * depth 3 * 100 params * 2 B.
+  EXPECT_EQ(b.summary.host_per_gpu_bytes, 16 * kShard + 2 * 3 * 100 * 2);
+  EXPECT_EQ(b.timeline.phases.back().folds, "bucket0-bucket8");  // ceil(884/100) = 9 buckets
+}
+
+TEST(PlannerTiny, PipelinedLlepAlone) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}}));
+  const MoeLoad& load = p.work.moe_loads[0];
+  // Balanced: native imbalance 1.0 < λ = 1.3, LLA falls back to plain EP: R = 32, no weights.
+  EXPECT_FALSE(load.lla_ran);
+  EXPECT_EQ(load.recv_rows_llep, 32);
+  // Round buffer: min(EP*C = 16, ceil((C + EP) * 1.0) + EP = 12) = 12 rows; 32/8 = 4 rounds.
+  EXPECT_EQ(load.round_recv_rows, 12);
+  EXPECT_EQ(load.rounds, 4);
+  EXPECT_EQ(p.run.dispatch_mode, DispatchMode::Recompute);
+  // Backward round (recompute mode), dispatch terms: routing 1216; buffers: send 2*8*8*2 = 256,
+  // receive 2*12*8*2 = 384, combine send 384, combine receive 256, probs 2*40*4 = 320, indices
+  // 2*40*8 = 640, dest/sort/unsort 3*32*8 = 768, combine acc 16*8*4 = 512 (3520); round expert
+  // input 12*8*2 = 192, fc1 192, act 96; grad buffers 2*40*8*2 = 1280; d fc2 192, d act 96,
+  // d fc1 192; d norm-2 acc 512.
+  const Phase& r0 = phase(p, "bwd/L1/moe/dispatch/r0");
+  EXPECT_EQ(r0.folds, "L0-L1 x r0-r3");
+  EXPECT_EQ(r0.terms.bytes(Category::Dispatch), 1216 + 3520 + 480 + 1280 + 480 + 512);
+  // Recompute mode recomputes only the routing before the backward rounds.
+  EXPECT_EQ(phase(p, "bwd/L1/recompute/moe/route").terms.bytes(Category::Dispatch), 1216);
+  // Store mode keeps every round's expert activations (R = 32 rows: 1280).
+  const Plan st = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--dispatch-mode", "store"}}));
+  EXPECT_EQ(phase(st, "bwd/L1/moe/dispatch/r3").terms.bytes(Category::Dispatch), 1216 + 3520 + 1280 + 1280 + 480 + 512);
+  // Without striping the receive buffer is EP*C = 16 rows.
+  const Plan o1 = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--striping", "off"}}));
+  EXPECT_EQ(o1.work.moe_loads[0].round_recv_rows, 16);
+}
+
+TEST(PlannerTiny, LlepUnderImbalanceUsesTheLeastLoadedAssignment) {
+  // rho=2 on EP=2: rank 0 receives all 64 copies (2*T*k/2... = 2x the mean 32).
+  const auto flags = with({{"--imbalance", "rho=2"}});
+  const Plan ep = plan_of(tiny_moe(), tiny_gpu(), flags);
+  EXPECT_EQ(ep.work.moe_loads[0].recv_rows_ep, 64);
+  EXPECT_DOUBLE_EQ(ep.work.moe_loads[0].rho_ep, 2.0);
+  auto llep_flags = flags;
+  llep_flags.push_back({"--llep", "on"});
+  llep_flags.push_back({"--chunk-cap-rows", "0"});
+  llep_flags.push_back({"--llep-min-rows", "1"});
+  llep_flags.push_back({"--llep-alpha", "1"});
+  const Plan ll = plan_of(tiny_moe(), tiny_gpu(), llep_flags);
+  const MoeLoad& load = ll.work.moe_loads[0];
+  EXPECT_TRUE(load.lla_ran);
+  EXPECT_EQ(load.recv_rows_llep, 32);  // cap = α * mean = 32 rows per rank
+  EXPECT_GE(load.foreign_experts, 1);
+  // Foreign expert weights (S_p * 96 params * 2 B) appear in the dispatch terms.
+  EXPECT_EQ(term_bytes(phase(ll, "fwd/L1/moe/dispatch"), "LLEP foreign expert weights"), load.foreign_experts * 96 * 2);
+  EXPECT_LT(ll.summary.peak(PeakKind::Dispatch).component_bytes, ep.summary.peak(PeakKind::Dispatch).component_bytes);
+}
+
+TEST(PlannerTiny, AccumulationKeepsGradsInForward) {
+  const Plan one = plan_of(tiny_moe(), tiny_gpu(), kBase);
+  const Plan acc = plan_of(tiny_moe(), tiny_gpu(), with({{"--global-batch", "4"}}));  // b*DP = 2 -> 2 steps
+  EXPECT_EQ(acc.run.accumulation_steps(), 2);
+  EXPECT_EQ(phase(one, "fwd/L1/attn").terms.bytes(Category::Grads), 0);
+  EXPECT_EQ(phase(acc, "fwd/L1/attn").terms.bytes(Category::Grads), kShard * 4);
+  EXPECT_EQ(phase(acc, "fwd/L1/attn").device_bytes(), phase(one, "fwd/L1/attn").device_bytes() + kShard * 4);
+}
+
+TEST(PlannerTiny, ContextParallelRingAttentionBuffers) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--cp", "2"}}));
+  EXPECT_EQ(p.work.tokens, 8);
+  // fwd ring: KV chunks 2 * 8 * 1*(4+4) * 2 = 256, output acc 8*8*4 = 256, lse acc 2*8*4 = 64.
+  EXPECT_EQ(term_bytes(phase(p, "fwd/L1/attn"), "ring K,V chunks in flight"), 256);
+  EXPECT_EQ(term_bytes(phase(p, "fwd/L1/attn"), "ring output accumulator"), 256);
+  // bwd ring: travelling dK,dV 2 * 8 * 8 * 4 = 512.
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L1/attn"), "ring dK,dV travelling with the chunk"), 512);
+  // Sliding-window layers only need a halo of min(window, T) tokens.
+  ModelSpec m = tiny_moe();
+  m.layers[0].window = AttentionWindow::Sliding;
+  m.layers[0].attention_window_tokens = 4;
+  const Plan w = plan_of(m, tiny_gpu(), with({{"--cp", "2"}}));
+  EXPECT_EQ(term_bytes(phase(w, "fwd/L0/attn"), "ring halo K,V (sliding window)"), 4 * 8 * 2);
+}
+
+TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {
+  ModelSpec m = tiny_moe();
+  m.mtp_layers = 1;
+  const Plan p = plan_of(m, tiny_gpu(), kBase);
+  EXPECT_TRUE(p.run.mtp);
+  EXPECT_TRUE(has_phase(p, "fwd/MTP0/attn"));
+  EXPECT_TRUE(has_phase(p, "loss/mtp0/bwd"));
+  // While the MTP loss runs backward, the main loss keeps X, logits, log-softmax (256+1024+2048).
+  EXPECT_EQ(phase(p, "loss/mtp0/bwd").terms.bytes(Category::Vocab), 6656 + 3328);
+  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).phase, "loss/mtp0/bwd");
+  const Plan off = plan_of(m, tiny_gpu(), with({{"--mtp", "off"}}));
+  EXPECT_FALSE(has_phase(off, "loss/mtp0/bwd"));
+}
+
+TEST(PlannerTiny, AllTechniquesTogetherLowerEveryComponentAtLength) {
+  const auto flags = std::vector<std::pair<std::string, std::string>>{{"--gpus", "2"}, {"--context", "64K"}};
+  const Plan base = plan_of(tiny_moe(4), tiny_gpu(), flags);
+  auto fp_flags = flags;
+  fp_flags.push_back({"--schedule", "flatpeak"});
+  fp_flags.push_back({"--chunk-cap-rows", "4096"});
+  const Plan fp = plan_of(tiny_moe(4), tiny_gpu(), fp_flags);
+  for (PeakKind k : {PeakKind::Dispatch, PeakKind::Vocab, PeakKind::Checkpoint, PeakKind::Optimizer})
+    EXPECT_LT(fp.summary.peak(k).component_bytes, base.summary.peak(k).component_bytes) << to_string(k);
+  EXPECT_EQ(fp.baseline.gpu_peak_bytes, base.summary.gpu_peak_bytes);
+}
+
+TEST(PlannerTiny, AlignmentRoundsEveryTensor) {
+  HardwareSpec h = tiny_gpu();
+  h.allocation_alignment_bytes = 512;
+  const Plan p = plan_of(tiny_moe(), h, kBase);
+  // lse [2, 16] fp32 = 128 B rounds to 512; rstd 2 x 64 B -> 2 x 512.
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L1/attn"), "saved lse"), 512);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L1/attn"), "norm rstd (saved)"), 1024);
+}
+
+}  // namespace
+}  // namespace flatpeak::planner::test
