@@ -1,0 +1,75 @@
+// Real models: gpt-oss-120b at S = 1,048,576, b = 1, CP = 1 — the baseline's vocab terms equal a
+// hand computation of DESIGN.md's live set; plus sanity of real plans (speed, DeepSeek-V3 MLA).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+
+#include "planner_test_util.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
+
+namespace flatpeak::planner::test {
+namespace {
+
+TEST(PlannerReal, GptOss120bBaselineVocabLiveSet) {
+  const ModelSpec m = load_model("gpt-oss-120b");
+  const Plan p = plan_of(m, load_hardware("H200"), {{"--gpus", "8"}, {"--context", "1048576"}});
+  const int64_t T = 1048576, H = 2880, V = 201088;
+  // bf16 logits T*V*2 + fp32 log-softmax T*V*4 + fp32 dlogits T*V*4 + X T*H*2 + W V*H*2 +
+  // dX T*H*2 + dW V*H*2 (every term a multiple of the 512 B alignment).
+  const std::map<std::string, int64_t> hand = {
+      {"logits", T * V * 2}, {"log-softmax", T * V * 4}, {"dlogits", T * V * 4},
+      {"X (final norm output)", T * H * 2}, {"W (LM head, gathered)", V * H * 2}, {"dX", T * H * 2}, {"dW", V * H * 2}};
+  const Peak& vocab = p.summary.peak(PeakKind::Vocab);
+  EXPECT_EQ(vocab.phase, "loss/bwd");
+  ASSERT_EQ(vocab.terms.size(), hand.size());
+  int64_t sum = 0;
+  for (const auto& t : vocab.terms) {
+    ASSERT_TRUE(hand.count(t.name)) << t.name;
+    EXPECT_EQ(t.bytes, hand.at(t.name)) << t.name;
+    sum += t.bytes;
+  }
+  EXPECT_EQ(vocab.component_bytes, sum);
+  EXPECT_EQ(sum, T * V * 10 + 2 * T * H * 2 + 2 * V * H * 2);
+  EXPECT_FALSE(p.summary.fits());
+  EXPECT_EQ(p.summary.binding, PeakKind::Vocab);
+  ASSERT_EQ(p.warnings.size(), 1u);  // S above max_position_embeddings (131072) is a warning
+}
+
+TEST(PlannerReal, FlatpeakFitsWhereTheBaselineDoesNot) {
+  const Plan p = plan_of(load_model("gpt-oss-120b"), load_hardware("H200"),
+                         {{"--gpus", "64"}, {"--context", "1M"}, {"--schedule", "flatpeak"}});
+  EXPECT_TRUE(p.summary.gpu_fits);
+  EXPECT_FALSE(p.baseline.gpu_fits);
+  // Ring-DTP cuts the vocab component by far more than 10x at 1M tokens.
+  EXPECT_LT(p.summary.peak(PeakKind::Vocab).component_bytes * 10, p.baseline.peak(PeakKind::Vocab).component_bytes);
+}
+
+TEST(PlannerReal, DeepSeekV3MlaAndMtpPlan) {
+  const Plan p = plan_of(load_model("DeepSeek-V3"), load_hardware("H200"), {{"--gpus", "64"}, {"--context", "128K"}});
+  EXPECT_TRUE(p.run.mtp);
+  EXPECT_TRUE(has_phase(p, "loss/mtp0/bwd"));
+  EXPECT_TRUE(has_phase(p, "bwd/L2/ffn"));  // dense layers 0-2 folded into L2
+  // MLA as training materialises it: per-head K [T, 128*192] and V [T, 128*128].
+  const int64_t T = 131072;
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L60/attn"), "saved k"), T * 128 * 192 * 2);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L60/attn"), "saved v"), T * 128 * 128 * 2);
+}
+
+TEST(PlannerReal, PlansComputeQuickly) {
+  const ModelSpec m = load_model("Qwen3-235B-A22B");
+  const HardwareSpec h = load_hardware("H100-80GB");
+  const RunSpec s = spec_of({{"--gpus", "64"}, {"--context", "1M"}, {"--schedule", "flatpeak"}});
+  const auto start = std::chrono::steady_clock::now();
+  const Plan p = make_plan(m, h, s);
+  const auto us = std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(p.summary.gpu_peak_bytes, 0);
+  // Printed, not asserted (timing on shared machines is not a test): the timeline is folded.
+  std::printf("flatpeak plan of Qwen3-235B-A22B, 64 x H100, 1M: %lld us, %zu phases\n", static_cast<long long>(us),
+              p.timeline.phases.size());
+  EXPECT_LT(p.timeline.phases.size(), 60u);
+}
+
+}  // namespace
+}  // namespace flatpeak::planner::test
