@@ -176,12 +176,12 @@ void validate_lla_knobs(const LlaKnobs& knobs, InputErrors& errors) {
                           "1 balances exactly; the reference default is 1.1"});
   }
   if (knobs.min_rows_per_gemm < 0) {
-    errors.add(Diagnostic{"", "--min-rows-per-gemm",
+    errors.add(Diagnostic{"", "--llep-min-rows",
                           fmt::format("must be an integer >= 0 (got {})", knobs.min_rows_per_gemm),
                           "the reference default is 1024"});
   }
   if (!std::isfinite(knobs.imbalance_trigger) || knobs.imbalance_trigger < 0.0) {
-    errors.add(Diagnostic{"", "--imbalance-trigger",
+    errors.add(Diagnostic{"", "--llep-lambda",
                           fmt::format("must be a number >= 0 (got {})", knobs.imbalance_trigger),
                           "0 runs the assignment always; the paper uses 1.3"});
   }

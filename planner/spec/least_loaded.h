@@ -22,7 +22,7 @@ struct LlaKnobs {
 };
 
 // Adds a Diagnostic per bad knob, pointers named after the flags: --llep-alpha (finite, ≥ 1),
-// --min-rows-per-gemm (≥ 0), --imbalance-trigger (finite, ≥ 0).
+// --llep-min-rows (≥ 0), --llep-lambda (finite, ≥ 0).
 void validate_lla_knobs(const LlaKnobs& knobs, InputErrors& errors);
 
 // Rows [start_row, start_row + rows) of one expert's global copies, computed on `rank`.

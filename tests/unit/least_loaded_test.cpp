@@ -143,8 +143,8 @@ TEST(LeastLoaded, KnobValidationNamesTheFlags) {
   validate_lla_knobs(knobs(0.9, -1, -0.5), errors);
   ASSERT_EQ(errors.size(), 3u);
   EXPECT_EQ(errors.diagnostics()[0].to_string(), "--llep-alpha: must be a number >= 1 (got 0.9)");
-  EXPECT_EQ(errors.diagnostics()[1].to_string(), "--min-rows-per-gemm: must be an integer >= 0 (got -1)");
-  EXPECT_EQ(errors.diagnostics()[2].to_string(), "--imbalance-trigger: must be a number >= 0 (got -0.5)");
+  EXPECT_EQ(errors.diagnostics()[1].to_string(), "--llep-min-rows: must be an integer >= 0 (got -1)");
+  EXPECT_EQ(errors.diagnostics()[2].to_string(), "--llep-lambda: must be a number >= 0 (got -0.5)");
   InputErrors fine;
   validate_lla_knobs(LlaKnobs{}, fine);
   validate_chunk_cap(1, fine);
