@@ -1,7 +1,7 @@
 // MoE routing models (DESIGN.md "MoE routing models"): parsed from --imbalance, turned into
 // expected per-layer loads for the planner and into realised top-k expert ids for the executor.
 //   RoutingModel m = parse_routing_model("hot-expert=0.5,2");   // InputError naming --imbalance
-//   ExpectedLoads x = expected_loads(m, RoutingShape{4, 16, 2}, /*tokens_per_rank=*/1024, 0);
+//   RoutingShape shape{/*EP=*/4, /*E=*/16, /*k=*/2};  ExpectedLoads x = expected_loads(m, shape, 1024, 0);
 //   double rho = imbalance_rho(received_rows_per_rank(x.copies, shape));
 #pragma once
 
