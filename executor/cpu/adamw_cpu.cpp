@@ -16,23 +16,39 @@ void check(const AdamWArgs& a) {
           "grad_dtype must be f32 or bf16");
 }
 
-template <class G>
-void update_range(const AdamWArgs& a, const AdamWScalars& s, int64_t begin, int64_t end) {
-  const G* g = static_cast<const G*>(a.grad);
-  float* p = a.master;
-  float* m = a.m;
-  float* v = a.v;
-  for (int64_t i = begin; i < end; ++i) adamw_update(p[i], m[i], v[i], to_f32(g[i]), s);
-  if (a.param_out != nullptr) {
-    for (int64_t i = begin; i < end; ++i) a.param_out[i] = f32_to_bf16(p[i]);
+// Gradient element i as fp32; bf16 is read through its raw bits so the loop vectorises.
+inline float grad_at(const float* __restrict g, int64_t i) { return g[i]; }
+inline float grad_at(const uint16_t* __restrict g, int64_t i) { return to_f32(Bf16{g[i]}); }
+
+// One pass over memory: each element is read, updated and (optionally) written as bf16 at once.
+// The arrays never overlap (restrict), which lets the compiler vectorise without versioning.
+template <class G, bool kWriteBf16>
+void update_range(const AdamWArgs& a, const AdamWScalars scalars, int64_t begin, int64_t end) {
+  const AdamWScalars s = scalars;  // a local copy: no store in the loop can alias it
+  const G* __restrict g = static_cast<const G*>(a.grad);
+  float* __restrict p = a.master;
+  float* __restrict m = a.m;
+  float* __restrict v = a.v;
+  uint16_t* __restrict out = reinterpret_cast<uint16_t*>(a.param_out);
+  for (int64_t i = begin; i < end; ++i) {
+    float pi = p[i];
+    float mi = m[i];
+    float vi = v[i];
+    adamw_update(pi, mi, vi, grad_at(g, i), s);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (kWriteBf16) out[i] = f32_to_bf16(pi).bits;
   }
 }
 
 void update(const AdamWArgs& a, const AdamWScalars& s, int64_t begin, int64_t end) {
-  if (a.grad_dtype == DType::BF16) {
-    update_range<Bf16>(a, s, begin, end);
+  const bool bf16_grad = a.grad_dtype == DType::BF16;
+  if (a.param_out != nullptr) {
+    bf16_grad ? update_range<uint16_t, true>(a, s, begin, end) : update_range<float, true>(a, s, begin, end);
   } else {
-    update_range<float>(a, s, begin, end);
+    bf16_grad ? update_range<uint16_t, false>(a, s, begin, end)
+              : update_range<float, false>(a, s, begin, end);
   }
 }
 
