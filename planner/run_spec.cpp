@@ -308,6 +308,17 @@ std::vector<bool> parse_sco_layers(const std::string& text, int64_t layers, Inpu
   return out;
 }
 
+std::string divisor_list(int64_t a, int64_t b) {
+  std::string out;
+  int count = 0;
+  for (int64_t d = 1; d <= std::min(a, b); ++d) {
+    if (a % d != 0 || b % d != 0) continue;
+    if (count++ == 24) return out + ", ...";
+    out += (out.empty() ? "" : ", ") + std::to_string(d);
+  }
+  return out;
+}
+
 int64_t next_pow2(int64_t v) {
   int64_t p = 1;
   while (p < v) p *= 2;
@@ -343,13 +354,15 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
     r.cp = s.cp.value_or(1);
   }
   if (N % r.cp != 0 || S % r.cp != 0) {
-    bad(errs, "--cp", fmt::format("must divide both N = {} and S = {}", N, S), std::to_string(r.cp));
+    errs.add(Diagnostic{"", "--cp", fmt::format("must divide both N = {} and S = {} (got {})", N, S, r.cp),
+                        "valid: " + divisor_list(N, S) + ", or auto"});
     r.cp = 1;
   }
   if (moe) {
     r.ep = s.ep.value_or(default_ep(N, E, r.gpus_per_node));
     if (s.ep && (N % *s.ep != 0 || E % *s.ep != 0)) {
-      bad(errs, "--ep", fmt::format("must divide both N = {} and E = {}", N, E), std::to_string(*s.ep));
+      errs.add(Diagnostic{"", "--ep", fmt::format("must divide both N = {} and E = {} (got {})", N, E, *s.ep),
+                          "valid: " + divisor_list(N, E)});
       r.ep = default_ep(N, E, r.gpus_per_node);
     }
   } else {
@@ -373,7 +386,8 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   if (s.fragmentation && (*s.fragmentation < 0 || *s.fragmentation >= 1))
     bad(errs, "--fragmentation", "must lie in [0, 1)", num(*s.fragmentation));
   if (s.mtp && *s.mtp && model.mtp_layers == 0)
-    bad(errs, "--mtp", fmt::format("cannot be on: {} has no multi-token-prediction layers", model.name), "on");
+    errs.add(Diagnostic{"", "--mtp", fmt::format("cannot be on: {} has no multi-token-prediction layers (got on)", model.name),
+                        "valid: off"});
   r.mtp = s.mtp.value_or(model.mtp_layers > 0) && model.mtp_layers > 0;
   if (S > model.max_position_embeddings && model.max_position_embeddings > 0)
     r.warnings.push_back(fmt::format("context S = {} exceeds the model's max_position_embeddings = {}", S,
@@ -475,7 +489,8 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
         if (N % d == 0) ring_default = d;
       r.ring_size = s.ring_size.value_or(ring_default);
       if (s.ring_size && N % *s.ring_size != 0) {
-        bad(errs, "--ring-size", fmt::format("must divide N = {}", N), std::to_string(*s.ring_size));
+        errs.add(Diagnostic{"", "--ring-size", fmt::format("must divide N = {} (got {})", N, *s.ring_size),
+                            "valid: " + divisor_list(N, N)});
         r.ring_size = ring_default;
       }
       // Bytes per hop: an activation block [T, H] vs a weight shard [V/R, H].

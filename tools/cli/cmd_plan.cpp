@@ -31,6 +31,14 @@ int run_plan(const CLI::App& sub, const PlanOptions& o) {
   std::vector<std::pair<std::string, std::string>> flags;
   for (const auto& f : planner::run_flags())
     if (sub.count(f.name) > 0) flags.emplace_back(f.name, o.values.at(f.name));
+  // Unknown flags reach the library, which names them with a did-you-mean.
+  const std::vector<std::string> extras = sub.remaining();
+  for (size_t i = 0; i < extras.size(); ++i) {
+    const std::string& word = extras[i];
+    const bool has_value = i + 1 < extras.size() && extras[i + 1].rfind("--", 0) != 0;
+    flags.emplace_back(word, has_value ? extras[i + 1] : "");
+    if (has_value) ++i;
+  }
   const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
   std::unique_ptr<ModelSpec> model;
   std::unique_ptr<HardwareSpec> hardware;
@@ -70,6 +78,7 @@ Command make_plan_command() {
         sub.add_option("--gpu", options->gpu, "Hardware card name or alias (H100-80GB, H200, ...), or a path")->required();
         for (const auto& f : planner::run_flags()) sub.add_option(f.name, options->values[f.name], f.help);
         add_format_option(sub, options->format);
+        sub.allow_extras();
         return [options, &sub]() { return run_plan(sub, *options); };
       }};
 }
