@@ -119,7 +119,43 @@ PlanSummary summarize(const Timeline& timeline, const ResolvedRun& run, const Ha
   return s;
 }
 
+namespace {
+
+Plan make_plan_fixed(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run);
+
+// SCO's "auto" layer set: the fewest first layers whose boundaries go to the host such that the
+// GPU fits (the GPU requirement only falls as more layers are offloaded); all when none fits.
+ResolvedRun choose_sco_layers(const ModelSpec& model, const HardwareSpec& hardware, ResolvedRun run) {
+  const auto L = static_cast<int64_t>(run.sco_offloaded.size());
+  auto with_first = [&](int64_t n) {
+    ResolvedRun r = run;
+    for (int64_t i = 0; i < L; ++i) r.sco_offloaded[static_cast<size_t>(i)] = i < n;
+    return r;
+  };
+  int64_t lo = 0, hi = L;  // smallest n in [lo, hi] that fits; hi when none does
+  if (!make_plan_fixed(model, hardware, with_first(L)).summary.gpu_fits) return with_first(L);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (make_plan_fixed(model, hardware, with_first(mid)).summary.gpu_fits) hi = mid;
+    else lo = mid + 1;
+  }
+  ResolvedRun r = with_first(lo);
+  for (auto& k : r.knobs)
+    if (k.name == "sco_layers") k.value = std::to_string(lo);
+  return r;
+}
+
+}  // namespace
+
 Plan make_plan_resolved(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run) {
+  if (run.boundaries == BoundaryMode::Sco && run.sco_layers_text == "auto")
+    return make_plan_fixed(model, hardware, choose_sco_layers(model, hardware, run));
+  return make_plan_fixed(model, hardware, run);
+}
+
+namespace {
+
+Plan make_plan_fixed(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run) {
   Plan p;
   p.model = model;
   p.hardware = hardware;
@@ -135,6 +171,8 @@ Plan make_plan_resolved(const ModelSpec& model, const HardwareSpec& hardware, co
     }
   return p;
 }
+
+}  // namespace
 
 namespace {
 

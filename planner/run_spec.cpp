@@ -81,7 +81,7 @@ const std::vector<FlagInfo>& run_flags() {
       {"--token-block", "tokens per block of logits (blocked CE, Ring-DTP)", "a token count in 1..T"},
       {"--vocab-block", "vocabulary entries per block of logits (blocked CE, Ring-DTP)", "an integer in 1..V/R"},
       {"--sco", "selective checkpoint offload of the boundaries (default: on in flatpeak)", "on or off"},
-      {"--sco-layers", "SCO: the offloaded layers: all, a count (the first n), or a set like 0,2,5-9", "all, a count in 0..L, or layer indices in 0..L-1"},
+      {"--sco-layers", "SCO: the offloaded layers: auto (fewest first layers that fit), all, a count (the first n), or a set like 0,2,5-9", "auto, all, a count in 0..L, or layer indices in 0..L-1"},
       {"--sco-prefetch", "SCO: boundaries prefetched ahead in backward", "an integer in 0..4"},
       {"--bucket-params", "OffloadStreamAdamW: parameters per bucket (K/M/G = powers of 1024)", "a positive count such as 64M"},
       {"--bucket-depth", "OffloadStreamAdamW: buckets in flight", "an integer in 1..8"},
@@ -269,7 +269,7 @@ std::string num(double v) { return fmt::format("{}", v); }
 // "all" | count | set like "0,2,5-9" -> per-layer flags; problems go to errs.
 std::vector<bool> parse_sco_layers(const std::string& text, int64_t layers, InputErrors& errs) {
   std::vector<bool> out(static_cast<size_t>(layers), false);
-  if (text == "all") {
+  if (text == "all" || text == "auto") {  // auto: make_plan narrows it to the fewest that fit
     std::fill(out.begin(), out.end(), true);
     return out;
   }
@@ -532,14 +532,15 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   const int64_t L = model.num_layers;
   knob("boundaries", to_string(r.boundaries), s.sco.has_value(), preset);
   if (r.boundaries == BoundaryMode::Sco) {
-    r.sco_layers_text = s.sco_layers.value_or("all");
+    r.sco_layers_text = s.sco_layers.value_or("auto");
     r.sco_offloaded = parse_sco_layers(r.sco_layers_text, L, errs);
     r.sco_prefetch = s.sco_prefetch.value_or(1);
     if (r.sco_prefetch > 4) {
       bad(errs, "--sco-prefetch", "must lie in 0..4", std::to_string(r.sco_prefetch));
       r.sco_prefetch = 1;
     }
-    knob("sco_layers", r.sco_layers_text, s.sco_layers.has_value(), "default: all layers (knob search later picks fewer)");
+    knob("sco_layers", r.sco_layers_text, s.sco_layers.has_value(),
+         "default auto: the fewest first layers whose offload makes the GPU fit (all when none does)");
     knob("sco_prefetch", r.sco_prefetch, s.sco_prefetch.has_value(), "default: boundary l-1 while layer l recomputes");
   } else {
     technique_off(s.sco_layers.has_value(), "--sco-layers", "SCO", "--sco on");

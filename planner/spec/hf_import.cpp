@@ -686,10 +686,15 @@ std::optional<std::string> detect_family(const json& config, Collector& out) {
       if (known != architecture_classes().end()) return known->second;
     }
   }
-  const std::string got = has_model_type ? describe_json_value(json(model_type))
-                                         : (classes.empty() ? std::string("nothing") : describe_json_value(json(classes)));
-  out.add(has_model_type || classes.empty() ? "/model_type" : "/architectures",
-          fmt::format("unsupported architecture (got {}); supported: {}", got, join(names)));
+  if (has_model_type) {
+    out.add("/model_type", fmt::format("unsupported architecture (got {}); supported: {}",
+                                       describe_json_value(json(model_type)), join(names)));
+  } else if (!classes.empty()) {
+    out.add("/architectures", fmt::format("unsupported architecture (got {}); supported: {}",
+                                          describe_json_value(json(classes)), join(names)));
+  } else {
+    out.add("/model_type", fmt::format("required key missing; supported architectures: {}", join(names)));
+  }
   return std::nullopt;
 }
 

@@ -107,14 +107,14 @@ ParamCounts count_params(const ModelSpec& m) {
   if (m.expert_bias) p.expert_params = c.sum(p.expert_params, m.expert_ffn_width, m.expert_ffn_width, H);
   p.shared_experts_per_layer = c.mul(3, H, m.shared_expert_ffn_width);
 
+  const int64_t dense_layers = m.count_layers(FfnKind::Dense);
+  const int64_t moe_layers = m.count_layers(FfnKind::Moe);
   const int64_t attention_and_norms = c.add(p.attention_per_layer, p.layer_norms_per_layer);
-  p.dense_layer_total = c.add(attention_and_norms, p.dense_ffn_per_layer);
+  p.dense_layer_total = dense_layers > 0 ? c.add(attention_and_norms, p.dense_ffn_per_layer) : 0;
   const int64_t moe_common = c.sum(attention_and_norms, p.router_per_layer, p.shared_experts_per_layer);
   p.moe_layer_total = c.add(moe_common, c.mul(m.num_experts, p.expert_params));
   p.moe_layer_active = c.add(moe_common, c.mul(m.top_k, p.expert_params));
 
-  const int64_t dense_layers = m.count_layers(FfnKind::Dense);
-  const int64_t moe_layers = m.count_layers(FfnKind::Moe);
   const int64_t layers_total = c.add(c.mul(dense_layers, p.dense_layer_total), c.mul(moe_layers, p.moe_layer_total));
   const int64_t layers_active = c.add(c.mul(dense_layers, p.dense_layer_total), c.mul(moe_layers, p.moe_layer_active));
 

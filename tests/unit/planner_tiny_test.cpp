@@ -9,6 +9,8 @@
 // Shard P/N = 128 + 2*312 + 132 = 884.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "planner_test_util.h"
 
 namespace flatpeak::planner::test {
@@ -153,7 +155,7 @@ TEST(PlannerTiny, RingDtpAlone) {
 }
 
 TEST(PlannerTiny, ScoAlone) {
-  const Plan p = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}}));
+  const Plan p = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}, {"--sco-layers", "all"}}));
   // fwd/L2: only x2 (being copied) on the device; baseline holds x0..x2.
   EXPECT_EQ(phase(p, "fwd/L2/attn").terms.bytes(Category::Boundaries), 256);
   EXPECT_EQ(phase(plan_of(tiny_moe(3), tiny_gpu(), kBase), "fwd/L2/attn").terms.bytes(Category::Boundaries), 3 * 256);
@@ -167,6 +169,28 @@ TEST(PlannerTiny, ScoAlone) {
   const Plan set = plan_of(tiny_moe(3), tiny_gpu(), with({{"--sco", "on"}, {"--sco-layers", "1-2"}}));
   EXPECT_EQ(phase(set, "bwd/L2/attn").terms.bytes(Category::Boundaries), 3 * 256);  // x0, x2 fetched, x1 prefetched
   EXPECT_EQ(one.summary.host_per_gpu_bytes, 256);
+}
+
+TEST(PlannerTiny, ScoAutoOffloadsTheFewestLayersThatFit) {
+  const auto flags = std::vector<std::pair<std::string, std::string>>{{"--gpus", "2"}, {"--context", "4K"}, {"--sco", "on"}};
+  auto count = [&](const std::string& n, int64_t budget) {
+    HardwareSpec h = tiny_gpu();
+    h.device_memory_bytes = budget;
+    auto f = flags;
+    f.push_back({"--sco-layers", n});
+    return plan_of(tiny_moe(6), h, f);
+  };
+  // A budget between what 2 and 3 offloaded layers need: auto must pick exactly 3.
+  const int64_t need3 = count("3", int64_t{1} << 40).summary.required_bytes;
+  const int64_t need2 = count("2", int64_t{1} << 40).summary.required_bytes;
+  ASSERT_LT(need3, need2);
+  const Plan a = count("auto", need3);
+  EXPECT_TRUE(a.summary.gpu_fits);
+  EXPECT_EQ(std::count(a.run.sco_offloaded.begin(), a.run.sco_offloaded.end(), true), 3);
+  EXPECT_EQ(a.summary.host_per_gpu_bytes, 3 * 4096 * 8 * 2);
+  // Nothing fits: all layers are offloaded.
+  const Plan none = count("auto", 1);
+  EXPECT_EQ(std::count(none.run.sco_offloaded.begin(), none.run.sco_offloaded.end(), true), 6);
 }
 
 TEST(PlannerTiny, OptimizerOffloadSerialAndStream) {
@@ -278,6 +302,7 @@ TEST(PlannerTiny, AllTechniquesTogetherLowerEveryComponentAtLength) {
   auto fp_flags = flags;
   fp_flags.push_back({"--schedule", "flatpeak"});
   fp_flags.push_back({"--chunk-cap-rows", "4096"});
+  fp_flags.push_back({"--sco-layers", "all"});
   const Plan fp = plan_of(tiny_moe(4), tiny_gpu(), fp_flags);
   for (PeakKind k : {PeakKind::Dispatch, PeakKind::Vocab, PeakKind::Checkpoint, PeakKind::Optimizer})
     EXPECT_LT(fp.summary.peak(k).component_bytes, base.summary.peak(k).component_bytes) << to_string(k);
