@@ -447,6 +447,9 @@ TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
             "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4");
+  EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
+            "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
+            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }
