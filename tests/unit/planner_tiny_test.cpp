@@ -110,6 +110,64 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
   EXPECT_EQ(p.summary.host_peak_bytes, kHostFixedBytesPerNode);
 }
 
+// One layer, E = 2, top-1: every phase of the baseline step by hand.
+// Params: attention 192, norms 16, router 8*2 = 16, expert 96. Layer: dense 224 -> shard 112, local
+// expert 96 over N/EP = 1 -> 96; shard 208, gathered 320 (640 B bf16, 1280 B fp32). Embedding
+// shard 128, gathered 512 B; head 264 -> shard 132, 528 B bf16, 1056 B fp32. P/N = 468.
+// Balanced top-1 on EP = 2: T*k = 16 rows sent; rank 0 receives expert 0 from both sources, R = 16.
+TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
+  ModelSpec m = tiny_moe(1);
+  m.num_experts = 2;
+  m.top_k = 1;
+  const Plan p = plan_of(m, tiny_gpu(), kBase);
+  ASSERT_EQ(p.work.shard_params, 468);
+  const int64_t state = 3 * 468 * 4;  // fp32 params, m, v: 5616
+  const int64_t route = 3 * 16 * 2 * 4 + 16 * 2 + 16 * 4 + 16 * 8;  // 608
+  const int64_t meta = 16 * 8 + 16 * 4;                              // 192
+  const int64_t fwd_base = state + 640 + 528 + 256;                  // gathered L0, prefetched head, x0
+  const int64_t bwd_state = state + 132 * 4;                         // head grads reduced
+  const int64_t rec_base = bwd_state + 640 + 512 + 1056 + 256;       // L0, prefetched embedding, head RS, x0
+  const int64_t bwd_base = rec_base + 640;                           // + unsharded L0 grads
+  const int64_t attn_saved = 256 + 128 + 256 + 128 + 128 + 256 + 128;  // 1280
+  const int64_t block = attn_saved + 512 + 768;                      // + h1, norm-2 out, dy, fp32 residual
+  const int64_t saved_experts = 256 + 256 + 128;                     // input, fc1, act*prob (R = 16)
+  const std::vector<std::pair<std::string, int64_t>> expected = {
+      {"fwd/embed", state + 512 + 640 + 128 + 256},
+      {"fwd/L0/attn", fwd_base + (256 + 256 + 128 + 128 + 256 + 128)},
+      {"fwd/L0/moe/route", fwd_base + 512 + route},
+      {"fwd/L0/moe/dispatch", fwd_base + 512 + route + meta + 256 + 256 + 64},
+      {"fwd/L0/moe/experts", fwd_base + 512 + route + meta + saved_experts},
+      {"fwd/L0/moe/combine", fwd_base + 512 + route + meta + 4 * 256},
+      {"loss/fwd", state + 512 + 3840},
+      {"loss/bwd", state + 512 + 640 + 6656},
+      {"bwd/L0/recompute/attn", rec_base + attn_saved + 768},
+      {"bwd/L0/recompute/moe/dispatch", rec_base + block + route + meta + 256 + 256 + 64},
+      {"bwd/L0/recompute/moe/experts", rec_base + block + route + meta + saved_experts + 256},
+      {"bwd/L0/recompute/moe/combine", rec_base + block + route + meta + saved_experts + 4 * 256},
+      {"bwd/L0/moe/combine", bwd_base + block + route + meta + saved_experts + 256 + 256},
+      {"bwd/L0/moe/experts", bwd_base + block + route + meta + saved_experts + (256 + 128 + 256)},
+      {"bwd/L0/moe/dispatch", bwd_base + block + route + meta + 256 + 256 + 512},
+      {"bwd/L0/attn", bwd_base + attn_saved + 768 + 256 + 256 + 128 + 128 + 512 + 128 + 256},
+      {"bwd/embed", state + (132 + 208) * 4 + 512 + 512 + 1280 + 256},
+      {"opt/step", 16 * 468},
+  };
+  ASSERT_EQ(p.timeline.phases.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(p.timeline.phases[i].name, expected[i].first);
+    EXPECT_EQ(p.timeline.phases[i].device_bytes(), expected[i].second) << expected[i].first;
+  }
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).phase, "bwd/L0/recompute/moe/combine");
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, route + meta + saved_experts + 4 * 256);
+  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6656);
+  EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).phase, "bwd/L0/moe/experts");
+  EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).component_bytes, 256);
+  EXPECT_EQ(p.summary.peak(PeakKind::Layer).phase, "bwd/L0/attn");
+  EXPECT_EQ(p.summary.peak(PeakKind::Optimizer).bytes, 16 * 468);
+  EXPECT_EQ(p.summary.gpu_peak_phase, "bwd/L0/moe/experts");
+  EXPECT_EQ(p.summary.gpu_peak_bytes, 13888);
+  EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
+}
+
 TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--schedule", "practice"}}));
   EXPECT_EQ(p.run.vocab, VocabMode::Blocked);
