@@ -421,6 +421,14 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
                                    fmt::format("turn it on with {} or --schedule flatpeak, or drop {}", how, flag)});
   };
 
+  // Tokens per GPU: b·S/CP, at most 2^32 (the routing model's range).
+  int64_t bS = 0;
+  if (__builtin_mul_overflow(r.micro_batch, S, &bS) || bS / r.cp > (int64_t{1} << 32)) {
+    errs.add(Diagnostic{"", "--context", fmt::format("tokens per GPU b x S / CP must be at most 2^32 (got {} x {} / {})",
+                                                     r.micro_batch, S, r.cp),
+                        "use a smaller --context or --micro-batch, or a larger --cp"});
+    return r;
+  }
   // PipelinedLLEP.
   const int64_t T = r.tokens_per_gpu();
   const int64_t experts_per_rank = moe ? E / std::max<int64_t>(1, r.ep) : 0;
