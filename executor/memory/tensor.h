@@ -1,6 +1,6 @@
 // A move-only buffer with a dtype and shape whose storage comes only from a TrackingAllocator;
 // released when it goes out of scope (or on reset()).
-//   Tensor x(alloc, DType::BF16, {T, H}, Category::Boundary, MemorySpace::Host);  // [T, H] bf16
+//   Tensor x(alloc, DType::BF16, {T, H}, Category::Boundaries, MemorySpace::Host);  // [T, H] bf16
 //   Bf16* p = x.data<Bf16>();   x.bytes() == T * H * 2
 //   x.reset();                  // frees early; the allocator's live bytes drop at once
 #pragma once

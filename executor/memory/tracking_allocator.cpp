@@ -7,8 +7,8 @@ namespace flatpeak::exec {
 namespace {
 
 constexpr std::array<const char*, kCategoryCount> kCategoryNames = {
-    "params", "grads", "optimizer", "boundary", "activations",
-    "dispatch", "vocab", "workspace", "comm"};
+    "params", "grads", "optimizer", "fsdp", "boundaries",
+    "activations", "dispatch", "vocab", "workspace", "comm"};
 
 size_t space_index(MemorySpace space) { return static_cast<size_t>(space); }
 size_t category_index(Category category) { return static_cast<size_t>(category); }

@@ -19,22 +19,26 @@ namespace flatpeak::exec {
 enum class MemorySpace : uint8_t { Device, Host };
 constexpr int kMemorySpaceCount = 2;
 
-// What a buffer is for; the planner's terms group the same way.
+// What a buffer is for. The first eight are the columns of the traces/ timeline format
+// (traces/README.md) under the same names; Workspace and Comm have no column there, so callers
+// should tag op scratch with the category of the component it serves (the loss's logits block
+// is Vocab) and keep these two for scratch that belongs to none; a trace counts them in `total`.
 enum class Category : uint8_t {
-  Params,       // bf16 compute parameters (gathered or resident)
-  Grads,        // parameter gradients
-  Optimizer,    // fp32 master, Adam m and v, grad staging
-  Boundary,     // checkpoint boundaries (layer inputs kept for backward)
-  Activations,  // layer working set: norms, Q/K/V/O, lse, FFN intermediates, their gradients
-  Dispatch,     // MoE routing tensors, send/receive buffers, expert intermediates, combine
-  Vocab,        // vocabulary projection: logits blocks, lse, loss, their gradients
-  Workspace,    // op scratch (tiles, fp32 accumulators)
-  Comm,         // communication staging
+  Params,       // "params": parameter shards, gathered bf16 compute copies
+  Grads,        // "grads": gradient shards
+  Optimizer,    // "optimizer": fp32 master (offloaded), Adam m and v, grad staging
+  Fsdp,         // "fsdp": gathered/prefetched units, unsharded grads, reduce-scatter inputs
+  Boundaries,   // "boundaries": checkpoint boundaries (layer inputs kept for backward)
+  Activations,  // "activations": layer working set: norms, Q/K/V/O, lse, dense FFN, gradients
+  Dispatch,     // "dispatch": routing, send/receive buffers, expert intermediates, combine
+  Vocab,        // "vocab": final hidden, LM head, logits blocks, lse, loss, their gradients
+  Workspace,    // "workspace": op scratch owned by no component
+  Comm,         // "comm": communication staging owned by no component
 };
-constexpr int kCategoryCount = 9;
+constexpr int kCategoryCount = 10;
 
 const char* memory_space_name(MemorySpace space);  // "device" | "host"
-const char* category_name(Category category);      // "params", "grads", ...
+const char* category_name(Category category);      // "params", "grads", ... as above
 std::optional<Category> category_from_name(const std::string& name);
 
 using CategoryBytes = std::array<int64_t, kCategoryCount>;

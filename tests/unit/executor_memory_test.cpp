@@ -31,15 +31,15 @@ TEST(ExecutorBf16, RoundsToNearestEven) {
 
 TEST(ExecutorAllocator, CountsAlignedBytesPerCategoryAndSpace) {
   TrackingAllocator alloc({/*alignment_bytes=*/256, -1, -1});
-  Tensor x(alloc, DType::BF16, {3, 5}, Category::Boundary, MemorySpace::Host);  // [3, 5] bf16
+  Tensor x(alloc, DType::BF16, {3, 5}, Category::Boundaries, MemorySpace::Host);  // [3, 5] bf16
   EXPECT_EQ(x.bytes(), 30);
   EXPECT_EQ(x.tracked_bytes(), 256);
   Tensor w(alloc, DType::F32, {100}, Category::Params);  // [100] f32 = 400 bytes -> 512
   EXPECT_EQ(alloc.live_bytes(MemorySpace::Host), 256);
-  EXPECT_EQ(alloc.live_bytes(MemorySpace::Host, Category::Boundary), 256);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Host, Category::Boundaries), 256);
   EXPECT_EQ(alloc.live_bytes(MemorySpace::Device), 512);
   EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Params), 512);
-  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Boundary), 0);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Boundaries), 0);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(w.raw()) % 256, 0u);
   x.reset();
   EXPECT_EQ(alloc.live_bytes(MemorySpace::Host), 0);

@@ -13,8 +13,8 @@ constexpr int64_t T = 64, V = 1000, H = 32, kTokenBlock = 16, kVocabBlock = 128;
 struct LossInputs {
   Tensor x, w, targets;
   explicit LossInputs(TrackingAllocator& alloc)
-      : x(alloc, DType::BF16, {T, H}, Category::Activations),  // [T, H] bf16: 4096 B
-        w(alloc, DType::BF16, {V, H}, Category::Params),       // [V, H] bf16: 64000 B
+      : x(alloc, DType::BF16, {T, H}, Category::Vocab),  // [T, H] bf16 final hidden: 4096 B
+        w(alloc, DType::BF16, {V, H}, Category::Vocab),  // [V, H] bf16 gathered LM head: 64000 B
         targets(alloc, DType::I32, {T}, Category::Vocab) {     // [T] i32: 256 B
     Bf16* xp = x.data<Bf16>();
     Bf16* wp = w.data<Bf16>();
@@ -43,7 +43,7 @@ TEST(ExecutorVocabMemory, BlockedPeakIsHandDerived) {
   a.grad_scale = 1.0f / T;
   // fp32 [16, 128] logits block + [16, 32] dX accumulator + 3 × [16] row state = 10432 B.
   ASSERT_EQ(blocked_cross_entropy_workspace_bytes(a), (16 * 128 + 16 * 32 + 3 * 16) * 4);
-  Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Workspace);
+  Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
   a.workspace = ws.data<float>();
   for (int64_t i = 0; i < V * H; ++i) a.d_w[i] = 0.0f;
   blocked_cross_entropy_fused_cpu(a);
@@ -51,6 +51,9 @@ TEST(ExecutorVocabMemory, BlockedPeakIsHandDerived) {
   EXPECT_EQ(alloc.high_water_bytes(MemorySpace::Device), kInputBytes + 512 + kGradBytes + 10432);
   EXPECT_EQ(alloc.high_water_phase(MemorySpace::Device), "loss/fwd");
   EXPECT_EQ(alloc.live_bytes(MemorySpace::Device), kInputBytes + 512 + kGradBytes);
+  // The vocab component alone (everything but the fp32 dW grad): inputs, lse, loss, dX, block.
+  EXPECT_EQ(alloc.phase_records()[2].category_peak_bytes[static_cast<size_t>(Category::Vocab)],
+            kInputBytes + 512 + T * H * 2 + 10432);
   EXPECT_GT(loss.data<float>()[0], 0.0f);  // it ran
 }
 
@@ -79,7 +82,7 @@ TEST(ExecutorVocabMemory, MaterialisedAddsTenBytesPerLogit) {
   const PhaseRecord r = alloc.phase_records()[2];
   EXPECT_EQ(r.phase, "loss/bwd");
   EXPECT_EQ(r.category_peak_bytes[static_cast<size_t>(Category::Vocab)],
-            256 + 512 + T * H * 2 + vocab_transient);
+            kInputBytes + 512 + T * H * 2 + vocab_transient);
 }
 
 }  // namespace
