@@ -1,6 +1,7 @@
 // Assembling a plan: timeline -> five peaks -> GPU and host verdicts; --cp auto; JSON.
 #include "plan.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -169,6 +170,23 @@ Plan make_plan_fixed(const ModelSpec& model, const HardwareSpec& hardware, const
       p.warnings.push_back(load.clamp_note);
       break;
     }
+  if (p.run.llep && !p.work.moe_loads.empty()) {
+    // reference/dispatch.md §2.7 and §5.5: where LLA's bound and the cap's GEMM sizes degrade.
+    const MoeLoad& load = p.work.moe_loads.front();
+    const int64_t m = p.run.llep_min_rows;
+    if (load.send_rows < 4 * p.run.ep * m)
+      p.warnings.push_back(fmt::format("LLEP: T x k = {} rows per rank is below 4 x EP x m = {}: the least-loaded "
+                                       "assignment may overflow its capacity by up to (EP-1) x m rows",
+                                       load.send_rows, 4 * p.run.ep * m));
+    if (p.run.chunk_cap_rows > 0) {
+      const double want = static_cast<double>(m) * static_cast<double>(p.work.experts_per_rank + load.foreign_experts) /
+                          std::max(1.0, load.rho_llep);
+      if (static_cast<double>(load.chunk_cap_rows) < want && load.rounds > 1)
+        p.warnings.push_back(fmt::format("PipelinedLLEP: cap C = {} is below m x (E/EP + S_p) / rho_L = {:.0f}: expert "
+                                         "GEMMs get fewer than m = {} rows per round",
+                                         load.chunk_cap_rows, want, m));
+    }
+  }
   return p;
 }
 

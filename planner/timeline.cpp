@@ -42,6 +42,7 @@ class Builder {
     for (auto& [sig, members] : groups) {
       const int64_t rep = members.back();
       reps_.push_back(rep);
+      members_[rep] = members;
       const bool mtp = rep >= L_;
       folds_[rep] = members.size() > 1 ? ranges(members, mtp ? "MTP" : "L", mtp ? L_ : 0) : "";
     }
@@ -66,11 +67,26 @@ class Builder {
     for (int64_t l : bwd)
       if (l >= L_) {
         loss_backward("loss/mtp" + std::to_string(l - L_), 1 + l - L_, true);
-        backward_layer(l);
+        append(backward_layer(l));
       }
     loss_backward("loss", 0, M_ > 0);
-    for (int64_t l : bwd)
-      if (l < L_) backward_layer(l);
+    // A group's backward instances trade resident boundaries (fewer for lower layers) against
+    // reduced grad shards (more for lower layers): the worst is its highest or its lowest member.
+    std::vector<std::vector<Phase>> groups;
+    for (int64_t l : bwd) {
+      if (l >= L_) continue;
+      std::vector<Phase> high = backward_layer(l);
+      const int64_t low_index = members_[l].front();
+      if (low_index != l && !all_grads_) {
+        std::vector<Phase> low = backward_layer(low_index, folds_[l]);
+        if (max_bytes(low) > max_bytes(high)) high = std::move(low);
+      }
+      groups.push_back(std::move(high));
+    }
+    std::stable_sort(groups.begin(), groups.end(), [](const std::vector<Phase>& a, const std::vector<Phase>& b) {
+      return layer_of(a.front().name) > layer_of(b.front().name);
+    });
+    for (auto& g : groups) append(std::move(g));
     backward_embedding();
     for (auto& p : optimizer_phases(c_)) emit("opt/" + p.suffix, p.folds, persistent_state(c_.work.shard_params), p.terms);
     tl.phases = std::move(phases_);
@@ -78,6 +94,36 @@ class Builder {
   }
 
  private:
+  static int64_t max_bytes(const std::vector<Phase>& phases) {
+    int64_t m = 0;
+    for (const auto& p : phases) m = std::max(m, p.device_bytes());
+    return m;
+  }
+  static int64_t layer_of(const std::string& name) {  // "bwd/L12/..." -> 12
+    const size_t at = name.find("/L");
+    return at == std::string::npos ? -1 : std::stoll(name.substr(at + 2));
+  }
+  void append(std::vector<Phase> phases) {
+    for (auto& p : phases) phases_.push_back(std::move(p));
+  }
+
+  // Grad shards already reduce-scattered when the backward of layer l starts (reduction order:
+  // MTP modules from the last, the head, layers from L-1 down), and the unit in flight.
+  int64_t reduced_before(int64_t l) const {
+    int64_t sum = 0;
+    auto shard = [&](int64_t unit_index) { return c_.work.units[static_cast<size_t>(unit_index)].shard_params; };
+    for (int64_t j = L_ + M_ - 1; j > l && j >= L_; --j) sum += shard(unit(j));
+    if (l < L_) {
+      sum += shard(c_.work.head_unit);
+      for (int64_t i = L_ - 1; i > l; --i) sum += shard(unit(i));
+    }
+    return sum;
+  }
+  int64_t in_flight_before(int64_t l) const {
+    if (l >= L_) return l + 1 < L_ + M_ ? unit(l + 1) : -1;
+    return l + 1 < L_ ? unit(l + 1) : c_.work.head_unit;
+  }
+
   Signature signature(int64_t l) const {
     const LayerSpec s = c_.layer_spec(l);
     const bool mtp = l >= L_;
@@ -168,12 +214,14 @@ class Builder {
   }
 
   void loss_backward(const std::string& name, int64_t index, bool mtp_pending) {
-    TermList base = persistent_state(grads(reduced_));
+    // Main loss: the MTP modules are reduced; an MTP loss: the modules after it.
+    const int64_t after = index > 0 ? L_ + index - 1 : L_ - 1;
+    TermList base = persistent_state(grads(index > 0 ? reduced_before(after) : reduced_before(L_ - 1) - head_shard()));
     add_boundaries(c_, resident_upto(L_ - 1) + (index > 0 ? index : 0), 0, true, base);
     if (index > 0) add_loss_saved(c_, "main loss ", base);
     (void)mtp_pending;
     const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
-    add_fsdp(c_, FsdpLive{-1, next, -1, reduce_scatter_}, base);
+    add_fsdp(c_, FsdpLive{-1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1)}, base);
     auto phases = loss_backward_phases(c_);
     if (phases.empty()) {
       // Gradients were computed in the forward pass; the backward only scales them.
@@ -182,17 +230,24 @@ class Builder {
       emit(name + "/bwd", "", base, t);
     }
     for (auto& p : phases) emit(name + "/" + p.suffix, p.folds, base, p.terms);
-    if (index == 0) {
-      reduce_scatter_ = c_.work.head_unit;
-      reduced_ += c_.work.units[static_cast<size_t>(c_.work.head_unit)].shard_params;
-    }
   }
 
-  void backward_layer(int64_t l) {
+  int64_t head_shard() const { return c_.work.units[static_cast<size_t>(c_.work.head_unit)].shard_params; }
+
+  // The backward phases of layer l (folds: the set it stands for, default its group's).
+  std::vector<Phase> backward_layer(int64_t l, const std::string& folds_override = "") {
+    std::vector<Phase> out;
+    auto emit = [&](const std::string& name, const std::string& f, const TermList& base, const TermList& extra) {
+      Phase p{name, f, base};
+      p.terms.append(extra);
+      out.push_back(std::move(p));
+    };
     const bool mtp = l >= L_;
     const std::string prefix = "bwd/" + layer_name(l) + "/";
-    const std::string folds = folds_[l];
-    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : unit(L_ - 1)) : (l > 0 ? unit(l - 1) : 0);
+    const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
+    // Next unit in backward order: the previous layer; after the first MTP module, the head
+    // (the main loss backward follows); after L0, the embedding.
+    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : c_.work.head_unit) : (l > 0 ? unit(l - 1) : 0);
     // Boundaries: inputs 0..l not offloaded, plus this layer's fetched input and the prefetch.
     int64_t in_flight = 0;
     if (!mtp) {
@@ -200,8 +255,8 @@ class Builder {
       for (int64_t i = std::max<int64_t>(0, l - c_.run.sco_prefetch); i < l; ++i) in_flight += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
     }
     auto base_of = [&](bool with_grad) {
-      TermList base = persistent_state(grads(reduced_));
-      add_fsdp(c_, FsdpLive{unit(l), prev, with_grad ? unit(l) : -1, reduce_scatter_}, base);
+      TermList base = persistent_state(grads(reduced_before(l)));
+      add_fsdp(c_, FsdpLive{unit(l), prev, with_grad ? unit(l) : -1, in_flight_before(l)}, base);
       add_boundaries(c_, resident_upto(l), in_flight, false, base);
       if (mtp) add_loss_saved(c_, "main loss ", base);
       return base;
@@ -248,21 +303,12 @@ class Builder {
     TermList attn = c_.list();
     add_attention_backward(c_, l, attn);
     emit(prefix + "attn", folds, bwd, attn);
-    reduce_scatter_ = unit(l);
-    // Folded layers reduce too: account for every layer this representative stands for.
-    reduced_ += c_.work.units[static_cast<size_t>(unit(l))].shard_params * fold_count(l);
-  }
-
-  int64_t fold_count(int64_t l) const {
-    const Signature s = signature(l);
-    int64_t n = 0;
-    for (int64_t i = 0; i < L_ + M_; ++i) n += signature(i) == s ? 1 : 0;
-    return n;
+    return out;
   }
 
   void backward_embedding() {
-    TermList base = persistent_state(grads(reduced_));
-    add_fsdp(c_, FsdpLive{0, -1, 0, reduce_scatter_}, base);
+    TermList base = persistent_state(grads(c_.work.shard_params - c_.work.units[0].shard_params));
+    add_fsdp(c_, FsdpLive{0, -1, 0, unit(0)}, base);
     TermList t = c_.list();
     t.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
     emit("bwd/embed", "", base, t);
@@ -273,9 +319,8 @@ class Builder {
   std::vector<bool> offloaded_;
   std::vector<int64_t> reps_;
   std::map<int64_t, std::string> folds_;
+  std::map<int64_t, std::vector<int64_t>> members_;  // representative -> its group, ascending
   bool all_grads_ = false;
-  int64_t reduced_ = 0;          // grad shard params already reduce-scattered
-  int64_t reduce_scatter_ = -1;  // unit whose reduce-scatter is in flight
   std::vector<Phase> phases_;
 };
 
