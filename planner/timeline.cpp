@@ -31,7 +31,7 @@ std::string ranges(const std::vector<int64_t>& layers, const char* prefix, int64
 
 class Builder {
  public:
-  explicit Builder(const Context& c) : c_(c) {
+  Builder(const Context& c, bool fold) : c_(c), fold_(fold) {
     L_ = c.model.num_layers;
     M_ = c.run.mtp ? c.model.mtp_layers : 0;
     for (int64_t l = 0; l < L_; ++l) offloaded_.push_back(c.run.sco_offloaded.size() > static_cast<size_t>(l) &&
@@ -54,8 +54,7 @@ class Builder {
     Timeline tl;
     tl.host_per_gpu = host_terms_per_gpu(c_);
     forward_embedding();
-    for (int64_t l : reps_)
-      if (l < L_) forward_layer(l);
+    append_sorted(layer_instances(false), true);
     loss_forward("loss", 0);
     for (int64_t l : reps_)
       if (l >= L_) {
@@ -63,30 +62,13 @@ class Builder {
         loss_forward("loss/mtp" + std::to_string(l - L_), 1 + l - L_);
       }
     // Backward: MTP losses and modules first (created last), then the main loss and the layers.
-    std::vector<int64_t> bwd(reps_.rbegin(), reps_.rend());
-    for (int64_t l : bwd)
-      if (l >= L_) {
-        loss_backward("loss/mtp" + std::to_string(l - L_), 1 + l - L_, true);
-        append(backward_layer(l));
+    for (auto it = reps_.rbegin(); it != reps_.rend(); ++it)
+      if (*it >= L_) {
+        loss_backward("loss/mtp" + std::to_string(*it - L_), 1 + *it - L_, true);
+        append(backward_layer(*it));
       }
     loss_backward("loss", 0, M_ > 0);
-    // A group's backward instances trade resident boundaries (fewer for lower layers) against
-    // reduced grad shards (more for lower layers): the worst is its highest or its lowest member.
-    std::vector<std::vector<Phase>> groups;
-    for (int64_t l : bwd) {
-      if (l >= L_) continue;
-      std::vector<Phase> high = backward_layer(l);
-      const int64_t low_index = members_[l].front();
-      if (low_index != l && !all_grads_) {
-        std::vector<Phase> low = backward_layer(low_index, folds_[l]);
-        if (max_bytes(low) > max_bytes(high)) high = std::move(low);
-      }
-      groups.push_back(std::move(high));
-    }
-    std::stable_sort(groups.begin(), groups.end(), [](const std::vector<Phase>& a, const std::vector<Phase>& b) {
-      return layer_of(a.front().name) > layer_of(b.front().name);
-    });
-    for (auto& g : groups) append(std::move(g));
+    append_sorted(layer_instances(true), false);
     backward_embedding();
     for (auto& p : optimizer_phases(c_)) emit("opt/" + p.suffix, p.folds, persistent_state(c_.work.shard_params), p.terms);
     tl.phases = std::move(phases_);
@@ -94,6 +76,49 @@ class Builder {
   }
 
  private:
+  // The instances that stand for each group of decoder layers: the last member (most boundaries
+  // resident) and, when its live set is larger, the worst of the candidates where the maximum
+  // can sit: the members next to the group's ends (their FSDP neighbours differ) and, in
+  // backward, the first member (boundaries fall but reduced grad shards grow down the stack;
+  // between the ends the total changes linearly, so its maximum is at an end).
+  std::vector<std::vector<Phase>> layer_instances(bool backward) {
+    std::vector<std::vector<Phase>> out;
+    for (int64_t rep : reps_) {
+      if (rep >= L_) continue;
+      const std::vector<int64_t>& mem = members_[rep];
+      std::vector<int64_t> candidates;
+      if (mem.size() >= 2) candidates.push_back(mem[mem.size() - 2]);
+      if (backward && !all_grads_ && mem.size() >= 3) candidates.push_back(mem[1]);
+      if (backward && !all_grads_ && mem.size() >= 2) candidates.push_back(mem[0]);
+      std::vector<Phase> last = instance(rep, backward, folds_[rep]);
+      std::vector<Phase> worst;
+      int64_t worst_bytes = max_bytes(last);
+      for (int64_t l : candidates) {
+        std::vector<Phase> p = instance(l, backward, folds_[rep]);
+        if (max_bytes(p) > worst_bytes) worst_bytes = max_bytes(p), worst = std::move(p);
+      }
+      out.push_back(std::move(last));
+      if (!worst.empty()) out.push_back(std::move(worst));
+    }
+    return out;
+  }
+
+  std::vector<Phase> instance(int64_t l, bool backward, const std::string& folds) {
+    if (backward) return backward_layer(l, folds);
+    std::vector<Phase> saved;
+    std::swap(saved, phases_);
+    forward_layer(l, folds);
+    std::swap(saved, phases_);
+    return saved;
+  }
+
+  void append_sorted(std::vector<std::vector<Phase>> groups, bool ascending) {
+    std::stable_sort(groups.begin(), groups.end(), [ascending](const std::vector<Phase>& a, const std::vector<Phase>& b) {
+      return ascending ? layer_of(a.front().name) < layer_of(b.front().name) : layer_of(a.front().name) > layer_of(b.front().name);
+    });
+    for (auto& g : groups) append(std::move(g));
+  }
+
   static int64_t max_bytes(const std::vector<Phase>& phases) {
     int64_t m = 0;
     for (const auto& p : phases) m = std::max(m, p.device_bytes());
@@ -131,7 +156,7 @@ class Builder {
     const int64_t routing = moe >= 0 && c_.work.moe_loads.size() > 1 ? moe % static_cast<int64_t>(c_.work.moe_loads.size()) : -1;
     const bool window_matters = c_.run.cp > 1;
     return {mtp, static_cast<int>(s.ffn), window_matters ? static_cast<int>(s.window) : 0,
-            window_matters ? s.attention_window_tokens : 0, routing + (mtp ? l * 1000 : 0)};
+            window_matters ? s.attention_window_tokens : 0, routing + (mtp || !fold_ ? (l + 1) * 1000000 : 0)};
   }
 
   std::string layer_name(int64_t l) const { return l < L_ ? "L" + std::to_string(l) : "MTP" + std::to_string(l - L_); }
@@ -168,7 +193,7 @@ class Builder {
     emit("fwd/embed", "", base, t);
   }
 
-  void forward_layer(int64_t l) {
+  void forward_layer(int64_t l, const std::string& folds_override = "") {
     const bool mtp = l >= L_;
     TermList base = persistent_state(grads(0));
     const int64_t next = l + 1 < L_ + M_ ? unit(l + 1) : c_.work.head_unit;
@@ -177,7 +202,7 @@ class Builder {
     add_boundaries(c_, resident_upto(l), in_flight ? 1 : 0, mtp, base);
     if (mtp) add_loss_saved(c_, "main loss ", base);  // the main loss's backward runs after MTP's
     const std::string prefix = "fwd/" + layer_name(l) + "/";
-    const std::string folds = folds_[l];
+    const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
     TermList attn = c_.list();
     if (mtp) attn.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
     add_attention_forward(c_, l, attn);
@@ -315,6 +340,7 @@ class Builder {
   }
 
   const Context& c_;
+  bool fold_ = true;
   int64_t L_ = 0, M_ = 0;
   std::vector<bool> offloaded_;
   std::vector<int64_t> reps_;
@@ -326,6 +352,6 @@ class Builder {
 
 }  // namespace
 
-Timeline build_timeline(const Context& c) { return Builder(c).build(); }
+Timeline build_timeline(const Context& c, bool fold) { return Builder(c, fold).build(); }
 
 }  // namespace flatpeak::planner

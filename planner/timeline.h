@@ -24,6 +24,7 @@ struct Timeline {
   TermList host_per_gpu;  // pinned host memory of one GPU's process, allocated for the whole step
 };
 
-Timeline build_timeline(const Context& c);
+// fold = false lists every layer (for tests of the folding rule; plans always fold).
+Timeline build_timeline(const Context& c, bool fold = true);
 
 }  // namespace flatpeak::planner

@@ -104,11 +104,13 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
   EXPECT_EQ(p.summary.gpu_peak_bytes, top);
   EXPECT_EQ(p.summary.gpu_peak_phase, "bwd/L0/moe/experts");
   EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
-  // Checkpoint: 2 boundaries resident only in L1's forward (L0's backward holds one); the largest
-  // total there is the combine: fwd base 12512 + h1, norm-2 out 512 + routing 1216 + meta 384 +
-  // fc2 out, unpermuted, combine receive 3*512 + MoE output 256.
-  EXPECT_EQ(ckpt.phase, "fwd/L1/moe/combine");
-  EXPECT_EQ(ckpt.bytes, state + 864 + 528 + 512 + 512 + route + 384 + 3 * 512 + 256);
+  // Checkpoint: 2 boundaries resident in L1's forward and backward (the folded group keeps L1,
+  // the instance with most boundaries, beside L0, the worst); the largest total with 2 is
+  // bwd/L1/moe/experts: only the head's grads reduced (528), gathered L1 864, prefetched L0 864,
+  // head reduce-scatter 1056, boundaries 512, L1 unsharded grads 864, block, routing, meta,
+  // saved experts 1280 and their grads 1280.
+  EXPECT_EQ(ckpt.phase, "bwd/L1/moe/experts");
+  EXPECT_EQ(ckpt.bytes, state + 528 + 864 + 864 + 1056 + 512 + 864 + block + route + 384 + 1280 + 1280);
   EXPECT_EQ(p.summary.required_bytes, top + 1000 + (top * 5 + 99) / 100);
   EXPECT_TRUE(p.summary.fits());
   // Host: only the fixed per-node term.
