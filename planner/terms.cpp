@@ -50,15 +50,21 @@ int64_t align_up(int64_t bytes, int64_t alignment) {
 void TermList::add(const std::string& name, std::initializer_list<Dim> dims, Dtype dtype, Category category,
                    int64_t count, Space space) {
   int64_t elems = 1;
-  std::string shape = "[";
+  for (const Dim& dim : dims) elems = checked_mul(elems, dim.value);
+  if (elems <= 0 || count <= 0) return;
+  std::string shape;
+  shape.reserve(48);
+  shape += '[';
   bool first = true;
   for (const Dim& dim : dims) {
-    elems = checked_mul(elems, dim.value);
-    shape += fmt::format("{}{}={}", first ? "" : ", ", dim.symbol, dim.value);
+    if (!first) shape += ", ";
+    shape += dim.symbol;
+    shape += '=';
+    shape += std::to_string(dim.value);
     first = false;
   }
-  shape += fmt::format("] {}", dtype.name);
-  if (elems <= 0 || count <= 0) return;
+  shape += "] ";
+  shape += dtype.name;
   const int64_t one = align_up(checked_mul(elems, dtype.bytes), space == Space::Device ? alignment_bytes_ : 1);
   terms_.push_back(Term{name, shape, count, checked_mul(count, one), category, space});
 }

@@ -40,7 +40,10 @@ Config random_config(std::mt19937_64& rng) {
     c.flags.push_back({"--chunk-cap-rows", "16"});
     c.flags.push_back({"--llep-min-rows", "4"});
   }
-  if (schedule == "flatpeak") c.flags.push_back({"--bucket-params", "256"});
+  if (schedule == "flatpeak") {
+    c.flags.push_back({"--bucket-params", "256"});
+    c.flags.push_back({"--sco-layers", "all"});  // fixed knobs: not the auto layer count
+  }
   return c;
 }
 
