@@ -208,6 +208,8 @@ RunSpec baseline_spec(const RunSpec& spec) {
   b.overhead_bytes = spec.overhead_bytes;
   b.fragmentation = spec.fragmentation;
   b.schedule = Schedule::Baseline;
+  // DESIGN.md: the baseline keeps the optimizer on the GPU unless --optimizer serial is given.
+  if (spec.optimizer == OptimizerPlacement::Serial) b.optimizer = OptimizerPlacement::Serial;
   return b;
 }
 

@@ -266,7 +266,10 @@ TEST(PlannerTiny, OptimizerOffloadSerialAndStream) {
   EXPECT_EQ(s.summary.peak(PeakKind::Optimizer).phase, "opt/d2h");
   // Host: master, m, v, fp32 grad staging (16 B) + bf16 landing and staging (4 B) per parameter.
   EXPECT_EQ(s.summary.host_per_gpu_bytes, 20 * kShard);
+  // The baseline summary honours --optimizer serial (DESIGN.md), not OffloadStreamAdamW.
+  EXPECT_EQ(s.baseline.peak(PeakKind::Optimizer).component_bytes, 4 * kShard);
   const Plan b = plan_of(tiny_moe(), tiny_gpu(), with({{"--optimizer", "stream"}, {"--bucket-params", "100"}, {"--bucket-depth", "3"}}));
+  EXPECT_EQ(b.baseline.peak(PeakKind::Optimizer).component_bytes, 16 * kShard);
   EXPECT_EQ(b.summary.peak(PeakKind::Optimizer).component_bytes, 4 * kShard);
   EXPECT_EQ(b.summary.peak(PeakKind::Optimizer).phase, "opt/bucket0");
   // Host: 16 B per parameter + 2 directions * depth 3 * 100 params * 2 B.
