@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "executor/cpu/gemm_cpu.h"
 #include "executor/ops/attention.h"
 #include "executor/ops/embedding.h"
 #include "executor/ops/linear.h"
@@ -60,6 +62,23 @@ TEST(ExecutorLinear, Bf16StorageWithinBf16Rounding) {
   linear_forward_cpu(a);
   // One rounding of an fp32-accumulated value: relative error <= 2^-8 of the largest output.
   expect_close(to_f64(y), linear_ref(x, w, T, in, out), 1.0 / 256, "y bf16");
+}
+
+// The GEMM promises each output element the same fp32 sum whatever block of C it is computed
+// in: C computed whole equals, bit for bit, C assembled from calls on odd row and column ranges.
+TEST(ExecutorGemm, OutputIndependentOfTiling) {
+  const int64_t M = 77, N = 70, K = 150;
+  const Buf<float> a = to_f32_buf(random_buf(M * K, 18)), b = to_f32_buf(random_buf(N * K, 19));
+  Buf<float> whole(M * N), pieces(M * N);
+  gemm_cpu(false, true, M, N, K, 1.0f, a.data(), K, b.data(), K, false, whole.data(), N);
+  const int64_t row_cuts[] = {0, 5, 69, 77}, col_cuts[] = {0, 3, 66, 70};
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 3; ++j) {
+      const int64_t r0 = row_cuts[i], c0 = col_cuts[j];
+      gemm_cpu(false, true, row_cuts[i + 1] - r0, col_cuts[j + 1] - c0, K, 1.0f, a.data() + r0 * K,
+               K, b.data() + c0 * K, K, false, pieces.data() + r0 * N + c0, N);
+    }
+  EXPECT_EQ(std::memcmp(whole.data(), pieces.data(), sizeof(float) * static_cast<size_t>(M * N)), 0);
 }
 
 // ---------------------------------------------------------------------------------- embedding
@@ -203,6 +222,18 @@ TEST(ExecutorAttentionBf16, WithinBf16Rounding) {
   a.workspace = ws.data();
   attention_forward_cpu(a);
   expect_close(to_f64(out), attention_ref(q, k, v, s), 1.0 / 128, "out bf16");
+  // Backward through bf16 storage: inputs, O and dO are bf16, so gradients carry a few bf16
+  // roundings; 2^-6 of the largest gradient bounds them (a wrong formula is off by O(1)).
+  const Vec r = bf16_exact(random_buf(s.T * s.a * s.d, 18));
+  Buf<Bf16> rb = to_bf16_buf(r), dq(q.n()), dk(k.n()), dv(v.n());
+  a.d_out = rb.data(); a.d_q = dq.data(); a.d_k = dk.data(); a.d_v = dv.data();
+  attention_backward_cpu(a);
+  expect_close(to_f64(dq), finite_diff([&](const Vec& x) { return dot(attention_ref(x, k, v, s), r); }, q),
+               1.0 / 64, "dq bf16");
+  expect_close(to_f64(dk), finite_diff([&](const Vec& x) { return dot(attention_ref(q, x, v, s), r); }, k),
+               1.0 / 64, "dk bf16");
+  expect_close(to_f64(dv), finite_diff([&](const Vec& x) { return dot(attention_ref(q, k, x, s), r); }, v),
+               1.0 / 64, "dv bf16");
 }
 
 }  // namespace
