@@ -333,7 +333,6 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   auto knob = [&](const std::string& name, nlohmann::ordered_json value, bool given, const std::string& otherwise) {
     r.knobs.push_back(Knob{name, std::move(value), given ? "given" : otherwise});
   };
-  const size_t errors_before = errs.size();
   const int64_t N = s.gpus;
   const int64_t S = s.context_tokens;
   const int64_t E = model.num_experts;
@@ -572,7 +571,6 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
     technique_off(s.bucket_params.has_value(), "--bucket-params", "OffloadStreamAdamW", "--optimizer stream");
     technique_off(s.bucket_depth.has_value(), "--bucket-depth", "OffloadStreamAdamW", "--optimizer stream");
   }
-  (void)errors_before;
   return r;
 }
 

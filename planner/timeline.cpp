@@ -64,10 +64,10 @@ class Builder {
     // Backward: MTP losses and modules first (created last), then the main loss and the layers.
     for (auto it = reps_.rbegin(); it != reps_.rend(); ++it)
       if (*it >= L_) {
-        loss_backward("loss/mtp" + std::to_string(*it - L_), 1 + *it - L_, true);
+        loss_backward("loss/mtp" + std::to_string(*it - L_), 1 + *it - L_);
         append(backward_layer(*it));
       }
-    loss_backward("loss", 0, M_ > 0);
+    loss_backward("loss", 0);
     append_sorted(layer_instances(true), false);
     backward_embedding();
     for (auto& p : optimizer_phases(c_)) emit("opt/" + p.suffix, p.folds, persistent_state(c_.work.shard_params), p.terms);
@@ -238,13 +238,12 @@ class Builder {
     for (auto& p : loss_forward_phases(c_)) emit(name + "/" + p.suffix, p.folds, base, p.terms);
   }
 
-  void loss_backward(const std::string& name, int64_t index, bool mtp_pending) {
+  void loss_backward(const std::string& name, int64_t index) {
     // Main loss: the MTP modules are reduced; an MTP loss: the modules after it.
     const int64_t after = index > 0 ? L_ + index - 1 : L_ - 1;
     TermList base = persistent_state(grads(index > 0 ? reduced_before(after) : reduced_before(L_ - 1) - head_shard()));
     add_boundaries(c_, resident_upto(L_ - 1) + (index > 0 ? index : 0), 0, true, base);
     if (index > 0) add_loss_saved(c_, "main loss ", base);
-    (void)mtp_pending;
     const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
     add_fsdp(c_, FsdpLive{-1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1)}, base);
     auto phases = loss_backward_phases(c_);

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 
 #include "planner_test_util.h"
 
@@ -324,6 +325,28 @@ TEST(PlannerTiny, LlepUnderImbalanceUsesTheLeastLoadedAssignment) {
   // Foreign expert weights (S_p * 96 params * 2 B) appear in the dispatch terms.
   EXPECT_EQ(term_bytes(phase(ll, "fwd/L1/moe/dispatch"), "LLEP foreign expert weights"), load.foreign_experts * 96 * 2);
   EXPECT_LT(ll.summary.peak(PeakKind::Dispatch).component_bytes, ep.summary.peak(PeakKind::Dispatch).component_bytes);
+}
+
+TEST(PlannerTiny, RoutingFilePerLayerSeparatesLayers) {
+  // Layer 0 balanced, layer 1: both sources send everything to rank 0's experts (0, 1).
+  const std::string path = ::testing::TempDir() + "planner_routing.json";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(R"({"flatpeak_routing": 1, "ep_ranks": 2, "num_experts": 4,
+                 "layers": [[[1, 1, 1, 1], [1, 1, 1, 1]], [[1, 1, 0, 0], [1, 1, 0, 0]]]})", f);
+    std::fclose(f);
+  }
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--imbalance", "file=" + path}}));
+  ASSERT_EQ(p.work.moe_loads.size(), 2u);
+  EXPECT_EQ(p.work.moe_loads[0].recv_rows_ep, 32);
+  EXPECT_EQ(p.work.moe_loads[1].recv_rows_ep, 64);  // top-2 of {0, 1}: every copy lands on rank 0
+  // The layers no longer fold together: both appear, and the dispatch peak is layer 1's.
+  EXPECT_TRUE(has_phase(p, "fwd/L0/moe/dispatch"));
+  EXPECT_TRUE(has_phase(p, "fwd/L1/moe/dispatch"));
+  EXPECT_EQ(term_bytes(phase(p, "fwd/L1/moe/dispatch"), "dispatch receive buffer"), 64 * 8 * 2);
+  EXPECT_EQ(term_bytes(phase(p, "fwd/L0/moe/dispatch"), "dispatch receive buffer"), 32 * 8 * 2);
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).phase.rfind("bwd/L1/", 0), 0u);
 }
 
 TEST(PlannerTiny, AccumulationKeepsGradsInForward) {
