@@ -12,9 +12,10 @@ void check(const EmbeddingArgs& a) {
   require(a.token_ids != nullptr || a.tokens == 0, "embedding", "token_ids is null");
   for (int64_t t = 0; t < a.tokens; ++t) {
     const int64_t id = a.token_ids[t];
-    require(id >= 0 && id < a.vocab, "embedding",
-            "token_ids[" + std::to_string(t) + "] = " + std::to_string(id) + " not in 0.." +
-                std::to_string(a.vocab - 1));
+    if (id < 0 || id >= a.vocab) {
+      fail("embedding", "token_ids[" + std::to_string(t) + "] = " + std::to_string(id) +
+                        " not in 0.." + std::to_string(a.vocab - 1));
+    }
   }
 }
 

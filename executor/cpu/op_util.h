@@ -10,8 +10,14 @@
 
 namespace flatpeak::exec {
 
-inline void require(bool ok, const char* op, const std::string& what) {
-  if (!ok) throw std::invalid_argument(std::string(op) + ": " + what);
+[[noreturn]] inline void fail(const char* op, const std::string& what) {
+  throw std::invalid_argument(std::string(op) + ": " + what);
+}
+
+// Takes a plain C string so that a passing check builds no std::string (ops stay off the heap);
+// messages with values are built only on failure: `if (!ok) fail(op, "..." + ...)`.
+inline void require(bool ok, const char* op, const char* what) {
+  if (!ok) fail(op, what);
 }
 
 // Calls f(T{}) with T = float for F32 and Bf16 for BF16; other dtypes are an argument error.
@@ -22,8 +28,7 @@ void dispatch_compute(DType dtype, const char* op, F&& f) {
   } else if (dtype == DType::BF16) {
     f(Bf16{});
   } else {
-    require(false, op, std::string("compute dtype must be f32 or bf16 (got ") + dtype_name(dtype) +
-                           ")");
+    fail(op, std::string("compute dtype must be f32 or bf16 (got ") + dtype_name(dtype) + ")");
   }
 }
 

@@ -26,9 +26,10 @@ void moe_route_cpu(const PermuteArgs& a) {
   for (int64_t e = 0; e < a.experts; ++e) a.expert_counts[e] = 0;
   for (int64_t i = 0; i < copies; ++i) {
     const int64_t e = a.topk_ids[i];
-    require(e >= 0 && e < a.experts, "permute",
-            "topk_ids[" + std::to_string(i) + "] = " + std::to_string(e) + " not in 0.." +
-                std::to_string(a.experts - 1));
+    if (e < 0 || e >= a.experts) {
+      fail("permute", "topk_ids[" + std::to_string(i) + "] = " + std::to_string(e) +
+                      " not in 0.." + std::to_string(a.experts - 1));
+    }
     ++a.expert_counts[e];
   }
   // Counting sort: each expert's first row, then copies in (token, slot) order.
