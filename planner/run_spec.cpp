@@ -138,7 +138,9 @@ std::optional<E> parse_enum(const std::string& text, std::initializer_list<std::
 RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& flags, InputErrors& errs) {
   RunSpec s;
   bool have_gpus = false, have_context = false;
-  for (const auto& [flag, text] : flags) {
+  for (const auto& item : flags) {
+    const std::string& flag = item.first;  // named, not a structured binding: lambdas capture it
+    const std::string& text = item.second;
     auto count = [&](std::optional<int64_t>& out, int64_t min) {
       auto v = parse_count(text);
       if (!v && min == 0 && text == "0") v = 0;
