@@ -401,6 +401,23 @@ TEST(PlannerTiny, AllTechniquesTogetherLowerEveryComponentAtLength) {
   EXPECT_EQ(fp.baseline.gpu_peak_bytes, base.summary.gpu_peak_bytes);
 }
 
+TEST(PlannerTiny, FlatpeakScheduleByHand) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(),
+                         with({{"--schedule", "flatpeak"}, {"--chunk-cap-rows", "8"}, {"--sco-layers", "all"}}));
+  // OffloadStreamAdamW: bf16 param shards 884*2 on the GPU; grads bf16.
+  EXPECT_EQ(phase(p, "opt/bucket0").device_bytes(), 884 * 2 + 884 * 2);
+  // Ring-DTP (R = 2, rotate weights) backward block: bf16 params 1768, no grads reduced yet, final
+  // hidden 256 (every boundary is on the host), prefetched L1 864, vocab 3904 (see RingDtpAlone).
+  EXPECT_EQ(phase(p, "loss/bwd/blk0").device_bytes(), 1768 + 256 + 864 + 3904);
+  // PipelinedLLEP forward round in the no-grad forward: bf16 params, L1 gathered 864, head
+  // prefetched 264 (Ring-DTP gathers only the V/R shard: 528/2), x1 being copied 256; h1, norm-2 out 512; routing 1216 + round buffers 3520 +
+  // round expert input, fc1, act 480 + round fc2 out, unpermuted 2*12*8*2 = 384.
+  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch/r0").device_bytes(), 1768 + 864 + 264 + 256 + 512 + 1216 + 3520 + 480 + 384);
+  // Host per GPU: 16 B per shard param + bucket staging 2*2*884*2 (bucket = min(64Mi, 884)) + 2
+  // offloaded boundaries.
+  EXPECT_EQ(p.summary.host_per_gpu_bytes, 16 * 884 + 2 * 2 * 884 * 2 + 2 * 256);
+}
+
 TEST(PlannerTiny, AlignmentRoundsEveryTensor) {
   HardwareSpec h = tiny_gpu();
   h.allocation_alignment_bytes = 512;
