@@ -1,0 +1,154 @@
+// The vocab component run (vocab_schedule.h). Blocked: the op is called once per token block, so
+// each block is its own phase; dW accumulates (+=) across the calls in token order, which is the
+// order one whole-T call uses, so splitting changes no bit.
+#include "executor/schedules/vocab_schedule.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "executor/memory/tensor.h"
+#include "executor/ops/cross_entropy.h"
+#include "executor/ops/dtype.h"
+#include "executor/schedules/schedule_util.h"
+
+namespace flatpeak::exec {
+
+namespace {
+
+struct LossData {
+  Tensor x, w, targets;
+  LossData(TrackingAllocator& alloc, const VocabScheduleConfig& c)
+      : x(alloc, DType::BF16, {c.tokens, c.hidden}, Category::Vocab),   // [T, H] bf16
+        w(alloc, DType::BF16, {c.vocab, c.hidden}, Category::Vocab),    // [V, H] bf16
+        targets(alloc, DType::I32, {c.tokens}, Category::Workspace) {  // [T] i32 labels
+    fill_bf16(x.data<Bf16>(), x.numel(), c.seed * 3 + 1, 1.0f);
+    fill_bf16(w.data<Bf16>(), w.numel(), c.seed * 3 + 2, 0.5f);
+    fill_targets(targets.data<int32_t>(), c.tokens, c.vocab, c.seed * 3 + 3);
+  }
+};
+
+void check(const VocabScheduleConfig& c) {
+  if (c.tokens <= 0 || c.hidden <= 0 || c.vocab <= 0)
+    throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
+  if (c.mode == VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
+    throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
+}
+
+double mean_of(const Tensor& loss) {
+  double sum = 0.0;
+  const float* p = loss.data<float>();
+  for (int64_t i = 0; i < loss.numel(); ++i) sum += static_cast<double>(p[i]);
+  return sum / static_cast<double>(loss.numel());
+}
+
+void copy_out(const Tensor& dx, const Tensor& dw, VocabScheduleResult& r) {
+  r.d_x.resize(static_cast<size_t>(dx.numel()));
+  const Bf16* px = dx.data<Bf16>();
+  for (int64_t i = 0; i < dx.numel(); ++i) r.d_x[static_cast<size_t>(i)] = to_f32(px[i]);
+  const float* pw = dw.data<float>();
+  r.d_w.assign(pw, pw + dw.numel());
+}
+
+VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c) {
+  VocabScheduleResult result;
+  LossData in(alloc, c);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, Tb = std::min(c.token_block_rows, c.tokens);
+  const int64_t blocks = (T + Tb - 1) / Tb;
+  Tensor lse(alloc, DType::F32, {T}, Category::Vocab);   // [T] fp32
+  Tensor loss(alloc, DType::F32, {T}, Category::Vocab);  // [T] fp32 per token
+  Tensor dx, dw;
+  auto args_for = [&](int64_t block) {
+    const int64_t t0 = block * Tb, rows = std::min(Tb, T - t0);
+    CrossEntropyArgs a;
+    a.dtype = DType::BF16;
+    a.x = in.x.data<Bf16>() + t0 * H;
+    a.w = in.w.raw();
+    a.targets = in.targets.data<int32_t>() + t0;
+    a.lse = lse.data<float>() + t0;
+    a.loss = loss.data<float>() + t0;
+    a.grad_scale = 1.0f / static_cast<float>(T);
+    a.d_x = dx.empty() ? nullptr : static_cast<void*>(dx.data<Bf16>() + t0 * H);
+    a.d_w = dw.empty() ? nullptr : dw.data<float>();
+    a.tokens = rows;
+    a.vocab = V;
+    a.hidden = H;
+    a.token_block_rows = Tb;
+    a.vocab_block_rows = std::min(c.vocab_block_rows, V);
+    return a;
+  };
+  auto make_grads = [&]() {
+    dx = Tensor(alloc, DType::BF16, {T, H}, Category::Vocab);  // [T, H] bf16
+    dw = Tensor(alloc, DType::F32, {V, H}, Category::Vocab);   // [V, H] fp32, +=
+    std::fill(dw.data<float>(), dw.data<float>() + dw.numel(), 0.0f);
+  };
+  if (c.gradients_in_forward) make_grads();
+  for (int64_t b = 0; b < blocks; ++b) {
+    alloc.set_phase("loss/fwd/blk" + std::to_string(b));
+    CrossEntropyArgs a = args_for(b);
+    Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
+    a.workspace = ws.data<float>();
+    if (c.gradients_in_forward) blocked_cross_entropy_fused_cpu(a);
+    else blocked_cross_entropy_forward_cpu(a);
+  }
+  if (!c.gradients_in_forward) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      alloc.set_phase("loss/bwd/blk" + std::to_string(b));
+      if (b == 0) make_grads();
+      CrossEntropyArgs a = args_for(b);
+      Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
+      a.workspace = ws.data<float>();
+      blocked_cross_entropy_backward_cpu(a);
+    }
+  }
+  result.mean_loss = mean_of(loss);
+  copy_out(dx, dw, result);
+  return result;
+}
+
+VocabScheduleResult run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig& c) {
+  VocabScheduleResult result;
+  LossData in(alloc, c);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
+  alloc.set_phase("loss/fwd");
+  Tensor lse(alloc, DType::F32, {T}, Category::Vocab);            // [T] fp32
+  Tensor loss(alloc, DType::F32, {T}, Category::Vocab);           // [T] fp32
+  Tensor logits(alloc, DType::BF16, {T, V}, Category::Vocab);     // [T, V] bf16
+  Tensor log_probs(alloc, DType::F32, {T, V}, Category::Vocab);   // [T, V] fp32
+  MaterializedCrossEntropyArgs m;
+  m.dtype = DType::BF16;
+  m.x = in.x.raw();
+  m.w = in.w.raw();
+  m.targets = in.targets.data<int32_t>();
+  m.logits = logits.raw();
+  m.log_probs = log_probs.data<float>();
+  m.lse = lse.data<float>();
+  m.loss = loss.data<float>();
+  m.grad_scale = 1.0f / static_cast<float>(T);
+  m.tokens = T;
+  m.vocab = V;
+  m.hidden = H;
+  materialized_cross_entropy_forward_cpu(m);
+  alloc.set_phase("loss/bwd");
+  Tensor dlogits(alloc, DType::F32, {T, V}, Category::Vocab);  // [T, V] fp32
+  Tensor dx(alloc, DType::BF16, {T, H}, Category::Vocab);      // [T, H] bf16
+  Tensor dw(alloc, DType::F32, {V, H}, Category::Vocab);       // [V, H] fp32, +=
+  std::fill(dw.data<float>(), dw.data<float>() + dw.numel(), 0.0f);
+  m.d_logits = dlogits.data<float>();
+  m.d_x = dx.raw();
+  m.d_w = dw.data<float>();
+  materialized_cross_entropy_backward_cpu(m);
+  result.mean_loss = mean_of(loss);
+  copy_out(dx, dw, result);
+  return result;
+}
+
+}  // namespace
+
+VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabScheduleConfig& config) {
+  check(config);
+  return config.mode == VocabScheduleMode::Materialized ? run_materialized(alloc, config)
+                                                        : run_blocked(alloc, config);
+}
+
+}  // namespace flatpeak::exec

@@ -1,0 +1,44 @@
+// The vocabulary projection and loss on one rank, as a component run: the naive materialised
+// schedule (bf16 logits [T, V], fp32 log-softmax and fp32 dlogits) or the blocked one (Ring-DTP at
+// R = 1: [T_blk, V_blk] logits blocks folded into an online log-sum-exp), with either backward.
+//   TrackingAllocator alloc({512});
+//   VocabScheduleConfig c; c.tokens = 512; c.hidden = 64; c.vocab = 1000; c.mode = VocabScheduleMode::Blocked;
+//   VocabScheduleResult r = run_vocab_schedule(alloc, c);   // phases loss/fwd/blkI, loss/bwd/blkI
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "executor/memory/tracking_allocator.h"
+
+namespace flatpeak::exec {
+
+enum class VocabScheduleMode { Materialized, Blocked };
+
+struct VocabScheduleConfig {
+  int64_t tokens = 0;            // T
+  int64_t hidden = 0;            // H
+  int64_t vocab = 0;             // V (need not divide by the block)
+  int64_t token_block_rows = 0;  // T_blk (blocked only)
+  int64_t vocab_block_rows = 0;  // V_blk (blocked only)
+  VocabScheduleMode mode = VocabScheduleMode::Blocked;
+  bool gradients_in_forward = false;  // blocked only: dX, dW computed during the forward pass
+  uint64_t seed = 1;                  // X, W and targets are a pure function of the seed
+};
+
+// Results copied out of the tracked buffers (after they are released).
+struct VocabScheduleResult {
+  double mean_loss = 0.0;
+  std::vector<float> d_x;  // [T, H] (bf16 values widened)
+  std::vector<float> d_w;  // [V, H] fp32
+};
+
+// Runs forward and backward with every buffer from `alloc`; sets the traces/ phase names
+// loss/fwd[/blkI] and loss/bwd[/blkI] (I = token block). Buffers and categories:
+//   X [T, H] bf16, W [V, H] bf16, lse [T] fp32, per-token loss [T] fp32, dX [T, H] bf16,
+//   dW [V, H] fp32 — vocab; targets [T] i32 — workspace (input labels, no timeline column);
+//   blocked: the op's workspace (fp32 logits block [T_blk, V_blk], dX rows [T_blk, H], row state) — vocab;
+//   materialised: logits [T, V] bf16, log-softmax [T, V] fp32, dlogits [T, V] fp32 — vocab.
+VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabScheduleConfig& config);
+
+}  // namespace flatpeak::exec
