@@ -1,0 +1,128 @@
+// The `threads` communicator: ranks as threads of one process, joined by a shared world with
+// per-rank posting slots and a generation barrier. Each rank owns its own TrackingAllocator.
+//   RunResult r = run_ranks(4, [&](int rank, Communicator& comm) {
+//     TrackingAllocator alloc;  ...; comm.all_reduce(x, x, n, DType::F32, ReduceOp::Sum); });
+//   if (!r.ok()) return r.exit_code;   // r.failing_rank, r.message, r.ranks[p]
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "executor/comm/communicator.h"
+
+namespace flatpeak::exec {
+
+struct ThreadsOptions {
+  // A rank waiting longer than this at a collective for a peer that does not arrive fails the
+  // run, naming the lowest missing rank (exit code kExitRuntimeError).
+  double peer_timeout_s = 60.0;
+};
+
+// What one rank ended with.
+struct RankStatus {
+  int rank = 0;
+  bool ok = true;
+  int exit_code = 0;    // 0, or the code of the failure that stopped this rank
+  std::string message;  // empty when ok; else what stopped it (its own error or RankFailed)
+};
+
+struct RunResult {
+  std::vector<RankStatus> ranks;  // [n]
+  int exit_code = 0;              // the first failing rank's code (0 when every rank is ok)
+  int failing_rank = -1;          // the first rank that failed, -1 when none
+  std::string message;            // "rank R: <its error>" of the first failure
+  bool ok() const { return failing_rank < 0; }
+};
+
+// The shared state of n thread ranks. Collectives post pointers to their send buffers; after a
+// barrier every rank reads its peers' buffers directly, then a second barrier releases them.
+class ThreadsWorld {
+ public:
+  ThreadsWorld(int size, ThreadsOptions options);
+  int size() const { return size_; }
+
+  struct Post {
+    std::string op;
+    const void* send = nullptr;
+    const int64_t* send_counts = nullptr;  // all_to_allv
+    const int64_t* send_displs = nullptr;  // all_to_allv
+    int64_t count = 0;
+    DType dtype = DType::F32;
+    int shift = 0;
+    int status_code = 0;  // check_status
+    std::string status_message;
+  };
+  // Publishes `post` and waits for every rank (a generation barrier). Throws RankFailed when the
+  // world has failed or a peer does not arrive within the timeout.
+  void arrive(int rank, Post post);
+  // Waits for every rank without posting (the release barrier).
+  void arrive(int rank, const std::string& op);
+  const Post& post(int rank) const { return posts_[static_cast<size_t>(rank)]; }
+
+  // Marks the world failed (the first call wins) and wakes every waiting rank.
+  void fail(int rank, int exit_code, const std::string& message);
+  bool failed() const;
+  int failing_rank() const;
+  int failure_code() const;
+  std::string failure_message() const;
+
+ private:
+  void wait_locked(std::unique_lock<std::mutex>& lock, int rank, const std::string& op);
+  void fail_locked(int rank, int exit_code, const std::string& message);
+  [[noreturn]] void throw_failed_locked() const;
+
+  const int size_;
+  const ThreadsOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<Post> posts_;          // [n]
+  std::vector<bool> arrived_;        // [n] in the current generation
+  int arrived_count_ = 0;
+  int64_t generation_ = 0;
+  bool failed_ = false;
+  int failing_rank_ = -1;
+  int failure_code_ = 0;
+  std::string failure_message_;
+};
+
+class ThreadsCommunicator final : public Communicator {
+ public:
+  ThreadsCommunicator(ThreadsWorld& world, int rank) : world_(world), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
+  const char* backend_name() const override { return "threads"; }
+
+  void all_to_allv(const void* send, const int64_t* send_counts, const int64_t* send_displs,
+                   void* recv, const int64_t* recv_counts, const int64_t* recv_displs,
+                   DType dtype) override;
+  void sendrecv_shift(const void* send, void* recv, int64_t count, DType dtype,
+                      int shift) override;
+  void all_gather(const void* send, void* recv, int64_t count, DType dtype) override;
+  void reduce_scatter(const void* send, void* recv, int64_t count, DType dtype) override;
+  void all_reduce(const void* send, void* recv, int64_t count, DType dtype,
+                  ReduceOp op) override;
+  void barrier() override;
+  void check_status(int exit_code, const std::string& message) override;
+  void abort(int exit_code, const std::string& message) override;
+
+ private:
+  void post_and_wait(ThreadsWorld::Post post);
+  void check_same_op(const std::string& op, int64_t count, DType dtype);
+
+  ThreadsWorld& world_;
+  const int rank_;
+};
+
+// Runs fn(rank, comm) on n threads (n ≥ 1). The first rank to throw fails the world: every rank
+// blocked in (or later entering) a collective throws RankFailed naming it. Returns when every
+// thread has returned; never throws for a rank's failure (it is in the result). A rank stuck in
+// computation outside collectives is only stopped at its next collective.
+RunResult run_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn,
+                    ThreadsOptions options = {});
+
+}  // namespace flatpeak::exec
