@@ -59,6 +59,24 @@ TEST(PlannerJson, EveryBadFlagInOnePass) {
   EXPECT_EQ(errs.diagnostics()[3].hint, "valid: 1, 2, 4, 8");
 }
 
+TEST(PlannerJson, DenseModelHasNoDispatchPeak) {
+  ModelSpec m = tiny_moe();
+  m.num_experts = 0;
+  m.top_k = 0;
+  m.expert_ffn_width = 0;
+  m.dense_ffn_width = 16;
+  for (auto& l : m.layers) l.ffn = FfnKind::Dense;
+  const Plan p = plan_of(m, tiny_gpu(), {{"--gpus", "2"}, {"--context", "16"}});
+  EXPECT_EQ(p.run.ep, 1);
+  EXPECT_TRUE(p.summary.peak(PeakKind::Dispatch).phase.empty());
+  const nlohmann::ordered_json j = plan_to_json(p);
+  EXPECT_TRUE(j["peaks"]["dispatch"]["phase"].is_null());
+  EXPECT_EQ(j["peaks"]["dispatch"]["bytes"], 0);
+  EXPECT_FALSE(j.contains("routing"));
+  // --llep on is refused for a dense model.
+  EXPECT_THROW(plan_of(m, tiny_gpu(), {{"--gpus", "2"}, {"--context", "16"}, {"--llep", "on"}}), InputError);
+}
+
 TEST(PlannerJson, ContextAboveMaxPositionsIsAWarning) {
   ModelSpec m = tiny_moe();
   m.max_position_embeddings = 8;
