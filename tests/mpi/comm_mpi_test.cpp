@@ -1,0 +1,126 @@
+// Under mpirun -np 4: every collective of the mpi communicator with inputs a pure function of
+// (seed, rank, index), each rank checking its own result; then each EP dispatch schedule against
+// the single-rank reference (the same exactness rules as executor_dispatch_ranks_test). The error
+// count is agreed through check_status, so every rank exits with the same status.
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "executor/comm/mpi_comm.h"
+#include "executor/dispatch/ep_dispatch_case.h"
+
+using namespace flatpeak;
+using namespace flatpeak::exec;
+
+namespace {
+
+int64_t value(int rank, int64_t index) {
+  uint64_t v = 12345u + static_cast<uint64_t>(rank) * 1000003u + static_cast<uint64_t>(index);
+  v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
+  v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<int64_t>((v ^ (v >> 31)) % 201u) - 100;
+}
+
+int errors = 0;
+void expect(bool ok, const std::string& what, int rank) {
+  if (!ok) {
+    ++errors;
+    std::fprintf(stderr, "rank %d: FAILED: %s\n", rank, what.c_str());
+  }
+}
+
+void check_collectives(Communicator& comm) {
+  const int n = comm.size(), rank = comm.rank();
+  std::vector<int64_t> sc(static_cast<size_t>(n)), sd(sc), rc(sc), rd(sc);
+  int64_t st = 0, rt = 0;
+  for (int p = 0; p < n; ++p) {
+    sc[static_cast<size_t>(p)] = rank + p + 1; sd[static_cast<size_t>(p)] = st; st += rank + p + 1;
+    rc[static_cast<size_t>(p)] = p + rank + 1; rd[static_cast<size_t>(p)] = rt; rt += p + rank + 1;
+  }
+  std::vector<float> send(static_cast<size_t>(st)), recv(static_cast<size_t>(rt));
+  for (int p = 0; p < n; ++p) {
+    for (int64_t i = 0; i < sc[static_cast<size_t>(p)]; ++i) {
+      send[static_cast<size_t>(sd[static_cast<size_t>(p)] + i)] = static_cast<float>(value(rank, 1000 * p + i));
+    }
+  }
+  comm.all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), DType::F32);
+  for (int p = 0; p < n; ++p) {
+    for (int64_t i = 0; i < rc[static_cast<size_t>(p)]; ++i) {
+      expect(recv[static_cast<size_t>(rd[static_cast<size_t>(p)] + i)] == static_cast<float>(value(p, 1000 * rank + i)),
+             "all_to_allv", rank);
+    }
+  }
+  std::vector<int64_t> mine(7), got(7);
+  for (int64_t i = 0; i < 7; ++i) mine[static_cast<size_t>(i)] = value(rank, i);
+  comm.sendrecv_shift(mine.data(), got.data(), 7, DType::I64, -1);
+  for (int64_t i = 0; i < 7; ++i) expect(got[static_cast<size_t>(i)] == value((rank + 1) % n, i), "sendrecv_shift", rank);
+  std::vector<int64_t> all(static_cast<size_t>(7 * n));
+  comm.all_gather(mine.data(), all.data(), 7, DType::I64);
+  for (int p = 0; p < n; ++p) {
+    for (int64_t i = 0; i < 7; ++i) expect(all[static_cast<size_t>(7 * p + i)] == value(p, i), "all_gather", rank);
+  }
+  std::vector<float> blocks(static_cast<size_t>(3 * n)), reduced(3);
+  for (int64_t j = 0; j < 3 * n; ++j) blocks[static_cast<size_t>(j)] = static_cast<float>(value(rank, j));
+  comm.reduce_scatter(blocks.data(), reduced.data(), 3, DType::F32);
+  for (int64_t i = 0; i < 3; ++i) {
+    int64_t want = 0;
+    for (int p = 0; p < n; ++p) want += value(p, 3 * rank + i);
+    expect(reduced[static_cast<size_t>(i)] == static_cast<float>(want), "reduce_scatter", rank);
+  }
+  // Rank-order fp32 sum: 1e8 + 1 − 1e8 + 1 = 1 exactly as the threads communicator gives.
+  const float c4[4] = {1e8f, 1.0f, -1e8f, 1.0f};
+  float x = n == 4 ? c4[rank] : 1.0f;
+  comm.all_reduce(&x, &x, 1, DType::F32, ReduceOp::Sum);
+  expect(x == (n == 4 ? 1.0f : static_cast<float>(n)), "all_reduce(sum) rank order", rank);
+  float m = static_cast<float>(value(rank, 50)), mx = 0.0f;
+  comm.all_reduce(&m, &mx, 1, DType::F32, ReduceOp::Max);
+  int64_t want = value(0, 50);
+  for (int p = 1; p < n; ++p) want = std::max(want, value(p, 50));
+  expect(mx == static_cast<float>(want), "all_reduce(max)", rank);
+  comm.barrier();
+}
+
+float max_diff(const std::vector<float>& got, const std::vector<float>& ref, size_t offset) {
+  float w = 0.0f;
+  for (size_t i = 0; i < got.size(); ++i) w = std::max(w, std::fabs(got[i] - ref[offset + i]));
+  return w;
+}
+
+void check_dispatch(Communicator& comm) {
+  MoeDims d{64, 32, 16, 8, 2};
+  const int64_t ep = comm.size(), r = comm.rank(), L = d.experts / ep;
+  const EpCase c = make_ep_case(d, ep, parse_routing_model("rho=2.5"), 11);
+  const EpRankResult ref = run_ep_reference(c);
+  for (EpSchedule s : {EpSchedule::Uncapped, EpSchedule::Llep, EpSchedule::PipelinedLlep}) {
+    EpDispatchConfig config;
+    config.schedule = s;
+    config.lla.llep_alpha = 1.0;
+    config.lla.min_rows_per_gemm = 4;
+    config.lla.imbalance_trigger = 0.0;
+    config.chunk_cap_rows = 24;
+    TrackingAllocator alloc;
+    const EpRankResult got = run_ep_rank(comm, alloc, c, config);
+    const std::string name = ep_schedule_name(s);
+    const size_t tok = static_cast<size_t>(r * d.tokens * d.hidden);
+    expect(max_diff(got.out, ref.out, tok) == 0.0f, name + " out bitwise", static_cast<int>(r));
+    expect(max_diff(got.d_x, ref.d_x, tok) == 0.0f, name + " d_x bitwise", static_cast<int>(r));
+    const float dw = max_diff(got.d_w_gate_up, ref.d_w_gate_up, static_cast<size_t>(r * L * 2 * d.ffn * d.hidden));
+    expect(s == EpSchedule::Uncapped ? dw == 0.0f : dw <= 1e-5f, name + " dW", static_cast<int>(r));
+  }
+}
+
+}  // namespace
+
+int main() {
+  MpiCommunicator comm(MpiOptions{20.0});
+  const RankStatus status = run_mpi_rank(comm, [&](int rank, Communicator& c) {
+    check_collectives(c);
+    check_dispatch(c);
+    int64_t total = errors;
+    c.all_reduce(&total, &total, 1, DType::I64, ReduceOp::Sum);
+    if (rank == 0) std::printf("comm_mpi_test: %d ranks, %lld failed checks\n", c.size(), static_cast<long long>(total));
+    c.check_status(errors > 0 ? 1 : 0, std::to_string(errors) + " failed checks");
+  });
+  return status.exit_code;
+}

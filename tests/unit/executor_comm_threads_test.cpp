@@ -1,0 +1,221 @@
+// The threads communicator: every collective on 1, 2 and 4 ranks with inputs a pure function of
+// (seed, rank, index), each rank checking its own result; failures end every rank, naming the
+// failing rank.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "executor/comm/threads_comm.h"
+#include "spec/errors.h"
+
+namespace flatpeak::exec {
+namespace {
+
+constexpr uint64_t kSeed = 12345;
+
+// A value that depends only on (seed, rank, index): exact small integers in fp32 / bf16 too, so
+// sums are checkable by hand while still order-sensitive in the test of rank order below.
+int64_t value(int rank, int64_t index) {
+  uint64_t z = kSeed + static_cast<uint64_t>(rank) * 1000003u + static_cast<uint64_t>(index);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<int64_t>((z ^ (z >> 31)) % 201u) - 100;  // in [-100, 100]
+}
+
+class CommThreads : public ::testing::TestWithParam<int> {};
+
+TEST_P(CommThreads, EveryCollectiveGivesEachRankItsExpectedResult) {
+  const int n = GetParam();
+  std::atomic<int> ranks_checked{0};
+  const RunResult result = run_ranks(n, [&](int rank, Communicator& comm) {
+    ASSERT_EQ(comm.rank(), rank);
+    ASSERT_EQ(comm.size(), n);
+    EXPECT_STREQ(comm.backend_name(), "threads");
+
+    // all_to_allv: rank r sends (r + p + 1) elements to p, element i = value(r, 1000·p + i).
+    std::vector<int64_t> send_counts(static_cast<size_t>(n)), send_displs(static_cast<size_t>(n));
+    std::vector<int64_t> recv_counts(static_cast<size_t>(n)), recv_displs(static_cast<size_t>(n));
+    int64_t send_total = 0, recv_total = 0;
+    for (int p = 0; p < n; ++p) {
+      send_counts[static_cast<size_t>(p)] = rank + p + 1;
+      send_displs[static_cast<size_t>(p)] = send_total;
+      send_total += rank + p + 1;
+      recv_counts[static_cast<size_t>(p)] = p + rank + 1;
+      recv_displs[static_cast<size_t>(p)] = recv_total;
+      recv_total += p + rank + 1;
+    }
+    std::vector<float> send(static_cast<size_t>(send_total));
+    for (int p = 0; p < n; ++p) {
+      for (int64_t i = 0; i < send_counts[static_cast<size_t>(p)]; ++i) {
+        send[static_cast<size_t>(send_displs[static_cast<size_t>(p)] + i)] =
+            static_cast<float>(value(rank, 1000 * p + i));
+      }
+    }
+    std::vector<float> recv(static_cast<size_t>(recv_total), -1.0f);
+    comm.all_to_allv(send.data(), send_counts.data(), send_displs.data(), recv.data(),
+                     recv_counts.data(), recv_displs.data(), DType::F32);
+    for (int p = 0; p < n; ++p) {
+      for (int64_t i = 0; i < recv_counts[static_cast<size_t>(p)]; ++i) {
+        ASSERT_EQ(recv[static_cast<size_t>(recv_displs[static_cast<size_t>(p)] + i)],
+                  static_cast<float>(value(p, 1000 * rank + i)))
+            << "rank " << rank << " from " << p << " element " << i;
+      }
+    }
+
+    // sendrecv_shift by +1 and by -2 around the ring.
+    for (int shift : {1, -2}) {
+      std::vector<int64_t> mine(7), got(7, 0);
+      for (int64_t i = 0; i < 7; ++i) mine[static_cast<size_t>(i)] = value(rank, i);
+      comm.sendrecv_shift(mine.data(), got.data(), 7, DType::I64, shift);
+      const int src = ((rank - shift) % n + n) % n;
+      for (int64_t i = 0; i < 7; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], value(src, i));
+    }
+
+    // all_gather of 5 bf16 (small integers are exact in bf16).
+    std::vector<Bf16> mine(5), all(static_cast<size_t>(5 * n));
+    for (int64_t i = 0; i < 5; ++i) {
+      mine[static_cast<size_t>(i)] = f32_to_bf16(static_cast<float>(value(rank, i)));
+    }
+    comm.all_gather(mine.data(), all.data(), 5, DType::BF16);
+    for (int p = 0; p < n; ++p) {
+      for (int64_t i = 0; i < 5; ++i) {
+        ASSERT_EQ(to_f32(all[static_cast<size_t>(5 * p + i)]), static_cast<float>(value(p, i)));
+      }
+    }
+
+    // reduce_scatter (sum) of [n, 3] fp32: block b of rank r holds value(r, 3b + i).
+    std::vector<float> blocks(static_cast<size_t>(3 * n)), reduced(3);
+    for (int64_t j = 0; j < 3 * n; ++j) blocks[static_cast<size_t>(j)] = static_cast<float>(value(rank, j));
+    comm.reduce_scatter(blocks.data(), reduced.data(), 3, DType::F32);
+    for (int64_t i = 0; i < 3; ++i) {
+      int64_t want = 0;
+      for (int p = 0; p < n; ++p) want += value(p, 3 * rank + i);
+      ASSERT_EQ(reduced[static_cast<size_t>(i)], static_cast<float>(want));
+    }
+
+    // all_reduce sum (in place, int64) and max (fp32).
+    std::vector<int64_t> counts(9);
+    for (int64_t i = 0; i < 9; ++i) counts[static_cast<size_t>(i)] = value(rank, i);
+    comm.all_reduce(counts.data(), counts.data(), 9, DType::I64, ReduceOp::Sum);
+    std::vector<float> peaks(4), peak_max(4);
+    for (int64_t i = 0; i < 4; ++i) peaks[static_cast<size_t>(i)] = static_cast<float>(value(rank, 50 + i));
+    comm.all_reduce(peaks.data(), peak_max.data(), 4, DType::F32, ReduceOp::Max);
+    for (int64_t i = 0; i < 9; ++i) {
+      int64_t want = 0;
+      for (int p = 0; p < n; ++p) want += value(p, i);
+      ASSERT_EQ(counts[static_cast<size_t>(i)], want);
+    }
+    for (int64_t i = 0; i < 4; ++i) {
+      int64_t want = value(0, 50 + i);
+      for (int p = 1; p < n; ++p) want = std::max(want, value(p, 50 + i));
+      ASSERT_EQ(peak_max[static_cast<size_t>(i)], static_cast<float>(want));
+    }
+
+    comm.barrier();
+    comm.check_status(0, "");
+    ++ranks_checked;
+  });
+  EXPECT_TRUE(result.ok()) << result.message;
+  EXPECT_EQ(ranks_checked.load(), n);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CommThreads, ::testing::Values(1, 2, 4));
+
+// fp32 sums run in rank order 0..n−1: 1e8 + 1 + (−1e8) + 1 = 1 in that order (1e8 + 1 rounds
+// to 1e8), which another order (e.g. pairwise) would not give.
+TEST(CommThreadsSum, Fp32SumsFollowRankOrder) {
+  const float contributions[4] = {1e8f, 1.0f, -1e8f, 1.0f};
+  std::vector<float> results(4);
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    float x = contributions[rank];
+    comm.all_reduce(&x, &x, 1, DType::F32, ReduceOp::Sum);
+    results[static_cast<size_t>(rank)] = x;
+  });
+  ASSERT_TRUE(result.ok()) << result.message;
+  for (float x : results) EXPECT_EQ(x, 1.0f);
+}
+
+TEST(CommThreadsFailure, ExceptionOnOneRankEndsEveryRankNamingIt) {
+  const auto start = std::chrono::steady_clock::now();
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    comm.barrier();
+    if (rank == 2) throw std::runtime_error("injected failure");
+    for (int i = 0; i < 3; ++i) comm.barrier();  // the others block here and must wake
+  });
+  const double elapsed_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(elapsed_s, 5.0);
+  EXPECT_FALSE(result.ok());
+  EXPECT_EQ(result.failing_rank, 2);
+  EXPECT_EQ(result.exit_code, kExitRuntimeError);
+  EXPECT_EQ(result.message, "rank 2: injected failure");
+  for (const RankStatus& s : result.ranks) {
+    EXPECT_FALSE(s.ok) << "rank " << s.rank;
+    EXPECT_EQ(s.exit_code, kExitRuntimeError);
+  }
+  EXPECT_EQ(result.ranks[0].message, "rank 2 failed: injected failure");
+}
+
+TEST(CommThreadsFailure, InputErrorMapsToExitCode2) {
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    if (rank == 1) throw InputError(Diagnostic{"plan.json", "/knobs/ep", "bad EP", ""});
+    comm.barrier();
+  });
+  EXPECT_EQ(result.failing_rank, 1);
+  EXPECT_EQ(result.exit_code, kExitInputError);
+  EXPECT_EQ(result.ranks[3].exit_code, kExitInputError);
+}
+
+TEST(CommThreadsFailure, AgreedStatusStopsEveryRankWithTheLowestFailingRank) {
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    const int code = (rank == 3 || rank == 1) ? kExitInputError : 0;
+    comm.check_status(code, "bad routing on rank " + std::to_string(rank));
+  });
+  EXPECT_EQ(result.failing_rank, 1);
+  EXPECT_EQ(result.exit_code, kExitInputError);
+  EXPECT_EQ(result.message, "rank 1: bad routing on rank 1");
+  for (const RankStatus& s : result.ranks) EXPECT_EQ(s.exit_code, kExitInputError);
+}
+
+TEST(CommThreadsFailure, PeerThatNeverArrivesTimesOutNamingIt) {
+  ThreadsOptions options;
+  options.peer_timeout_s = 0.3;
+  const RunResult result = run_ranks(
+      3,
+      [&](int rank, Communicator& comm) {
+        if (rank != 1) comm.barrier();  // rank 1 returns without the collective
+      },
+      options);
+  EXPECT_EQ(result.failing_rank, 1);
+  EXPECT_EQ(result.exit_code, kExitRuntimeError);
+  EXPECT_NE(result.message.find("did not reach barrier"), std::string::npos) << result.message;
+  EXPECT_TRUE(result.ranks[1].ok);
+  EXPECT_FALSE(result.ranks[0].ok);
+}
+
+TEST(CommThreadsFailure, MismatchedCountsNameRankAndOperation) {
+  const RunResult result = run_ranks(2, [&](int rank, Communicator& comm) {
+    std::vector<float> x(4, 1.0f);
+    comm.all_reduce(x.data(), x.data(), rank == 0 ? 4 : 3, DType::F32, ReduceOp::Sum);
+  });
+  EXPECT_FALSE(result.ok());
+  EXPECT_EQ(result.exit_code, kExitRuntimeError);
+  EXPECT_NE(result.message.find("all_reduce(sum)"), std::string::npos) << result.message;
+}
+
+TEST(CommThreadsFailure, AbortStopsOthersWithItsCode) {
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    if (rank == 0) comm.abort(kExitInputError, "no such plan");
+    comm.barrier();
+  });
+  EXPECT_EQ(result.failing_rank, 0);
+  EXPECT_EQ(result.exit_code, kExitInputError);
+  EXPECT_EQ(result.message, "rank 0: no such plan");
+}
+
+}  // namespace
+}  // namespace flatpeak::exec
