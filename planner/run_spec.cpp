@@ -145,7 +145,11 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
       auto v = parse_count(text);
       if (!v && min == 0 && text == "0") v = 0;
       if (!v || *v < min) {
-        bad(errs, flag, min > 0 ? "must be a positive integer" : "must be a non-negative integer", "'" + text + "'");
+        const bool tokens = flag == "--context" || flag == "--chunk-cap-rows" || flag == "--token-block" ||
+                            flag == "--llep-min-rows" || flag == "--bucket-params";
+        bad(errs, flag,
+            std::string(min > 0 ? "must be a positive " : "must be a non-negative ") + (tokens ? "count (K/M/G = powers of 1024)" : "integer"),
+            "'" + text + "'");
         return;
       }
       out = *v;
