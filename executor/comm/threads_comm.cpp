@@ -232,6 +232,7 @@ void ThreadsCommunicator::barrier() {
   post.op = "barrier";
   post_and_wait(post);
   check_same_op("barrier", -1, DType::F32);
+  world_.arrive(rank_, "barrier (release)");  // peers may still be reading the posts
 }
 
 void ThreadsCommunicator::check_status(int exit_code, const std::string& message) {
@@ -299,7 +300,9 @@ RunResult run_ranks(int n, const std::function<void(int rank, Communicator& comm
   if (world.failed()) {
     result.failing_rank = world.failing_rank();
     result.exit_code = world.failure_code();
-    result.message = "rank " + std::to_string(result.failing_rank) + ": " + world.failure_message();
+    const std::string prefix = "rank " + std::to_string(result.failing_rank) + ": ";
+    const std::string reason = world.failure_message();
+    result.message = reason.compare(0, prefix.size(), prefix) == 0 ? reason : prefix + reason;
   }
   return result;
 }
