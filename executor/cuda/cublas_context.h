@@ -1,0 +1,49 @@
+// A cuBLAS handle bound to one stream, with its workspace set explicitly (cublasSetWorkspace)
+// from the DeviceAllocator under Category::Workspace, so the tracked bytes include it and cuBLAS
+// allocates nothing behind the allocator's back.
+//   CublasContext blas(alloc, stream);            // 32 MiB workspace, the Hopper recommendation
+//   gemm_cuda(blas, false, true, M, N, K, 1.0f, DType::BF16, x, K, DType::BF16, w, K, false, DType::BF16, y, N);
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "executor/cuda/device_allocator.h"
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::cuda {
+
+class CublasContext {
+ public:
+  static constexpr int64_t kDefaultWorkspaceBytes = int64_t{32} << 20;
+
+  CublasContext(DeviceAllocator& allocator, cudaStream_t stream,
+                int64_t workspace_bytes = kDefaultWorkspaceBytes);
+  CublasContext(const CublasContext&) = delete;
+  CublasContext& operator=(const CublasContext&) = delete;
+  ~CublasContext();
+
+  cublasHandle_t handle() const { return handle_; }
+  cudaStream_t stream() const { return stream_; }
+  DeviceAllocator& allocator() const { return *allocator_; }
+  int64_t workspace_bytes() const { return workspace_.bytes(); }
+
+ private:
+  DeviceAllocator* allocator_;
+  cudaStream_t stream_;
+  cublasHandle_t handle_ = nullptr;
+  DeviceBuffer workspace_;  // [workspace_bytes] cuBLAS scratch
+};
+
+// C = alpha · op(A) · op(B) + (accumulate ? C : 0) on the context's stream, row-major like
+// gemm_cpu (same argument order): op(A) [M, K], op(B) [K, N], C [M, N]; a transposed operand is
+// read as stored. Accumulation is fp32 (CUBLAS_COMPUTE_32F, no TF32), C rounded once. Storage:
+// A and B both F32 or both BF16; C F32, or BF16 when A and B are BF16.
+void gemm_cuda(const CublasContext& blas, bool trans_a, bool trans_b, int64_t M, int64_t N,
+               int64_t K, float alpha, exec::DType a_dtype, const void* A, int64_t lda,
+               exec::DType b_dtype, const void* B, int64_t ldb, bool accumulate,
+               exec::DType c_dtype, void* C, int64_t ldc);
+
+}  // namespace flatpeak::cuda

@@ -1,0 +1,63 @@
+// Launch helpers and reductions shared by the kernels of executor/cuda (internal).
+//   const unsigned blocks = grid_for(n, 256);  kernel<<<blocks, 256, 0, stream>>>(...);
+//   float total = block_sum(partial, scratch);  // scratch: __shared__ float[32]
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec::cuda_detail {
+
+constexpr int kThreads = 256;
+// Grid-stride loops cover any n; the grid is capped so that huge tensors need no 64-bit grids.
+inline unsigned grid_for(int64_t n, int threads = kThreads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  const int64_t cap = int64_t{1} << 20;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+__device__ inline int64_t global_thread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ inline int64_t grid_threads() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+__device__ inline float warp_sum(float x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+__device__ inline float warp_max(float x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// scratch: 32 floats of shared memory; the call synchronises the block.
+__device__ inline float block_sum(float x, float* scratch) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  x = warp_sum(x);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(x);
+}
+
+__device__ inline float block_max(float x, float* scratch) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int warps = static_cast<int>(blockDim.x / 32);
+  x = warp_max(x);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  x = lane < warps ? scratch[lane] : -INFINITY;
+  return warp_max(x);
+}
+
+}  // namespace flatpeak::exec::cuda_detail

@@ -1,0 +1,58 @@
+// The CUDA twin of every CPU op in executor/ops/: the same Args struct (every pointer a device
+// pointer), the same name with _cuda for _cpu, and the stream (or the cuBLAS context that holds
+// it) last. Calls are asynchronous on that stream; argument errors throw std::invalid_argument
+// before anything is queued, CUDA/cuBLAS errors throw BackendError.
+//   RmsNormArgs a = ...;  rmsnorm_forward_cuda(a, stream);      // as rmsnorm_forward_cpu(a)
+//   LinearArgs l = ...;   linear_forward_cuda(l, blas);          // cuBLAS on blas.stream()
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "executor/cuda/cublas_context.h"
+#include "executor/ops/adamw.h"
+#include "executor/ops/combine.h"
+#include "executor/ops/cross_entropy.h"
+#include "executor/ops/embedding.h"
+#include "executor/ops/linear.h"
+#include "executor/ops/permute.h"
+#include "executor/ops/rmsnorm.h"
+#include "executor/ops/router.h"
+
+namespace flatpeak::exec {
+
+// AdamW: element-wise, bitwise-order-free; scalars computed once on the host (adamw_scalars).
+void adamw_step_cuda(const AdamWArgs& args, cudaStream_t stream);
+
+// Embedding: gather; the backward adds tokens to d_table in order 0..T-1 (one thread per hidden
+// column walks the tokens), so repeated ids round exactly as on the CPU.
+void embedding_forward_cuda(const EmbeddingArgs& args, cudaStream_t stream);
+void embedding_backward_cuda(const EmbeddingArgs& args, cudaStream_t stream);
+
+// RMSNorm: one block per token; d_weight from an fp32 sum over tokens in order (workspace unused).
+void rmsnorm_forward_cuda(const RmsNormArgs& args, cudaStream_t stream);
+void rmsnorm_backward_cuda(const RmsNormArgs& args, cudaStream_t stream);
+
+// Router: one thread per token, the CPU's selection loop (ties to the lower expert).
+void router_forward_cuda(const RouterArgs& args, cudaStream_t stream);
+void router_backward_cuda(const RouterArgs& args, cudaStream_t stream);
+
+// Routing plan on the device (one block; stable by (token, slot) within an expert). topk_ids
+// are not range-checked on the device: an id outside 0..E-1 is ignored and leaves its slot
+// unassigned, and the counts then sum to less than T·k.
+void moe_route_cuda(const PermuteArgs& args, cudaStream_t stream);
+void permute_forward_cuda(const PermuteArgs& args, cudaStream_t stream);
+void permute_backward_cuda(const PermuteArgs& args, cudaStream_t stream);
+void unpermute_forward_cuda(const PermuteArgs& args, cudaStream_t stream);
+void unpermute_backward_cuda(const PermuteArgs& args, cudaStream_t stream);
+
+// Combine: slot order s = 0..k-1 in fp32, as on the CPU.
+void combine_forward_cuda(const CombineArgs& args, cudaStream_t stream);
+void combine_backward_cuda(const CombineArgs& args, cudaStream_t stream);
+
+// Linear through cuBLAS (bf16 or f32 storage, fp32 accumulation): y =, dx =, dW +=.
+void linear_forward_cuda(const LinearArgs& args, const cuda::CublasContext& blas);
+void linear_backward_cuda(const LinearArgs& args, const cuda::CublasContext& blas);
+
+}  // namespace flatpeak::exec
