@@ -1,0 +1,147 @@
+// The device allocator and the error funnel on a real device: tracked bytes round up to the
+// alignment and are counted per category, with the high-water mark, its split and per-phase
+// peaks; the pool's own high-water attribute and cudaMemGetInfo agree with what was allocated;
+// the cuBLAS workspace is counted as workspace; capacity and device failures throw
+// (OutOfMemory, BackendError naming the statement, file:line and CUDA error) and count nothing.
+// Exit 77 (skipped) without a CUDA device.
+#include <cstdio>
+#include <exception>
+#include <string>
+
+#include "cuda_test_util.h"
+#include "executor/cuda/cublas_context.h"
+
+using namespace flatpeak;
+using namespace flatpeak::exec;
+using namespace flatpeak::cuda;
+using namespace flatpeak::cuda::test;
+
+namespace {
+
+std::string bytes_text(int64_t bytes) { return std::to_string(bytes) + " bytes"; }
+
+void test_tracking() {
+  DeviceAllocator alloc;  // alignment 256
+  {
+    DeviceBuffer params(alloc, 1000, Category::Params);      // tracked 1024
+    DeviceBuffer acts(alloc, 300, Category::Activations);    // tracked 512
+    expect_true("tracked/rounding", params.tracked_bytes() == 1024 && acts.tracked_bytes() == 512,
+                bytes_text(params.tracked_bytes()) + ", " + bytes_text(acts.tracked_bytes()));
+    expect_true("tracked/per_category",
+                alloc.live_bytes(Category::Params) == 1024 &&
+                    alloc.live_bytes(Category::Activations) == 512 && alloc.live_bytes() == 1536,
+                "live " + bytes_text(alloc.live_bytes()));
+    alloc.set_phase("loss/fwd/blk0");
+    DeviceBuffer logits(alloc, 4096, Category::Vocab);
+    expect_true("tracked/high_water", alloc.high_water_bytes() == 1536 + 4096 &&
+                                          alloc.high_water_phase() == "loss/fwd/blk0" &&
+                                          alloc.bytes_at_high_water()[7] == 4096,
+                "high water " + bytes_text(alloc.high_water_bytes()) + " in " +
+                    alloc.high_water_phase());
+  }
+  FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<PhaseRecord> records = alloc.phase_records();
+  expect_true("tracked/phase_records",
+              records.size() == 2 && records[0].phase == "init" && records[0].peak_bytes == 1536 &&
+                  records[1].phase == "loss/fwd/blk0" && records[1].peak_bytes == 5632,
+              std::to_string(records.size()) + " records");
+  expect_true("tracked/released", alloc.live_bytes() == 0 && alloc.live_allocations() == 0,
+              "live " + bytes_text(alloc.live_bytes()));
+  const DeviceMemoryView view = alloc.device_view();
+  expect_true("device/pool_used_high", view.pool_used_high_bytes >= 5632 &&
+                                           view.pool_used_high_bytes <= 5632 + (2 << 20),
+              "pool used high " + bytes_text(view.pool_used_high_bytes) + " vs tracked 5632");
+  expect_true("device/pool_used_now", view.pool_used_bytes == 0,
+              "pool used after frees " + bytes_text(view.pool_used_bytes));
+}
+
+void test_device_view() {
+  DeviceAllocator alloc;
+  const int64_t big_bytes = int64_t{1} << 30;
+  size_t free_before = 0, total = 0;
+  FLATPEAK_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  DeviceBuffer big(alloc, big_bytes, Category::Optimizer);
+  FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
+  const DeviceMemoryView view = alloc.device_view();
+  const int64_t drop = static_cast<int64_t>(free_before) - view.device_free_bytes;
+  expect_true("device/mem_get_info", drop >= big_bytes && drop <= big_bytes + (int64_t{64} << 20),
+              "free memory dropped by " + bytes_text(drop) + " for a 1 GiB block");
+  expect_true("device/pool_reserved", view.pool_reserved_bytes >= big_bytes,
+              "pool reserved " + bytes_text(view.pool_reserved_bytes));
+  big.reset();
+  alloc.reset_records();
+  FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
+  expect_true("device/reset", alloc.high_water_bytes() == 0 && alloc.device_view().pool_used_high_bytes == 0,
+              "after reset: tracked high " + bytes_text(alloc.high_water_bytes()) + ", pool used high " +
+                  bytes_text(alloc.device_view().pool_used_high_bytes));
+}
+
+void test_cublas_workspace() {
+  DeviceAllocator alloc;
+  {
+    CublasContext blas(alloc, nullptr, int64_t{8} << 20);
+    expect_true("cublas/workspace_tracked",
+                alloc.live_bytes(Category::Workspace) == (int64_t{8} << 20) &&
+                    blas.workspace_bytes() == (int64_t{8} << 20),
+                "workspace " + bytes_text(alloc.live_bytes(Category::Workspace)));
+  }
+  expect_true("cublas/workspace_released", alloc.live_bytes() == 0, "live " + bytes_text(alloc.live_bytes()));
+}
+
+void test_failures() {
+  DeviceAllocator::Options options;
+  options.capacity_bytes = 4096;
+  DeviceAllocator capped(options);
+  bool oom = false;
+  try {
+    DeviceBuffer too_big(capped, 5000, Category::Activations);
+  } catch (const OutOfMemory& e) {
+    oom = e.requested_bytes == 5120 && e.capacity_bytes == 4096;
+  }
+  expect_true("capacity/out_of_memory", oom && capped.live_bytes() == 0, "5000 bytes over a 4096 cap");
+
+  DeviceAllocator alloc;
+  std::string message;
+  try {
+    DeviceBuffer impossible(alloc, int64_t{1} << 60, Category::Activations);  // 1 EiB
+  } catch (const BackendError& e) {
+    message = e.what();
+  }
+  expect_true("backend_error/allocation",
+              message.find("cudaMallocFromPoolAsync") != std::string::npos &&
+                  message.find("device_allocator.cpp:") != std::string::npos &&
+                  message.find("cudaErrorMemoryAllocation") != std::string::npos &&
+                  alloc.live_bytes() == 0,
+              "\"" + message + "\"");
+  (void)cudaGetLastError();  // the failed allocation leaves no sticky error; clear the last one
+
+  message.clear();
+  try {
+    FLATPEAK_CUDA_CHECK(cudaSetDevice(1 << 20));
+  } catch (const BackendError& e) {
+    message = e.what();
+  }
+  expect_true("backend_error/funnel",
+              message.rfind("cudaSetDevice(1 << 20) failed at ", 0) == 0 &&
+                  message.find("allocator_cuda_test.cu:") != std::string::npos &&
+                  message.find("cudaErrorInvalidDevice") != std::string::npos,
+              "\"" + message + "\"");
+  (void)cudaGetLastError();
+  FLATPEAK_CUDA_CHECK(cudaSetDevice(0));
+}
+
+}  // namespace
+
+int main() {
+  if (const int rc = skip_unless_device(); rc != 0) return rc;
+  try {
+    test_tracking();
+    test_device_view();
+    test_cublas_workspace();
+    test_failures();
+  } catch (const std::exception& e) {
+    std::printf("FAIL: %s\n", e.what());
+    return 1;
+  }
+  return finish();
+}

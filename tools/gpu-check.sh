@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The one GPU check (issue 7, item 5): on a machine with one NVIDIA GPU and the CUDA toolkit but
+# without Debian's packages or network, build the CUDA backend and its CPU-vs-CUDA tests for
+# sm_90 only, run them, and print one summary table with the device and the date. Budget: under
+# 5 minutes, so that a second run fits in the same lease.
+#
+# Needs: bash, a C++17 host compiler (g++ or $CXX), the CUDA toolkit (nvcc, cudart, cuBLAS) under
+# $CUDA_HOME (default /usr/local/cuda); cuBLAS may instead come from a Python package
+# (site-packages/nvidia/cublas/lib). Eigen (header-only) for the CPU reference ops: found in
+# third_party/eigen, third_party/eigen3, $EIGEN_INCLUDE_DIR or /usr/include/eigen3; without it
+# the op tests are reported as skipped (the allocator and device tests still run).
+# Does NOT need CMake, nlohmann-json, fmt, CLI11 or GoogleTest: it compiles only executor/memory,
+# executor/cpu, executor/cuda and tests/cuda, which include none of them.
+#
+# Usage: tools/gpu-check.sh [OUT_DIR]   (default build/gpu-check; logs and summary.txt there)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out_dir="${1:-build/gpu-check}"
+mkdir -p "$out_dir/obj" "$out_dir/bin" "$out_dir/logs"
+start_s=$(date +%s)
+cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+nvcc="$cuda_home/bin/nvcc"
+cxx="${CXX:-g++}"
+jobs=$(nproc 2>/dev/null || echo 4)
+arch=sm_90
+summary=()  # rows "name|result|seconds|detail"
+
+note() { echo "gpu-check: $*"; }
+elapsed() { echo $(( $(date +%s) - start_s )); }
+
+if [ ! -x "$nvcc" ]; then
+  note "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"
+  exit 2
+fi
+
+# ---- libraries -------------------------------------------------------------------------------
+cublas_flags=(-L"$cuda_home/lib64" -lcublas)
+lib_path="$cuda_home/lib64"
+if ! ls "$cuda_home"/lib64/libcublas.so* >/dev/null 2>&1; then
+  py_cublas=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
+  so=$(ls "$py_cublas"/libcublas.so.* 2>/dev/null | head -1)
+  if [ -n "$so" ]; then
+    note "cuBLAS from the Python package: $so"
+    lt=$(ls "$py_cublas"/libcublasLt.so.* 2>/dev/null | head -1)
+    cublas_flags=(-L"$py_cublas" "-l:$(basename "$so")")
+    [ -n "$lt" ] && cublas_flags+=("-l:$(basename "$lt")")
+    lib_path="$py_cublas:$lib_path"
+  else
+    note "cuBLAS not found in $cuda_home/lib64 nor in a Python nvidia-cublas package"
+    exit 2
+  fi
+fi
+export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+eigen_dir=""
+for d in third_party/eigen third_party/eigen3 "${EIGEN_INCLUDE_DIR:-}" /usr/include/eigen3 /usr/local/include/eigen3; do
+  if [ -n "$d" ] && [ -f "$d/Eigen/Core" ]; then eigen_dir="$d"; break; fi
+done
+
+# ---- compile ---------------------------------------------------------------------------------
+host_flags=(-std=c++17 -O2 -fno-math-errno -I. -isystem "$cuda_home/include")
+nvcc_flags=(-std=c++17 -O2 -arch="$arch" -I. -Xcompiler=-Wall,-Wextra)
+objects=()
+compile_pids=()
+compile_logs=()
+compile() {  # compile SRC with nvcc or the host compiler, in the background
+  local src="$1" obj="$out_dir/obj/$(echo "$1" | tr '/' '_').o" log="$out_dir/logs/$(echo "$1" | tr '/' '_').log"
+  objects+=("$obj")
+  compile_logs+=("$log")
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 0.2; done
+  case "$src" in
+    *.cu) "$nvcc" "${nvcc_flags[@]}" -c "$src" -o "$obj" >"$log" 2>&1 & ;;
+    *) "$cxx" "${host_flags[@]}" ${eigen_dir:+-isystem "$eigen_dir"} -c "$src" -o "$obj" >"$log" 2>&1 & ;;
+  esac
+  compile_pids+=($!)
+}
+wait_compiles() {  # 0 when every background compile succeeded; failing logs are printed
+  local failed=0 i
+  for i in "${!compile_pids[@]}"; do
+    if ! wait "${compile_pids[$i]}"; then failed=1; note "compile failed: ${compile_logs[$i]}"; tail -20 "${compile_logs[$i]}"; fi
+  done
+  compile_pids=()
+  compile_logs=()
+  return $failed
+}
+
+note "building for $arch with $("$nvcc" --version | tail -1), $jobs jobs; Eigen: ${eigen_dir:-not found}"
+lib_sources=(executor/memory/tensor.cpp executor/memory/tracking_allocator.cpp executor/cuda/*.cpp executor/cuda/*.cu)
+if [ -n "$eigen_dir" ]; then lib_sources+=(executor/cpu/*.cpp); fi
+for src in "${lib_sources[@]}"; do compile "$src"; done
+test_sources=(tests/cuda/*_test.cu)
+lib_objects=("${objects[@]}")
+objects=()
+for src in "${test_sources[@]}"; do compile "$src"; done
+test_objects=("${objects[@]}")
+if ! wait_compiles; then
+  note "build failed after $(elapsed) s"
+  exit 1
+fi
+ar rcs "$out_dir/libflatpeak_gpu_check.a" "${lib_objects[@]}"
+build_s=$(elapsed)
+summary+=("build ($arch)|ok|$build_s|${#lib_sources[@]} library sources, ${#test_sources[@]} tests")
+
+# ---- run -------------------------------------------------------------------------------------
+needs_cpu_ops() { grep -q 'executor/cuda/ops_cuda.h' "$1"; }
+failures=0
+for i in "${!test_sources[@]}"; do
+  src="${test_sources[$i]}"
+  name=$(basename "$src" .cu)
+  if [ -z "$eigen_dir" ] && needs_cpu_ops "$src"; then
+    summary+=("$name|skipped|0|Eigen not found: the CPU reference ops cannot be built")
+    continue
+  fi
+  t0=$(date +%s)
+  if ! "$nvcc" -arch="$arch" "${test_objects[$i]}" "$out_dir/libflatpeak_gpu_check.a" \
+        "${cublas_flags[@]}" -lpthread -o "$out_dir/bin/$name" >"$out_dir/logs/$name.link.log" 2>&1; then
+    summary+=("$name|FAIL|0|link failed: $out_dir/logs/$name.link.log")
+    failures=$((failures + 1))
+    continue
+  fi
+  timeout 120 "$out_dir/bin/$name" >"$out_dir/logs/$name.log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - t0 ))
+  checks=$(grep -E '^[0-9]+ of [0-9]+ checks failed' "$out_dir/logs/$name.log" | tail -1)
+  case $rc in
+    0) result=ok ;;
+    77) result=skipped; checks=$(head -1 "$out_dir/logs/$name.log") ;;
+    124) result=FAIL; checks="timed out after 120 s"; failures=$((failures + 1)) ;;
+    *) result=FAIL; checks="exit $rc; ${checks:-$(tail -1 "$out_dir/logs/$name.log")}"; failures=$((failures + 1)) ;;
+  esac
+  summary+=("$name|$result|$seconds|$checks")
+  grep -E '^(FAIL|ok  )' "$out_dir/logs/$name.log" | sed "s/^/  [$name] /"
+done
+
+summary+=("verify (fixed plans)|not yet available|0|flatpeak verify has no CUDA backend yet, and the CLI needs nlohmann-json, fmt and CLI11")
+summary+=("technique benchmarks|not yet available|0|Ring-DTP, OffloadStreamAdamW and PipelinedLLEP have no CUDA schedules yet")
+
+# ---- summary ---------------------------------------------------------------------------------
+device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+[ -z "$device" ] && device=$(grep -h '^device 0:' "$out_dir"/logs/*_test.log 2>/dev/null | head -1)
+{
+  echo
+  echo "flatpeak gpu-check  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "device: ${device:-none found}   toolkit: $("$nvcc" --version | tail -1)   arch: $arch"
+  printf '%-28s %-18s %6s  %s\n' "check" "result" "sec" "detail"
+  for row in "${summary[@]}"; do
+    IFS='|' read -r c r s d <<<"$row"
+    printf '%-28s %-18s %6s  %s\n' "$c" "$r" "$s" "$d"
+  done
+  echo "total: $(elapsed) s; $failures failed"
+} | tee "$out_dir/summary.txt"
+[ "$failures" -eq 0 ]
