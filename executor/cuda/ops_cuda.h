@@ -55,4 +55,13 @@ void combine_backward_cuda(const CombineArgs& args, cudaStream_t stream);
 void linear_forward_cuda(const LinearArgs& args, const cuda::CublasContext& blas);
 void linear_backward_cuda(const LinearArgs& args, const cuda::CublasContext& blas);
 
+// Blocked cross-entropy (online log-sum-exp), the CPU's block order; logits blocks from cuBLAS.
+// targets are not range-checked on the device (the CPU twin checks them). The workspace is the
+// CPU's plus, for bf16 storage, fp32 copies of one X block and one W block (the dz GEMMs run in
+// fp32): blocked_cross_entropy_workspace_bytes_cuda().
+int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& args);
+void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
+void blocked_cross_entropy_backward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
+void blocked_cross_entropy_fused_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
+
 }  // namespace flatpeak::exec

@@ -1,0 +1,221 @@
+// CUDA twin of the blocked cross-entropy (executor/cpu/cross_entropy_cpu.cpp): per token block,
+// each [T_blk, V_blk] fp32 logits block comes from cuBLAS and is folded into the running
+// (max, sum) with the shared lse_fold; the backward recomputes it from the saved lse and turns it
+// into dz with the shared cross_entropy_dlogit. The same order of blocks as on the CPU.
+#include <algorithm>
+
+#include "executor/cpu/op_util.h"
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/kernel_util.cuh"
+#include "executor/cuda/ops_cuda.h"
+
+namespace flatpeak::exec {
+namespace {
+
+using cuda_detail::block_max;
+using cuda_detail::block_sum;
+using cuda_detail::global_thread;
+using cuda_detail::grid_for;
+using cuda_detail::grid_threads;
+using cuda_detail::kThreads;
+
+// Workspace (fp32): logits [T_blk, V_blk], dX accumulator [T_blk, H], running max, running sum,
+// target logit [T_blk] each (the CPU layout), then for bf16 storage fp32 copies of the X block
+// [T_blk, H] and the W block [V_blk, H]: cuBLAS multiplies only like with like, and the fp32 dz
+// must not be rounded to bf16.
+struct Workspace {
+  float* logits;
+  float* dx_acc;
+  float* row_max;
+  float* row_sum;
+  float* target_logit;
+  float* x_f32;  // null for f32 storage
+  float* w_f32;
+};
+
+Workspace carve(const CrossEntropyArgs& a) {
+  const int64_t tb = a.token_block_rows;
+  float* p = a.workspace;
+  Workspace ws{};
+  ws.logits = p;
+  p += tb * a.vocab_block_rows;
+  ws.dx_acc = p;
+  p += tb * a.hidden;
+  ws.row_max = p;
+  ws.row_sum = p + tb;
+  ws.target_logit = p + 2 * tb;
+  p += 3 * tb;
+  if (a.dtype == DType::BF16) {
+    ws.x_f32 = p;
+    ws.w_f32 = p + tb * a.hidden;
+  }
+  return ws;
+}
+
+__global__ void init_rows_kernel(float* row_max, float* row_sum, float* target_logit, int64_t rows) {
+  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+    target_logit[r] = 0.0f;
+  }
+}
+
+// One block per row of the logits block: (block max, Σ e^(z − max)) folded into the running pair.
+__global__ void fold_block_kernel(const float* logits, int64_t vb, int64_t v0, const int32_t* targets,
+                                  float* row_max, float* row_sum, float* target_logit) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const float* z = logits + r * vb;
+  float m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) m = fmaxf(m, z[c]);
+  const float bmax = block_max(m, scratch);
+  float s = 0.0f;
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) s += expf(z[c] - bmax);
+  const float bsum = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    lse_fold(row_max[r], row_sum[r], bmax, bsum);
+    const int64_t y = targets[r];
+    if (y >= v0 && y < v0 + vb) target_logit[r] = z[y - v0];
+  }
+}
+
+__global__ void finish_rows_kernel(const float* row_max, const float* row_sum,
+                                   const float* target_logit, const int32_t* targets, float* lse,
+                                   float* loss, int64_t rows) {
+  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
+    const float l = row_max[r] + logf(row_sum[r]);
+    lse[r] = l;
+    loss[r] = targets[r] >= 0 ? l - target_logit[r] : 0.0f;
+  }
+}
+
+// In place: z → dz = g · (e^(z − lse) − onehot), 0 for ignored tokens.
+__global__ void dlogits_kernel(float* logits, int64_t tb, int64_t vb, int64_t v0,
+                               const int32_t* targets, const float* lse, float g) {
+  for (int64_t i = global_thread(); i < tb * vb; i += grid_threads()) {
+    const int64_t r = i / vb;
+    const int64_t c = i % vb;
+    const int64_t y = targets[r];
+    logits[i] = y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], lse[r], v0 + c == y, g);
+  }
+}
+
+template <class T>
+__global__ void widen_kernel(const T* src, float* dst, int64_t n) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = to_f32(src[i]);
+}
+
+template <class T>
+__global__ void store_kernel(const float* src, T* dst, int64_t n) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], src[i]);
+}
+
+const void* offset_rows(const void* base, int64_t row, int64_t hidden, DType dtype) {
+  return static_cast<const unsigned char*>(base) + row * hidden * dtype_bytes(dtype);
+}
+
+void forward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
+                   int64_t t0, int64_t tb) {
+  cudaStream_t stream = blas.stream();
+  init_rows_kernel<<<grid_for(tb), kThreads, 0, stream>>>(ws.row_max, ws.row_sum, ws.target_logit, tb);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
+    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
+    cuda::gemm_cuda(blas, false, true, tb, vb, a.hidden, 1.0f, a.dtype,
+                    offset_rows(a.x, t0, a.hidden, a.dtype), a.hidden, a.dtype,
+                    offset_rows(a.w, v0, a.hidden, a.dtype), a.hidden, false, DType::F32,
+                    ws.logits, vb);
+    fold_block_kernel<<<static_cast<unsigned>(tb), kThreads, 0, stream>>>(
+        ws.logits, vb, v0, a.targets + t0, ws.row_max, ws.row_sum, ws.target_logit);
+    FLATPEAK_CUDA_CHECK_LAUNCH();
+  }
+  finish_rows_kernel<<<grid_for(tb), kThreads, 0, stream>>>(
+      ws.row_max, ws.row_sum, ws.target_logit, a.targets + t0, a.lse + t0, a.loss + t0, tb);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
+                    int64_t t0, int64_t tb) {
+  cudaStream_t stream = blas.stream();
+  const int64_t H = a.hidden;
+  FLATPEAK_CUDA_CHECK(cudaMemsetAsync(ws.dx_acc, 0, static_cast<size_t>(tb * H) * 4, stream));
+  const bool bf16 = a.dtype == DType::BF16;
+  const float* x_blk = bf16 ? ws.x_f32 : static_cast<const float*>(offset_rows(a.x, t0, H, a.dtype));
+  if (bf16) {
+    widen_kernel<<<grid_for(tb * H), kThreads, 0, stream>>>(
+        static_cast<const Bf16*>(offset_rows(a.x, t0, H, a.dtype)), ws.x_f32, tb * H);
+    FLATPEAK_CUDA_CHECK_LAUNCH();
+  }
+  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
+    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
+    const void* w_blk = offset_rows(a.w, v0, H, a.dtype);
+    cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype,
+                    offset_rows(a.x, t0, H, a.dtype), H, a.dtype, w_blk, H, false, DType::F32,
+                    ws.logits, vb);
+    dlogits_kernel<<<grid_for(tb * vb), kThreads, 0, stream>>>(ws.logits, tb, vb, v0,
+                                                               a.targets + t0, a.lse + t0,
+                                                               a.grad_scale);
+    FLATPEAK_CUDA_CHECK_LAUNCH();
+    const float* w_f32 = static_cast<const float*>(w_blk);
+    if (bf16) {
+      widen_kernel<<<grid_for(vb * H), kThreads, 0, stream>>>(static_cast<const Bf16*>(w_blk),
+                                                              ws.w_f32, vb * H);
+      FLATPEAK_CUDA_CHECK_LAUNCH();
+      w_f32 = ws.w_f32;
+    }
+    // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (fp32 throughout)
+    cuda::gemm_cuda(blas, false, false, tb, H, vb, 1.0f, DType::F32, ws.logits, vb, DType::F32,
+                    w_f32, H, true, DType::F32, ws.dx_acc, H);
+    cuda::gemm_cuda(blas, true, false, vb, H, tb, 1.0f, DType::F32, ws.logits, vb, DType::F32,
+                    x_blk, H, true, DType::F32, a.d_w + v0 * H, H);
+  }
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    store_kernel<<<grid_for(tb * H), kThreads, 0, stream>>>(
+        ws.dx_acc, static_cast<T*>(a.d_x) + t0 * H, tb * H);
+  });
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+enum class Pass { Forward, Backward, Fused };
+
+void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) {
+  require(a.tokens >= 0 && a.vocab > 0 && a.hidden > 0, "cross_entropy",
+          "need tokens >= 0 and vocab, hidden > 0");
+  require(a.token_block_rows > 0 && a.vocab_block_rows > 0, "cross_entropy",
+          "block sizes must be > 0");
+  require(a.token_block_rows <= 0x7fffffff, "cross_entropy", "token_block_rows must be < 2^31");
+  require(a.x && a.w && a.targets && a.lse && a.loss && a.workspace, "cross_entropy",
+          "needs x, w, targets, lse, loss and a workspace");
+  if (pass != Pass::Forward) {
+    require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
+  }
+  dispatch_compute(a.dtype, "cross_entropy", [](auto) {});
+  const Workspace ws = carve(a);
+  for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
+    const int64_t tb = std::min(a.token_block_rows, a.tokens - t0);
+    if (pass != Pass::Backward) forward_block(a, ws, blas, t0, tb);
+    if (pass != Pass::Forward) backward_block(a, ws, blas, t0, tb);
+  }
+}
+
+}  // namespace
+
+int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& a) {
+  const int64_t widened = a.dtype == DType::BF16
+                              ? (a.token_block_rows + a.vocab_block_rows) * a.hidden * 4
+                              : 0;
+  return blocked_cross_entropy_workspace_bytes(a) + widened;
+}
+
+void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& a, const cuda::CublasContext& blas) {
+  run(a, blas, Pass::Forward);
+}
+void blocked_cross_entropy_backward_cuda(const CrossEntropyArgs& a, const cuda::CublasContext& blas) {
+  run(a, blas, Pass::Backward);
+}
+void blocked_cross_entropy_fused_cuda(const CrossEntropyArgs& a, const cuda::CublasContext& blas) {
+  run(a, blas, Pass::Fused);
+}
+
+}  // namespace flatpeak::exec
