@@ -15,6 +15,7 @@
 #include "executor/ops/combine.h"
 #include "executor/ops/cross_entropy.h"
 #include "executor/ops/embedding.h"
+#include "executor/ops/expert_ffn.h"
 #include "executor/ops/linear.h"
 #include "executor/ops/permute.h"
 #include "executor/ops/rmsnorm.h"
@@ -63,5 +64,12 @@ int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& args)
 void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
 void blocked_cross_entropy_backward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
 void blocked_cross_entropy_fused_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
+
+// SwiGLU expert FFN: per expert, cuBLAS over its rows, every GEMM on fp32 operands (bf16 blocks
+// widened into the workspace: expert_ffn_workspace_bytes_cuda()). expert_counts is read on the
+// host (a host pointer, unlike the other fields), because it decides the GEMM shapes.
+int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& args);
+void expert_ffn_forward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
+void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 
 }  // namespace flatpeak::exec
