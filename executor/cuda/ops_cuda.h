@@ -12,6 +12,7 @@
 
 #include "executor/cuda/cublas_context.h"
 #include "executor/ops/adamw.h"
+#include "executor/ops/attention.h"
 #include "executor/ops/combine.h"
 #include "executor/ops/cross_entropy.h"
 #include "executor/ops/embedding.h"
@@ -71,5 +72,10 @@ void blocked_cross_entropy_fused_cuda(const CrossEntropyArgs& args, const cuda::
 int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& args);
 void expert_ffn_forward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
+
+// Causal GQA attention forward: one block per (query row, head), key tiles of 128 with the
+// shared online-softmax rescale; out and lse [a, T] as on the CPU. tile_rows and workspace are
+// not used (no scratch). head_dim <= 512. The backward has no CUDA version yet.
+void attention_forward_cuda(const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace flatpeak::exec
