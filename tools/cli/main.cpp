@@ -27,6 +27,7 @@ std::vector<Command> command_table() {
       make_models_command(),
       make_inspect_command(),
       make_plan_command(),
+      make_verify_command(),
   };
 }
 

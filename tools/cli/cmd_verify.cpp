@@ -1,0 +1,153 @@
+// `flatpeak verify PLAN.json [--scale auto|FACTOR] [--max-ranks 1] [--component C] [--tolerance X]
+// [--trace OUT.json] [--format table|json]`: runs the plan's schedule at a scale this machine holds
+// (one rank, CPU backend), plans that same scaled configuration, and compares the measured bytes
+// with the predicted ones phase by phase and at the component's peak. Reads only the plan's
+// inputs and knobs. Exit 0 when every |relative error| <= tolerance, 5 beyond it, 2 on bad input.
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "commands.h"
+#include "executor/memory/tracking_allocator.h"
+#include "exit_codes.h"
+#include "spec/errors.h"
+#include "spec/json_util.h"
+#include "verify_config.h"
+#include "verify_run.h"
+
+namespace flatpeak::cli {
+
+namespace {
+
+struct VerifyOptions {
+  std::string plan_path;
+  std::string scale = "auto";
+  int64_t max_ranks = 1;
+  std::string component;
+  double tolerance = 0.01;
+  std::string trace_path;
+  OutputFormat format = OutputFormat::Table;
+};
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) throw InputError({Diagnostic{path, "", "cannot open the plan file", ""}});
+  std::stringstream text;
+  text << file.rdbuf();
+  try {
+    return nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::parse_error& e) {
+    throw InputError({Diagnostic{path, "", std::string("not valid JSON: ") + e.what(), ""}});
+  }
+}
+
+std::optional<double> parse_scale(const std::string& text) {
+  if (text == "auto") return std::nullopt;
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (end == text.c_str() || *end != '\0' || !(v >= 1.0) || !std::isfinite(v))
+    throw InputError({Diagnostic{"", "--scale", "must be auto or a number >= 1 (got '" + text + "')", ""}});
+  return v;
+}
+
+std::string signed_percent(double e) { return fmt::format("{:+.3f}%", 100.0 * e); }
+
+void print_table(const VerifyReport& r, const ScaledConfig& s) {
+  std::cout << fmt::format("flatpeak verify: {} at scale {:.4g} (CPU backend, 1 rank)\n", r.plan_file, s.factor);
+  std::cout << "scaled values:\n";
+  for (const auto& v : s.values) std::cout << fmt::format("  {:<20} {:>12} -> {}\n", v.name, v.original, v.scaled);
+  std::cout << fmt::format("\n{:<10} {:<7} {:<18} {:>14} {:>14} {:>10}\n", "component", "space", "phase", "predicted", "measured", "rel.error");
+  for (const auto& row : r.rows)
+    std::cout << fmt::format("{:<10} {:<7} {:<18} {:>14} {:>14} {:>10}\n", row.component, row.space, row.phase,
+                             row.predicted_bytes, row.measured_bytes, signed_percent(row.relative_error));
+  std::cout << fmt::format("\nmax |dloss| vs naive: {:.3g}   max |dgrad| vs naive: {:.3g}\n", r.max_abs_dloss, r.max_abs_dgrad);
+  std::cout << fmt::format("verdict: {} (tolerance {:.3g}%)\n", r.pass ? "pass" : "fail", 100.0 * r.tolerance);
+}
+
+nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s) {
+  nlohmann::ordered_json j;
+  j["plan"] = r.plan_file;
+  j["backend"] = "cpu";
+  j["ranks"] = 1;
+  j["scale"] = s.factor;
+  nlohmann::ordered_json scaled = nlohmann::ordered_json::array();
+  for (const auto& v : s.values) scaled.push_back({{"name", v.name}, {"original", v.original}, {"scaled", v.scaled}});
+  j["scaled_values"] = scaled;
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  for (const auto& row : r.rows)
+    rows.push_back({{"component", row.component}, {"space", row.space}, {"phase", row.phase},
+                    {"predicted_bytes", row.predicted_bytes}, {"measured_bytes", row.measured_bytes},
+                    {"relative_error", row.relative_error}});
+  j["results"] = rows;
+  j["max_abs_dloss"] = r.max_abs_dloss;
+  j["max_abs_dgrad"] = r.max_abs_dgrad;
+  j["tolerance"] = r.tolerance;
+  j["verdict"] = r.pass ? "pass" : "fail";
+  return j;
+}
+
+int run_verify(const VerifyOptions& o) {
+  InputErrors errs;
+  if (o.max_ranks != 1) errs.add(Diagnostic{"", "--max-ranks", "must be 1: this version runs one rank (got " + std::to_string(o.max_ranks) + ")", ""});
+  if (!(o.tolerance > 0.0) || !std::isfinite(o.tolerance))
+    errs.add(Diagnostic{"", "--tolerance", fmt::format("must be a positive fraction (got {})", o.tolerance), "1% is --tolerance 0.01"});
+  const std::vector<std::string> components = verify_components();
+  if (!o.component.empty() && std::find(components.begin(), components.end(), o.component) == components.end()) {
+    std::string list;
+    for (const auto& c : components) list += (list.empty() ? "" : ", ") + c;
+    const std::string guess = did_you_mean(o.component, components);
+    errs.add(Diagnostic{"", "--component", "unknown or not yet implemented component '" + o.component + "' (implemented: " + list + ")",
+                        guess.empty() ? "" : "did you mean '" + guess + "'?"});
+  }
+  std::optional<double> factor;
+  try {
+    factor = parse_scale(o.scale);
+  } catch (const InputError& e) {
+    for (const auto& d : e.diagnostics()) errs.add(d);
+  }
+  errs.throw_if_any();
+
+  const nlohmann::json plan = read_json_file(o.plan_path);
+  const VerifyInputs in = read_plan_inputs(plan, o.plan_path);
+  const ScaledConfig scaled = scale_config(in, factor);
+  VerifyReport report = run_verification(in, scaled, o.component.empty() ? components : std::vector<std::string>{o.component},
+                                         o.tolerance);
+  if (!o.trace_path.empty()) {
+    std::ofstream out(o.trace_path);
+    out << report.measured_trace.dump(2) << "\n";
+    if (!out) throw InputError({Diagnostic{o.trace_path, "", "cannot write the trace", ""}});
+  }
+  if (o.format == OutputFormat::Json) std::cout << report_json(report, scaled).dump(2) << "\n";
+  else print_table(report, scaled);
+  return report.pass ? kExitOk : kExitVerifyMismatch;
+}
+
+}  // namespace
+
+Command make_verify_command() {
+  return Command{
+      "verify",
+      "Run a plan's schedule at a reduced scale on the CPU backend and compare measured with predicted memory",
+      [](CLI::App& sub) -> RunFunction {
+        auto o = std::make_shared<VerifyOptions>();
+        sub.add_option("plan", o->plan_path, "A plan written by 'flatpeak plan --format json'")->required();
+        sub.add_option("--scale", o->scale, "auto, or a factor >= 1 dividing T, H and V")->default_str("auto");
+        sub.add_option("--max-ranks", o->max_ranks, "Ranks to run (1 in this version)")->default_str("1");
+        sub.add_option("--component", o->component, "One component: vocab (default: every implemented component)");
+        sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction)")->default_str("0.01");
+        sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here");
+        add_format_option(sub, o->format);
+        return [o]() { return run_verify(*o); };
+      }};
+}
+
+}  // namespace flatpeak::cli

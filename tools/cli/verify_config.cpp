@@ -1,0 +1,138 @@
+// Reading and scaling a plan for `flatpeak verify` (verify_config.h).
+#include "verify_config.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "spec/errors.h"
+
+namespace flatpeak::cli {
+
+namespace {
+
+using nlohmann::json;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct Reader {
+  const json& root;
+  const std::string& file;
+  InputErrors errs;
+
+  const json* at(const std::string& pointer) {
+    const json::json_pointer p(pointer);
+    if (!root.contains(p)) {
+      errs.add(Diagnostic{file, pointer, "required field is missing", "verify reads a plan written by 'flatpeak plan --format json'"});
+      return nullptr;
+    }
+    return &root.at(p);
+  }
+  int64_t integer(const std::string& pointer, int64_t min_value) {
+    const json* v = at(pointer);
+    if (!v) return min_value;
+    if (!v->is_number_integer() || v->get<int64_t>() < min_value) {
+      errs.add(Diagnostic{file, pointer, "must be an integer >= " + std::to_string(min_value) + " (got " + v->dump() + ")", ""});
+      return min_value;
+    }
+    return v->get<int64_t>();
+  }
+  std::string text(const std::string& pointer) {
+    const json* v = at(pointer);
+    if (!v) return "";
+    if (!v->is_string()) {
+      errs.add(Diagnostic{file, pointer, "must be a string (got " + v->dump() + ")", ""});
+      return "";
+    }
+    return v->get<std::string>();
+  }
+  bool has(const std::string& pointer) const { return root.contains(json::json_pointer(pointer)); }
+};
+
+}  // namespace
+
+VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
+  Reader r{plan, file, {}};
+  VerifyInputs in;
+  in.file = file;
+  if (!plan.is_object()) {
+    r.errs.add(Diagnostic{file, "", "a plan must be a JSON object", ""});
+    r.errs.throw_if_any();
+  }
+  if (const json* v = r.at("/schema_version"); v && !(v->is_number_integer() && v->get<int64_t>() == 1))
+    r.errs.add(Diagnostic{file, "/schema_version", "must be 1 (got " + v->dump() + ")",
+                          "re-create the plan with this flatpeak's 'plan --format json'"});
+  in.model_name = r.text("/inputs/model/name");
+  in.hardware_name = r.text("/inputs/hardware/name");
+  in.alignment_bytes = r.integer("/inputs/hardware/allocation_alignment_bytes", 1);
+  in.hidden = r.integer("/inputs/model/hidden_size", 1);
+  in.vocab = r.integer("/inputs/model/vocab_size", 1);
+  in.layers = r.integer("/inputs/model/num_layers", 1);
+  in.gpus = r.integer("/inputs/run/gpus", 1);
+  in.ep = r.integer("/inputs/run/ep", 1);
+  in.cp = r.integer("/inputs/run/cp", 1);
+  in.micro_batch = r.integer("/inputs/run/micro_batch", 1);
+  in.tokens_per_gpu = r.integer("/inputs/run/tokens_per_gpu", 1);
+  in.schedule = r.text("/inputs/run/schedule");
+  if (!r.at("/knobs")) r.errs.throw_if_any();
+  if (r.has("/knobs/vocab")) in.vocab_mode = r.text("/knobs/vocab/value");
+  if (in.vocab_mode != "materialized" && in.vocab_mode != "blocked" && in.vocab_mode != "ring-dtp")
+    r.errs.add(Diagnostic{file, "/knobs/vocab/value", "must be materialized, blocked or ring-dtp (got '" + in.vocab_mode + "')", ""});
+  if (in.vocab_mode != "materialized") {
+    in.token_block = r.integer("/knobs/token_block/value", 1);
+    in.vocab_block = r.integer("/knobs/vocab_block/value", 1);
+    if (r.has("/knobs/vocab_backward")) in.vocab_backward = r.text("/knobs/vocab_backward/value");
+    if (in.vocab_backward != "recompute" && in.vocab_backward != "in-forward")
+      r.errs.add(Diagnostic{file, "/knobs/vocab_backward/value", "must be recompute or in-forward (got '" + in.vocab_backward + "')", ""});
+  }
+  if (in.vocab_mode == "ring-dtp") in.ring_size = r.integer("/knobs/ring_size/value", 1);
+  // Knobs against the inputs (the planner's own rules, re-checked on the file as written).
+  if (r.errs.empty()) {
+    if (in.gpus % in.ring_size != 0)
+      r.errs.add(Diagnostic{file, "/knobs/ring_size/value",
+                            "must divide /inputs/run/gpus = " + std::to_string(in.gpus) + " (got " + std::to_string(in.ring_size) + ")", ""});
+    if (in.token_block > in.tokens_per_gpu)
+      r.errs.add(Diagnostic{file, "/knobs/token_block/value",
+                            "must lie in 1..T = " + std::to_string(in.tokens_per_gpu) + " (got " + std::to_string(in.token_block) + ")", ""});
+    if (in.vocab_block > ceil_div(in.vocab, in.ring_size))
+      r.errs.add(Diagnostic{file, "/knobs/vocab_block/value",
+                            "must lie in 1..V/R = " + std::to_string(ceil_div(in.vocab, in.ring_size)) + " (got " + std::to_string(in.vocab_block) + ")", ""});
+    if (in.gpus % in.ep != 0)
+      r.errs.add(Diagnostic{file, "/inputs/run/ep", "must divide /inputs/run/gpus = " + std::to_string(in.gpus) + " (got " + std::to_string(in.ep) + ")", ""});
+  }
+  r.errs.throw_if_any();
+  return in;
+}
+
+ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor) {
+  ScaledConfig s;
+  const int64_t T = in.tokens_per_gpu;
+  if (factor) {
+    s.tokens = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(T) / *factor)));
+    s.hidden = std::max<int64_t>(8, static_cast<int64_t>(std::ceil(static_cast<double>(in.hidden) / *factor)));
+    s.vocab = std::max<int64_t>(2, static_cast<int64_t>(std::ceil(static_cast<double>(in.vocab) / *factor)));
+  } else {
+    s.tokens = std::min<int64_t>(T, 512);
+    s.hidden = std::min<int64_t>(in.hidden, 64);
+    s.vocab = std::min<int64_t>(in.vocab, std::max<int64_t>(1000, in.vocab / 64));
+  }
+  s.layers = std::min<int64_t>(in.layers, 4);
+  s.factor = static_cast<double>(T) / static_cast<double>(s.tokens);
+  if (in.vocab_mode != "materialized") {
+    // Keep the number of token blocks and of vocabulary blocks per shard (the shard is V at R = 1).
+    const int64_t token_blocks = ceil_div(T, in.token_block);
+    s.token_block = std::max<int64_t>(1, ceil_div(s.tokens, token_blocks));
+    const int64_t vocab_blocks = ceil_div(ceil_div(in.vocab, in.ring_size), in.vocab_block);
+    s.vocab_block = std::max<int64_t>(1, ceil_div(s.vocab, vocab_blocks));
+  }
+  s.values = {{"N (gpus)", in.gpus, 1},          {"EP", in.ep, 1},
+              {"T (tokens per GPU)", T, s.tokens}, {"H", in.hidden, s.hidden},
+              {"V", in.vocab, s.vocab},          {"L", in.layers, s.layers},
+              {"R (ring size)", in.ring_size, 1}};
+  if (in.vocab_mode != "materialized") {
+    s.values.push_back({"T_blk", in.token_block, s.token_block});
+    s.values.push_back({"V_blk", in.vocab_block, s.vocab_block});
+  }
+  return s;
+}
+
+}  // namespace flatpeak::cli

@@ -1,0 +1,53 @@
+// `flatpeak verify`: reading a plan's inputs and knobs (never its predictions) and scaling them to
+// a configuration one CPU rank runs in seconds, with every scaled value listed.
+//   VerifyInputs in = read_plan_inputs(plan_json, "plan.json");   // InputError names the field
+//   ScaledConfig s = scale_config(in, std::nullopt);                // --scale auto
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace flatpeak::cli {
+
+// What verify reads from a plan: /inputs and /knobs only.
+struct VerifyInputs {
+  std::string file;
+  std::string model_name;     // /inputs/model/name
+  std::string hardware_name;  // /inputs/hardware/name
+  int64_t alignment_bytes = 1;  // /inputs/hardware/allocation_alignment_bytes
+  int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
+  int64_t hidden = 0, vocab = 0, layers = 0;
+  std::string schedule;  // baseline | practice | flatpeak
+  // Knobs (/knobs/<name>/value); absent ones are off.
+  std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
+  std::string vocab_backward = "recompute";
+  int64_t ring_size = 1, token_block = 0, vocab_block = 0;
+};
+
+// Throws InputError (exit 2) for another schema_version, a missing or mistyped field, and knobs
+// that contradict the inputs; every problem in one pass.
+VerifyInputs read_plan_inputs(const nlohmann::json& plan, const std::string& file);
+
+struct ScaledValue {
+  std::string name;
+  int64_t original = 0;
+  int64_t scaled = 0;
+};
+
+// The configuration verify runs: one rank; T, H, V, L smaller; blocks scaled with T and V so the
+// number of token blocks and of vocabulary blocks per shard are kept.
+struct ScaledConfig {
+  double factor = 1.0;  // T / T_scaled
+  int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
+  std::vector<ScaledValue> values;  // every scaled value, for printing
+};
+
+// factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
+ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor);
+
+}  // namespace flatpeak::cli

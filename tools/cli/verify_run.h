@@ -1,0 +1,41 @@
+// `flatpeak verify`: the scaled configuration planned (on the data the executor ran) and executed,
+// and the comparison, phase by phase and at each component's peak.
+//   VerifyReport r = run_verification(inputs, scaled, {"vocab"}, 0.01);   // r.pass, r.rows
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "verify_config.h"
+
+namespace flatpeak::cli {
+
+struct VerifyRow {
+  std::string component;  // "vocab"
+  std::string space;      // "device" | "host"
+  std::string phase;      // predicted phase name, or "peak"
+  int64_t predicted_bytes = 0;
+  int64_t measured_bytes = 0;
+  double relative_error = 0.0;  // (measured − predicted) / predicted
+};
+
+struct VerifyReport {
+  std::string plan_file;
+  std::vector<VerifyRow> rows;
+  double max_abs_dloss = 0.0;  // over techniques, against the naive schedule on the same data
+  double max_abs_dgrad = 0.0;
+  double tolerance = 0.01;
+  bool pass = true;
+  nlohmann::ordered_json measured_trace;  // traces/README.md timeline, source "measured"
+};
+
+// The components this version verifies.
+std::vector<std::string> verify_components();
+
+VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled,
+                              const std::vector<std::string>& components, double tolerance);
+
+}  // namespace flatpeak::cli
