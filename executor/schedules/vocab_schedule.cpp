@@ -91,7 +91,9 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
     if (c.gradients_in_forward) blocked_cross_entropy_fused_cpu(a);
     else blocked_cross_entropy_forward_cpu(a);
   }
-  if (!c.gradients_in_forward) {
+  if (c.gradients_in_forward) {
+    alloc.set_phase("loss/bwd");  // nothing left to compute; dX and dW wait for the layers' backward
+  } else {
     for (int64_t b = 0; b < blocks; ++b) {
       alloc.set_phase("loss/bwd/blk" + std::to_string(b));
       if (b == 0) make_grads();

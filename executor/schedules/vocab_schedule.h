@@ -34,7 +34,8 @@ struct VocabScheduleResult {
 };
 
 // Runs forward and backward with every buffer from `alloc`; sets the traces/ phase names
-// loss/fwd[/blkI] and loss/bwd[/blkI] (I = token block). Buffers and categories:
+// loss/fwd[/blkI] and loss/bwd[/blkI] (I = token block); with gradients in forward, loss/bwd is
+// one phase in which dX and dW are held. Buffers and categories:
 //   X [T, H] bf16, W [V, H] bf16, lse [T] fp32, per-token loss [T] fp32, dX [T, H] bf16,
 //   dW [V, H] fp32 — vocab; targets [T] i32 — workspace (input labels, no timeline column);
 //   blocked: the op's workspace (fp32 logits block [T_blk, V_blk], dX rows [T_blk, H], row state) — vocab;

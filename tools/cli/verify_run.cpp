@@ -65,6 +65,8 @@ ordered_json trace_of(const exec::TrackingAllocator& alloc) {
   ordered_json phases = ordered_json::array();
   const auto records = alloc.phase_records();
   for (size_t i = 0; i < records.size(); i += 2) {
+    // Set-up before the first named phase (inputs being created) is not a phase of the grammar.
+    if (records[i].phase == "init" || records[i].phase.empty()) continue;
     ordered_json p;
     p["name"] = records[i].phase;
     for (size_t s = i; s < std::min(records.size(), i + 2); ++s) {
