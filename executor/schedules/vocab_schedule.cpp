@@ -92,7 +92,13 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
     else blocked_cross_entropy_forward_cpu(a);
   }
   if (c.gradients_in_forward) {
-    alloc.set_phase("loss/bwd");  // nothing left to compute; dX and dW wait for the layers' backward
+    // Nothing left to compute: X, the gathered W and lse are released; dX and dW wait for the
+    // layers' backward.
+    result.mean_loss = mean_of(loss);
+    in.x.reset();
+    in.w.reset();
+    lse.reset();
+    alloc.set_phase("loss/bwd");
   } else {
     for (int64_t b = 0; b < blocks; ++b) {
       alloc.set_phase("loss/bwd/blk" + std::to_string(b));
@@ -103,7 +109,7 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
       blocked_cross_entropy_backward_cpu(a);
     }
   }
-  result.mean_loss = mean_of(loss);
+  if (!c.gradients_in_forward) result.mean_loss = mean_of(loss);
   copy_out(dx, dw, result);
   return result;
 }
