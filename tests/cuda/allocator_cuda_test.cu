@@ -58,13 +58,14 @@ void test_tracking() {
 void test_device_view() {
   DeviceAllocator alloc;
   const int64_t big_bytes = int64_t{1} << 30;
+  // Other pools (an earlier allocator's) may return a few MiB meanwhile: a 16 MiB margin below.
   size_t free_before = 0, total = 0;
   FLATPEAK_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   DeviceBuffer big(alloc, big_bytes, Category::Optimizer);
   FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
   const DeviceMemoryView view = alloc.device_view();
   const int64_t drop = static_cast<int64_t>(free_before) - view.device_free_bytes;
-  expect_true("device/mem_get_info", drop >= big_bytes && drop <= big_bytes + (int64_t{64} << 20),
+  expect_true("device/mem_get_info", drop >= big_bytes - (int64_t{16} << 20) && drop <= big_bytes + (int64_t{64} << 20),
               "free memory dropped by " + bytes_text(drop) + " for a 1 GiB block");
   expect_true("device/pool_reserved", view.pool_reserved_bytes >= big_bytes,
               "pool reserved " + bytes_text(view.pool_reserved_bytes));
