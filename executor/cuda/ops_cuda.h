@@ -73,9 +73,12 @@ int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& args);
 void expert_ffn_forward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 
-// Causal GQA attention forward: one block per (query row, head), key tiles of 128 with the
-// shared online-softmax rescale; out and lse [a, T] as on the CPU. tile_rows and workspace are
-// not used (no scratch). head_dim <= 512. The backward has no CUDA version yet.
+// Causal GQA attention: one block per (query row, head), key tiles of 128 with the shared
+// online-softmax rescale; out and lse [a, T] as on the CPU; head_dim <= 512; tile_rows unused.
+// The forward needs no workspace; the backward recomputes P from lse and needs
+// attention_backward_workspace_bytes_cuda() (D = rowsum(dO ⊙ O), [a, T] fp32).
 void attention_forward_cuda(const AttentionArgs& args, cudaStream_t stream);
+int64_t attention_backward_workspace_bytes_cuda(const AttentionArgs& args);
+void attention_backward_cuda(const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace flatpeak::exec
