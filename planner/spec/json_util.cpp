@@ -22,7 +22,8 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& file)
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {
-    // e.byte is 1-based and points one past the offending character; turn it into line:column.
+    // e.byte is 1-based and points at the character where the parser stopped (the end of the
+    // offending token); turn it into line:column.
     const size_t end = std::min(e.byte == 0 ? size_t{0} : e.byte - 1, text.size());
     size_t line = 1, column = 1;
     for (size_t i = 0; i < end; ++i) {
@@ -34,11 +35,17 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& file)
       }
     }
     // nlohmann's message starts with "[json.exception.parse_error.101] parse error at line ...: ";
-    // keep only the description after the last ": " prefix it adds.
-    std::string what = e.what();
+    // keep the description from "syntax error" on.
+    const std::string what = e.what();
     const size_t cut = what.find("syntax error");
-    std::string description = cut == std::string::npos ? what : what.substr(cut);
+    const std::string description = cut == std::string::npos ? what : what.substr(cut);
     throw InputError(Diagnostic{file, fmt::format("{}:{}", line, column), "malformed JSON: " + description, ""});
+  } catch (const nlohmann::json::out_of_range& e) {
+    // A number too large for any JSON number type ("1E400"): the text is valid JSON syntax, but
+    // no value can hold it; nlohmann reports no position for it.
+    const std::string what = e.what();
+    const size_t cut = what.find("] ");
+    throw InputError(Diagnostic{file, "", "malformed JSON: " + (cut == std::string::npos ? what : what.substr(cut + 2)), ""});
   }
 }
 
@@ -57,7 +64,8 @@ std::string child_pointer(const std::string& parent, const std::string& key) {
 }
 
 std::string describe_json_value(const nlohmann::json& value) {
-  std::string text = value.dump();
+  // "replace" keeps invalid UTF-8 in strings built in code from throwing while we describe them.
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (text.size() > 60) text = text.substr(0, 57) + "...";
   return text;
 }

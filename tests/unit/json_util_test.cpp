@@ -30,6 +30,15 @@ TEST(ParseJsonText, LineAndColumnOfTheError) {
   EXPECT_EQ(parse_failure("").pointer, "1:1");
 }
 
+TEST(ParseJsonText, NumberTooLargeForAnyType) {
+  const Diagnostic overflow = parse_failure("{\"hidden_size\": 1E400}");
+  EXPECT_EQ(overflow.to_string(), "card.json: malformed JSON: number overflow parsing '1E400'");
+}
+
+TEST(DescribeJsonValue, InvalidUtf8DoesNotThrow) {
+  EXPECT_EQ(describe_json_value(nlohmann::json(std::string("a\xff"))), "\"a\xEF\xBF\xBD\"");
+}
+
 TEST(ParseJsonText, ValidDocument) {
   EXPECT_EQ(parse_json_text("{\"a\": [1, 2]}", "x.json")["a"][1], 2);
 }

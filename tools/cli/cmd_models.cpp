@@ -1,6 +1,6 @@
 // `flatpeak models [--format table|json]`: the built-in cards. The listing is a list of sections
-// (model cards now; hardware cards are the next one to append in listing_sections()): each is one
-// titled table in table output and one key of the JSON object.
+// (model cards, then hardware cards): each is one titled table in table output and one key of
+// the JSON object.
 #include <algorithm>
 #include <iostream>
 #include <memory>
@@ -12,8 +12,10 @@
 
 #include "commands.h"
 #include "exit_codes.h"
+#include "spec/hardware_loader.h"
 #include "spec/model_loader.h"
 #include "spec/param_count.h"
+#include "spec/sizes.h"
 
 namespace flatpeak::cli {
 
@@ -81,7 +83,45 @@ Section model_cards_section() {
   return section;
 }
 
-std::vector<Section> listing_sections() { return {model_cards_section()}; }
+Section hardware_cards_section() {
+  Section section;
+  section.json_key = "hardware";
+  section.title = "Hardware cards (built in from models/hardware/*.json; select with --gpu NAME)";
+  section.columns = {{"GPU", false},     {"MEMORY", true},      {"HBM", true},       {"BF16", true},
+                     {"SCALE-UP", true}, {"HOST LINK", true},   {"GPUS/NODE", true}, {"HOST/NODE", true},
+                     {"ALIASES", false}};
+  section.footnote =
+      "MEMORY: what the device reports (the GPU budget). Bandwidths per direction; HBM and links in GB/s, "
+      "BF16 dense in TFLOP/s.";
+  for (const auto& card : list_hardware_cards()) {
+    section.rows.push_back({card.name, format_bytes(card.device_memory_bytes),
+                            fmt::format("{:.0f}", card.hbm_bandwidth_bytes_per_s / 1e9),
+                            fmt::format("{:.1f}", card.bf16_dense_flops / 1e12),
+                            fmt::format("{:.0f}", card.scale_up_bandwidth_bytes_per_s / 1e9),
+                            fmt::format("{:.0f}", card.host_link_bandwidth_bytes_per_s / 1e9),
+                            std::to_string(card.gpus_per_node), format_bytes(card.host_memory_bytes_per_node),
+                            card.aliases.empty() ? "-" : join(card.aliases, ", ")});
+    ordered_json item;
+    item["name"] = card.name;
+    item["aliases"] = card.aliases;
+    item["device_memory_bytes"] = card.device_memory_bytes;
+    item["hbm_bandwidth_bytes_per_s"] = card.hbm_bandwidth_bytes_per_s;
+    item["bf16_dense_flops"] = card.bf16_dense_flops;
+    item["scale_up_bandwidth_bytes_per_s"] = card.scale_up_bandwidth_bytes_per_s;
+    item["host_link_bandwidth_bytes_per_s"] = card.host_link_bandwidth_bytes_per_s;
+    item["inter_node_bandwidth_bytes_per_s"] = card.inter_node_bandwidth_bytes_per_s;
+    item["gpus_per_node"] = card.gpus_per_node;
+    item["host_memory_bytes_per_node"] = card.host_memory_bytes_per_node;
+    item["host_memory_bandwidth_bytes_per_s"] = card.host_memory_bandwidth_bytes_per_s;
+    item["cpu_cores_per_node"] = card.cpu_cores_per_node;
+    item["runtime_overhead_bytes"] = card.runtime_overhead_bytes;
+    item["overhead_calibrated"] = card.overhead_calibrated;
+    section.items.push_back(std::move(item));
+  }
+  return section;
+}
+
+std::vector<Section> listing_sections() { return {model_cards_section(), hardware_cards_section()}; }
 
 void print_table(const Section& section, std::ostream& out) {
   std::vector<size_t> widths;
@@ -113,7 +153,7 @@ void print_table(const Section& section, std::ostream& out) {
 }  // namespace
 
 Command make_models_command() {
-  return {"models", "List the built-in model cards with their total and active parameter counts",
+  return {"models", "List the built-in model cards (with parameter counts) and hardware cards",
           [](CLI::App& sub) -> RunFunction {
             auto format = std::make_shared<OutputFormat>(OutputFormat::Table);
             add_format_option(sub, *format);
