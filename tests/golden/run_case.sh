@@ -3,7 +3,7 @@
 # and compares exit code, stdout and stderr with CASE/expected.*. FLATPEAK_UPDATE_GOLDEN=1
 # rewrites the expected files instead (review the diff before committing).
 set -u
-binary=$1
+binary=$(realpath "$1")  # absolute: the case runs from its own folder
 case_dir=$2
 cd "$case_dir" || exit 1
 # shellcheck disable=SC2046 # word splitting of cmd is intended; arguments hold no spaces
