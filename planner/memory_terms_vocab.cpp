@@ -1,9 +1,14 @@
 // The vocabulary projection and loss (reference/vocab-checkpoint-optimizer.md §1).
 // Materialized (baseline): at the loss backward, bf16 logits [T, V] + fp32 log-softmax [T, V] +
-// fp32 dlogits [T, V] (10 bytes per element) + X [T, H], W [V, H] (gathered bf16), dX, dW.
-// Blocked (R = 1) and Ring-DTP: blocks of [T_blk, V_blk] logits folded into an online
-// log-sum-exp; fp32 for lse, the online state and every cross-block accumulator (dX, dW).
+// fp32 dlogits [T, V] (10 bytes per element) + X [T, H], W [V, H] (gathered bf16), lse and
+// per-token loss [T] fp32, bf16 dX, and dW as one GEMM over all T with bf16 output.
+// Blocked (R = 1) and Ring-DTP: blocks of [T_blk, V_blk] fp32 logits folded into an online
+// log-sum-exp; the backward turns each into a bf16 dlogits block (the dX and dW GEMMs' operand);
+// fp32 for lse, loss, the online state and every cross-block accumulator. With R = 1 the loop is
+// token-block outer, so the online state and the fp32 dX accumulator cover one token block and dX
+// is written bf16 [T, H]; with R > 1 the ring visits each token block R times, so they cover T.
 #include <algorithm>
+#include <string>
 
 #include "memory_model.h"
 
@@ -19,8 +24,9 @@ struct VocabShape {
 
 VocabShape shape_of(const Context& c) {
   const int64_t R = c.run.vocab == VocabMode::RingDtp ? c.run.ring_size : 1;
-  return VocabShape{c.work.tokens, c.model.hidden_size, c.model.vocab_size, R, ceil_div(c.model.vocab_size, R),
-                    c.run.token_block, c.run.vocab_block};
+  const int64_t T = c.work.tokens, shard = ceil_div(c.model.vocab_size, R);
+  return VocabShape{T, c.model.hidden_size, c.model.vocab_size, R, shard, std::min(c.run.token_block, T),
+                    std::min(c.run.vocab_block, shard)};
 }
 
 void add_x_w(const VocabShape& s, TermList& t) {
@@ -43,36 +49,54 @@ void add_ring(const Context& c, const VocabShape& s, bool grads, TermList& t) {
   }
 }
 
-void add_dw(const Context& c, const VocabShape& s, TermList& t) {
+void add_lse_loss(const VocabShape& s, TermList& t) {
+  t.add("lse", {{"T", s.T}}, kFp32, kVoc);
+  t.add("per-token loss", {{"T", s.T}}, kFp32, kVoc);
+}
+
+// The fp32 dX accumulator and, with R = 1, the bf16 dX it is written into block by block.
+void add_dx(const VocabShape& s, TermList& t) {
+  if (s.R == 1) {
+    t.add("dX accumulator (token block)", {{"T_blk", s.Tb}, {"H", s.H}}, kFp32, kVoc);
+    t.add("dX", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
+  } else {
+    t.add("dX accumulator", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
+  }
+}
+
+void add_dw(const Context& c, const VocabShape& s, TermList& t, const std::string& prefix = "",
+            const std::string& suffix = "") {
   if (s.R > 1 && c.run.ring_rotate == RingRotate::Weights)
-    t.add("dW shard accumulators (travelling)", {{"2", 2}, {"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
+    t.add(prefix + "dW shard accumulators (travelling)" + suffix, {{"2", 2}, {"V/R", s.shard}, {"H", s.H}}, kFp32,
+          kVoc);
   else if (s.R > 1)
-    t.add("dW shard accumulator", {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
+    t.add(prefix + "dW shard accumulator" + suffix, {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
   else
-    t.add("dW accumulator", {{"V", s.V}, {"H", s.H}}, kFp32, kVoc);
+    t.add(prefix + "dW accumulator" + suffix, {{"V", s.V}, {"H", s.H}}, kFp32, kVoc);
 }
 
 void add_block_forward(const Context& c, const VocabShape& s, TermList& t) {
   add_x_w(s, t);
   t.add("logits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kFp32, kVoc);
-  t.add("online state (max, sum, target logit)", {{"3", 3}, {"T", s.T}}, kFp32, kVoc);
-  t.add("lse", {{"T", s.T}}, kFp32, kVoc);
+  if (s.R == 1) t.add("online state (max, sum, target logit)", {{"3", 3}, {"T_blk", s.Tb}}, kFp32, kVoc);
+  else t.add("online state (max, sum, target logit)", {{"3", 3}, {"T", s.T}}, kFp32, kVoc);
+  add_lse_loss(s, t);
   const bool grads = in_forward(c);
   add_ring(c, s, grads, t);
   if (grads) {
     t.add("dlogits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kBf16, kVoc);
-    t.add("dX accumulator", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
+    add_dx(s, t);
     add_dw(c, s, t);
   }
 }
 
 void add_block_backward(const Context& c, const VocabShape& s, TermList& t) {
   add_x_w(s, t);
-  t.add("lse", {{"T", s.T}}, kFp32, kVoc);
+  add_lse_loss(s, t);
   t.add("logits block (recomputed)", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kFp32, kVoc);
   t.add("dlogits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kBf16, kVoc);
   add_ring(c, s, true, t);
-  t.add("dX accumulator", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
+  add_dx(s, t);
   add_dw(c, s, t);
 }
 
@@ -90,6 +114,7 @@ std::vector<PhaseTerms> loss_forward_phases(const Context& c) {
     out.push_back(PhaseTerms{"fwd", "", c.list()});
     TermList& t = out.back().terms;
     add_x_w(s, t);
+    add_lse_loss(s, t);
     t.add("logits", {{"T", s.T}, {"V", s.V}}, kBf16, kVoc);
     t.add("log-softmax", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
     return out;
@@ -106,6 +131,7 @@ std::vector<PhaseTerms> loss_backward_phases(const Context& c) {
     out.push_back(PhaseTerms{"bwd", "", c.list()});
     TermList& t = out.back().terms;
     add_x_w(s, t);
+    add_lse_loss(s, t);
     t.add("logits", {{"T", s.T}, {"V", s.V}}, kBf16, kVoc);
     t.add("log-softmax", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
     t.add("dlogits", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
@@ -125,11 +151,18 @@ void add_loss_saved(const Context& c, const std::string& prefix, TermList& t) {
     t.add(prefix + "X (saved)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
     t.add(prefix + "logits (saved)", {{"T", s.T}, {"V", s.V}}, kBf16, kVoc);
     t.add(prefix + "log-softmax (saved)", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
+    t.add(prefix + "lse (saved)", {{"T", s.T}}, kFp32, kVoc);
+    t.add(prefix + "per-token loss (saved)", {{"T", s.T}}, kFp32, kVoc);
   } else if (in_forward(c)) {
-    t.add(prefix + "dX (computed in forward)", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
+    // X, W and lse are released; dX, the fp32 dW accumulator and the loss wait for the backward.
+    if (s.R == 1) t.add(prefix + "dX (computed in forward)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
+    else t.add(prefix + "dX (computed in forward)", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
+    add_dw(c, s, t, prefix, " (computed in forward)");
+    t.add(prefix + "per-token loss (saved)", {{"T", s.T}}, kFp32, kVoc);
   } else {
     t.add(prefix + "X (saved)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
     t.add(prefix + "lse (saved)", {{"T", s.T}}, kFp32, kVoc);
+    t.add(prefix + "per-token loss (saved)", {{"T", s.T}}, kFp32, kVoc);
   }
 }
 

@@ -20,14 +20,17 @@ void check(const CrossEntropyArgs& a) {
   }
 }
 
-// Workspace layout (fp32): logits block [T_blk, V_blk], dX accumulator [T_blk, H],
-// running max, running sum, target logit [T_blk] each.
+// Workspace layout: fp32 logits block [T_blk, V_blk], fp32 running max, running sum, target
+// logit [T_blk] each (all the forward needs), fp32 dX accumulator [T_blk, H], then the dlogits block [T_blk, V_blk] in
+// the compute dtype (bf16 in training): the operand of the dX and dW GEMMs, as a GPU kernel
+// needs it beside the fp32 logits block.
 struct Workspace {
   float* logits;
   float* dx_acc;
   float* row_max;
   float* row_sum;
   float* target_logit;
+  void* dlogits;
 };
 
 Workspace carve(const CrossEntropyArgs& a) {
@@ -36,11 +39,12 @@ Workspace carve(const CrossEntropyArgs& a) {
   Workspace ws{};
   ws.logits = p;
   p += tb * a.vocab_block_rows;
-  ws.dx_acc = p;
-  p += tb * a.hidden;
   ws.row_max = p;
   ws.row_sum = p + tb;
   ws.target_logit = p + 2 * tb;
+  p += 3 * tb;  // the forward uses only what comes before this point
+  ws.dx_acc = p;
+  ws.dlogits = p + tb * a.hidden;
   return ws;
 }
 
@@ -84,15 +88,16 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, 
   for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
     const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
     logits_block<T>(a, t0, tb, v0, vb, ws.logits);
+    T* dz = static_cast<T*>(ws.dlogits);  // rounded once to the compute dtype
     for (int64_t r = 0; r < tb; ++r) {
-      float* z = ws.logits + r * vb;  // becomes dz in place
+      const float* z = ws.logits + r * vb;
       const int64_t y = a.targets[t0 + r];
       const float lse = a.lse[t0 + r];
       for (int64_t c = 0; c < vb; ++c) {
-        z[c] = y < 0 ? 0.0f : cross_entropy_dlogit(z[c], lse, v0 + c == y, a.grad_scale);
+        store_f32(&dz[r * vb + c],
+                  y < 0 ? 0.0f : cross_entropy_dlogit(z[c], lse, v0 + c == y, a.grad_scale));
       }
     }
-    const float* dz = ws.logits;
     gemm_cpu(false, false, tb, a.hidden, vb, 1.0f, dz, vb,
              static_cast<const T*>(a.w) + v0 * a.hidden, a.hidden, true, ws.dx_acc, a.hidden);
     gemm_cpu(true, false, vb, a.hidden, tb, 1.0f, dz, vb,
@@ -123,9 +128,14 @@ void run(const CrossEntropyArgs& a, Pass pass) {
 
 }  // namespace
 
+int64_t blocked_cross_entropy_forward_workspace_bytes(const CrossEntropyArgs& a) {
+  return (a.token_block_rows * a.vocab_block_rows + 3 * a.token_block_rows) * 4;
+}
+
 int64_t blocked_cross_entropy_workspace_bytes(const CrossEntropyArgs& a) {
   const int64_t tb = a.token_block_rows;
-  return (tb * a.vocab_block_rows + tb * a.hidden + 3 * tb) * 4;
+  const int64_t dlogits_bytes = tb * a.vocab_block_rows * (a.dtype == DType::BF16 ? 2 : 4);
+  return (tb * a.vocab_block_rows + tb * a.hidden + 3 * tb) * 4 + (dlogits_bytes + 3) / 4 * 4;
 }
 
 void blocked_cross_entropy_forward_cpu(const CrossEntropyArgs& a) { run(a, Pass::Forward); }
@@ -174,8 +184,9 @@ void materialized_cross_entropy_backward_cpu(const MaterializedCrossEntropyArgs&
     const float* dz = a.d_logits;
     gemm_cpu(false, false, a.tokens, a.hidden, a.vocab, 1.0f, dz, a.vocab,
              static_cast<const T*>(a.w), a.hidden, false, static_cast<T*>(a.d_x), a.hidden);
+    // One GEMM over all T: fp32 accumulation inside, dW written once in the compute dtype.
     gemm_cpu(true, false, a.vocab, a.hidden, a.tokens, 1.0f, dz, a.vocab,
-             static_cast<const T*>(a.x), a.hidden, true, a.d_w, a.hidden);
+             static_cast<const T*>(a.x), a.hidden, false, static_cast<T*>(a.d_w), a.hidden);
   });
 }
 

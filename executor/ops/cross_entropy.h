@@ -31,13 +31,16 @@ struct CrossEntropyArgs {
   int64_t vocab_block_rows = 256;   // V_blk; V need not be a multiple
 };
 
-// fp32 [T_blk, V_blk] logits block + [T_blk, H] dX accumulator + per-row max, sum, target logit.
+// fp32 [T_blk, V_blk] logits block + fp32 [T_blk, H] dX accumulator + fp32 per-row max, sum,
+// target logit + a [T_blk, V_blk] dlogits block in the compute dtype (the GEMM operand).
 int64_t blocked_cross_entropy_workspace_bytes(const CrossEntropyArgs& args);
+// What blocked_cross_entropy_forward_cpu alone needs: the logits block and the row state.
+int64_t blocked_cross_entropy_forward_workspace_bytes(const CrossEntropyArgs& args);
 // Writes lse and loss. Per token, over vocab blocks in order, the block's (b = max z,
 // Σ e^(z−b)) is merged into the running (m, s) with lse_fold; then lse = m + log s. All fp32.
 void blocked_cross_entropy_forward_cpu(const CrossEntropyArgs& args);
 // Recomputes each logits block from x, w and the saved lse: dz = g·(e^(z−lse) − onehot),
-// dX += dz·W_blk (fp32 across vocab blocks), dW_blk += dzᵀ·X (fp32 across token blocks).
+// rounded to the compute dtype in the dlogits block; dX += dz·W_blk (fp32 across vocab blocks), dW_blk += dzᵀ·X (fp32 across token blocks).
 void blocked_cross_entropy_backward_cpu(const CrossEntropyArgs& args);
 // Gradients in the forward pass (valid for a terminal loss whose g is known now): per token
 // block, the forward fold and then the backward blocks, with the same code and order as
@@ -45,7 +48,8 @@ void blocked_cross_entropy_backward_cpu(const CrossEntropyArgs& args);
 void blocked_cross_entropy_fused_cpu(const CrossEntropyArgs& args);
 
 // The naive schedule: logits [T, V] in the compute dtype, fp32 log-softmax [T, V] and fp32
-// d_logits [T, V] all materialised (10 bytes per element in bf16).
+// d_logits [T, V] all materialised (10 bytes per element in bf16); dW is one GEMM over all T
+// with fp32 accumulation inside and its output in the compute dtype.
 struct MaterializedCrossEntropyArgs {
   DType dtype = DType::F32;          // storage of x, w, logits, d_x
   const void* x = nullptr;           // [T, H]
@@ -58,7 +62,7 @@ struct MaterializedCrossEntropyArgs {
   float* loss = nullptr;             // [T] fp32
   float grad_scale = 1.0f;
   void* d_x = nullptr;               // [T, H] overwritten
-  float* d_w = nullptr;              // [V, H] fp32 accumulated (+=)
+  void* d_w = nullptr;               // [V, H] compute dtype, overwritten
   int64_t tokens = 0;
   int64_t vocab = 0;
   int64_t hidden = 0;

@@ -42,12 +42,19 @@ double mean_of(const Tensor& loss) {
   return sum / static_cast<double>(loss.numel());
 }
 
+// dX is bf16; dW is the fp32 accumulator (blocked) or the bf16 GEMM output (materialised).
 void copy_out(const Tensor& dx, const Tensor& dw, VocabScheduleResult& r) {
   r.d_x.resize(static_cast<size_t>(dx.numel()));
   const Bf16* px = dx.data<Bf16>();
   for (int64_t i = 0; i < dx.numel(); ++i) r.d_x[static_cast<size_t>(i)] = to_f32(px[i]);
-  const float* pw = dw.data<float>();
-  r.d_w.assign(pw, pw + dw.numel());
+  if (dw.dtype() == DType::F32) {
+    const float* pw = dw.data<float>();
+    r.d_w.assign(pw, pw + dw.numel());
+  } else {
+    r.d_w.resize(static_cast<size_t>(dw.numel()));
+    const Bf16* pw = dw.data<Bf16>();
+    for (int64_t i = 0; i < dw.numel(); ++i) r.d_w[static_cast<size_t>(i)] = to_f32(pw[i]);
+  }
 }
 
 VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c) {
@@ -86,7 +93,9 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
   for (int64_t b = 0; b < blocks; ++b) {
     alloc.set_phase("loss/fwd/blk" + std::to_string(b));
     CrossEntropyArgs a = args_for(b);
-    Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
+    const int64_t ws_bytes = c.gradients_in_forward ? blocked_cross_entropy_workspace_bytes(a)
+                                                    : blocked_cross_entropy_forward_workspace_bytes(a);
+    Tensor ws(alloc, DType::F32, {ws_bytes / 4}, Category::Vocab);
     a.workspace = ws.data<float>();
     if (c.gradients_in_forward) blocked_cross_entropy_fused_cpu(a);
     else blocked_cross_entropy_forward_cpu(a);
@@ -140,11 +149,10 @@ VocabScheduleResult run_materialized(TrackingAllocator& alloc, const VocabSchedu
   alloc.set_phase("loss/bwd");
   Tensor dlogits(alloc, DType::F32, {T, V}, Category::Vocab);  // [T, V] fp32
   Tensor dx(alloc, DType::BF16, {T, H}, Category::Vocab);      // [T, H] bf16
-  Tensor dw(alloc, DType::F32, {V, H}, Category::Vocab);       // [V, H] fp32, +=
-  std::fill(dw.data<float>(), dw.data<float>() + dw.numel(), 0.0f);
+  Tensor dw(alloc, DType::BF16, {V, H}, Category::Vocab);      // [V, H] bf16: one GEMM over T
   m.d_logits = dlogits.data<float>();
   m.d_x = dx.raw();
-  m.d_w = dw.data<float>();
+  m.d_w = dw.raw();
   materialized_cross_entropy_backward_cpu(m);
   result.mean_loss = mean_of(loss);
   copy_out(dx, dw, result);
