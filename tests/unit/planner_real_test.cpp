@@ -17,10 +17,12 @@ TEST(PlannerReal, GptOss120bBaselineVocabLiveSet) {
   const Plan p = plan_of(m, load_hardware("H200"), {{"--gpus", "8"}, {"--context", "1048576"}});
   const int64_t T = 1048576, H = 2880, V = 201088;
   // bf16 logits T*V*2 + fp32 log-softmax T*V*4 + fp32 dlogits T*V*4 + X T*H*2 + W V*H*2 +
-  // dX T*H*2 + dW V*H*2 (every term a multiple of the 512 B alignment).
+  // dX T*H*2 + dW V*H*2 (one GEMM, bf16 output) + lse and per-token loss T*4 each (every term a
+  // multiple of the 512 B alignment).
   const std::map<std::string, int64_t> hand = {
       {"logits", T * V * 2}, {"log-softmax", T * V * 4}, {"dlogits", T * V * 4},
-      {"X (final norm output)", T * H * 2}, {"W (LM head, gathered)", V * H * 2}, {"dX", T * H * 2}, {"dW", V * H * 2}};
+      {"X (final norm output)", T * H * 2}, {"W (LM head, gathered)", V * H * 2}, {"dX", T * H * 2}, {"dW", V * H * 2},
+      {"lse", T * 4}, {"per-token loss", T * 4}};
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/bwd");
   ASSERT_EQ(vocab.terms.size(), hand.size());
@@ -31,7 +33,7 @@ TEST(PlannerReal, GptOss120bBaselineVocabLiveSet) {
     sum += t.bytes;
   }
   EXPECT_EQ(vocab.component_bytes, sum);
-  EXPECT_EQ(sum, T * V * 10 + 2 * T * H * 2 + 2 * V * H * 2);
+  EXPECT_EQ(sum, T * V * 10 + 2 * T * H * 2 + 2 * V * H * 2 + 2 * T * 4);
   EXPECT_FALSE(p.summary.fits());
   EXPECT_EQ(p.summary.binding, PeakKind::Vocab);
   ASSERT_EQ(p.warnings.size(), 1u);  // S above max_position_embeddings (131072) is a warning

@@ -59,13 +59,14 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
             state + 864 + 528 + 512 + 512 + route + 384 + 512 + 512 + 128);
 
   // Loss (materialized): boundaries x0, x1 + final hidden (768).
-  // loss/fwd vocab: X 256 + W 32*8*2 = 512 + logits 16*32*2 = 1024 + log-softmax 2048 = 3840.
-  EXPECT_EQ(phase(p, "loss/fwd").device_bytes(), state + 768 + 3840);
-  // loss/bwd vocab: + dlogits 2048 + dX 256 + dW 512 = 6656; FSDP prefetch of L1 (864).
+  // loss/fwd vocab: X 256 + W 32*8*2 = 512 + lse and per-token loss [16] fp32, 64 each +
+  // logits 16*32*2 = 1024 + log-softmax 2048 = 3968.
+  EXPECT_EQ(phase(p, "loss/fwd").device_bytes(), state + 768 + 3968);
+  // loss/bwd vocab: + dlogits 2048 + dX 256 + dW 512 (bf16, one GEMM) = 6784; FSDP prefetch of L1 (864).
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/bwd");
-  EXPECT_EQ(vocab.component_bytes, 6656);
-  EXPECT_EQ(vocab.bytes, state + 768 + 6656 + 864);
+  EXPECT_EQ(vocab.component_bytes, 6784);
+  EXPECT_EQ(vocab.bytes, state + 768 + 6784 + 864);
 
   // Backward: of the folded layers L0-L1, L0 is the worst instance (one boundary fewer than L1,
   // 256 B, but L1's grad shard reduced, 312*4 = 1248 B, and its reduce-scatter input in flight).
@@ -146,8 +147,8 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
       {"fwd/L0/moe/dispatch", fwd_base + 512 + route + meta + 256 + 256 + 64},
       {"fwd/L0/moe/experts", fwd_base + 512 + route + meta + saved_experts},
       {"fwd/L0/moe/combine", fwd_base + 512 + route + meta + 4 * 256},
-      {"loss/fwd", state + 512 + 3840},
-      {"loss/bwd", state + 512 + 640 + 6656},
+      {"loss/fwd", state + 512 + 3968},  // with lse and per-token loss (64 B each)
+      {"loss/bwd", state + 512 + 640 + 6784},
       {"bwd/L0/recompute/attn", rec_base + attn_saved + 768},
       {"bwd/L0/recompute/moe/dispatch", rec_base + block + route + meta + 256 + 256 + 64},
       {"bwd/L0/recompute/moe/experts", rec_base + block + route + meta + saved_experts + 256},
@@ -166,7 +167,7 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
   }
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).phase, "bwd/L0/recompute/moe/combine");
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, route + meta + saved_experts + 4 * 256);
-  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6656);
+  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6784);
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).phase, "bwd/L0/moe/experts");
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).component_bytes, 256);
   EXPECT_EQ(p.summary.peak(PeakKind::Layer).phase, "bwd/L0/attn");
