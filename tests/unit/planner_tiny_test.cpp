@@ -183,13 +183,15 @@ TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   // Liger heuristic: ceil(V/H) = 4, next_pow2(ceil(16/4)) = 4 tokens per block; V_blk = V.
   EXPECT_EQ(p.run.token_block, 4);
   EXPECT_EQ(p.run.vocab_block, 32);
-  // Gradients in forward: X 256, W 512, logits block 4*32*4 = 512, online state 3*16*4 = 192,
-  // lse 64, dlogits block 4*32*2 = 256, dX acc 16*8*4 = 512, dW acc 32*8*4 = 1024.
+  // Gradients in forward: X 256, W 512, logits block 4*32*4 = 512, online state of the token block
+  // 3*4*4 = 48, lse 64, per-token loss 64, dlogits block 4*32*2 = 256, dX acc of the token block
+  // 4*8*4 = 128 written into dX 16*8*2 = 256 (R = 1, token-block outer), dW acc 32*8*4 = 1024.
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/fwd/blk0");
-  EXPECT_EQ(vocab.component_bytes, 256 + 512 + 512 + 192 + 64 + 256 + 512 + 1024);
-  // The backward only scales the dX computed in forward (fp32, 512).
-  EXPECT_EQ(phase(p, "loss/bwd").terms.bytes(Category::Vocab), 512);
+  EXPECT_EQ(vocab.component_bytes, 256 + 512 + 512 + 48 + 64 + 64 + 256 + 128 + 256 + 1024);
+  // The backward holds what the forward computed: dX bf16 256, the fp32 dW accumulator 1024 and
+  // the per-token loss 64.
+  EXPECT_EQ(phase(p, "loss/bwd").terms.bytes(Category::Vocab), 256 + 1024 + 64);
   // Synchronous offload: only the boundary in use is on the device; host holds both.
   EXPECT_EQ(phase(p, "fwd/L1/attn").terms.bytes(Category::Boundaries), 256);
   EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Boundaries), 256);  // final hidden only
@@ -204,17 +206,17 @@ TEST(PlannerTiny, RingDtpAlone) {
   EXPECT_EQ(p.run.ring_rotate, RingRotate::Weights);  // [V/R=16, H] <= [T=16, H] per hop
   // fwd block: X 256, W shard 16*8*2 = 256, logits block 16*16*4 = 1024, state 192, lse 64,
   // W shard in flight 256.
-  EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Vocab), 256 + 256 + 1024 + 192 + 64 + 256);
+  EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Vocab), 256 + 256 + 1024 + 192 + 64 + 64 + 256);  // + loss
   // bwd block (recompute): X, W shard, lse, logits block, dlogits 16*16*2 = 512, W in flight,
   // dX acc 512, dW shard accumulators travelling 2*16*8*4 = 1024.
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/bwd/blk0");
-  EXPECT_EQ(vocab.component_bytes, 256 + 256 + 64 + 1024 + 512 + 256 + 512 + 1024);
+  EXPECT_EQ(vocab.component_bytes, 256 + 256 + 64 + 64 + 1024 + 512 + 256 + 512 + 1024);  // + loss
   // Rotating activations instead: X blocks in flight 2*16*8*2 = 512, state 2*3*16*4 = 384,
   // dX blocks 2*16*8*4 = 1024; dW shard accumulator 16*8*4 = 512.
   const Plan a = plan_of(tiny_moe(), tiny_gpu(), with({{"--ring-dtp", "on"}, {"--ring-rotate", "activations"}}));
   EXPECT_EQ(a.summary.peak(PeakKind::Vocab).component_bytes,
-            256 + 256 + 64 + 1024 + 512 + 512 + 384 + 1024 + 512 + 512);
+            256 + 256 + 64 + 64 + 1024 + 512 + 512 + 384 + 1024 + 512 + 512);  // + loss
   // The dispatch peak is the baseline's (at bwd/L0 the head's reduce-scatter is done).
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, p.baseline.peak(PeakKind::Dispatch).component_bytes);
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).bytes, p.baseline.peak(PeakKind::Dispatch).bytes);
@@ -382,8 +384,9 @@ TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {
   EXPECT_TRUE(p.run.mtp);
   EXPECT_TRUE(has_phase(p, "fwd/MTP0/attn"));
   EXPECT_TRUE(has_phase(p, "loss/mtp0/bwd"));
-  // While the MTP loss runs backward, the main loss keeps X, logits, log-softmax (256+1024+2048).
-  EXPECT_EQ(phase(p, "loss/mtp0/bwd").terms.bytes(Category::Vocab), 6656 + 3328);
+  // While the MTP loss runs backward (6784 with its lse and loss), the main loss keeps X, logits,
+  // log-softmax, lse and loss (256+1024+2048+64+64).
+  EXPECT_EQ(phase(p, "loss/mtp0/bwd").terms.bytes(Category::Vocab), 6784 + 3456);
   EXPECT_EQ(p.summary.peak(PeakKind::Vocab).phase, "loss/mtp0/bwd");
   const Plan off = plan_of(m, tiny_gpu(), with({{"--mtp", "off"}}));
   EXPECT_FALSE(has_phase(off, "loss/mtp0/bwd"));
@@ -408,8 +411,8 @@ TEST(PlannerTiny, FlatpeakScheduleByHand) {
   // OffloadStreamAdamW: bf16 param shards 884*2 on the GPU; grads bf16.
   EXPECT_EQ(phase(p, "opt/bucket0").device_bytes(), 884 * 2 + 884 * 2);
   // Ring-DTP (R = 2, rotate weights) backward block: bf16 params 1768, no grads reduced yet, final
-  // hidden 256 (every boundary is on the host), prefetched L1 864, vocab 3904 (see RingDtpAlone).
-  EXPECT_EQ(phase(p, "loss/bwd/blk0").device_bytes(), 1768 + 256 + 864 + 3904);
+  // hidden 256 (every boundary is on the host), prefetched L1 864, vocab 3968 (see RingDtpAlone).
+  EXPECT_EQ(phase(p, "loss/bwd/blk0").device_bytes(), 1768 + 256 + 864 + 3968);
   // PipelinedLLEP forward round in the no-grad forward: bf16 params, L1 gathered 864, head
   // prefetched 264 (Ring-DTP gathers only the V/R shard: 528/2), x1 being copied 256; h1, norm-2 out 512; routing 1216 + round buffers 3520 +
   // round expert input, fc1, act 480 + round fc2 out, unpermuted 2*12*8*2 = 384.
