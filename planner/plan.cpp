@@ -164,6 +164,7 @@ Plan make_plan_fixed(const ModelSpec& model, const HardwareSpec& hardware, const
   p.work = make_workload(p.model, p.run);
   p.timeline = build_timeline(Context{p.model, p.run, p.work});
   p.summary = summarize(p.timeline, p.run, p.hardware);
+  p.time = estimate_step_time(p.model, p.hardware, p.run, p.work, Efficiency{});
   p.warnings = run.warnings;
   for (const auto& load : p.work.moe_loads)
     if (!load.clamp_note.empty()) {

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "run_spec.h"
+#include "step_time.h"
 #include "timeline.h"
 #include "workload.h"
 
@@ -60,6 +61,8 @@ struct Plan {
   PlanSummary summary;
   PlanSummary baseline;
   std::vector<std::string> warnings;
+  StepTime time;                     // step_time.h, at default efficiencies unless the search set them
+  nlohmann::ordered_json diagnosis;  // knob_search.h: when no knob set fits (null otherwise)
 };
 
 // The peaks and budgets of a computed timeline.

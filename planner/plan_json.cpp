@@ -215,6 +215,8 @@ ojson plan_to_json(const Plan& p) {
   ojson host = std::move(s["host"]);
   host["terms_per_gpu"] = terms_json(p.timeline.host_per_gpu.terms());
   j["host"] = std::move(host);
+  j["time"] = step_time_to_json(p.time);
+  if (!p.diagnosis.is_null()) j["diagnosis"] = p.diagnosis;
   j["timeline"] = timeline_to_json(p.timeline);
   ojson base = summary_json(p.baseline, false);
   base = ojson{{"schedule", "baseline"}, {"peaks", base["peaks"]}, {"gpu", base["gpu"]}, {"host", base["host"]}};

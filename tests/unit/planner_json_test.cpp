@@ -12,7 +12,7 @@ TEST(PlannerJson, InterfacePathsAndKeyOrder) {
   std::vector<std::string> keys;
   for (const auto& item : j.items()) keys.push_back(item.key());
   EXPECT_EQ(keys, (std::vector<std::string>{"schema_version", "inputs", "knobs", "routing", "peaks", "gpu", "host",
-                                            "timeline", "baseline", "warnings"}));
+                                            "time", "timeline", "baseline", "warnings"}));
   EXPECT_EQ(j["schema_version"], 1);
   for (const char* peak : {"dispatch", "vocab", "checkpoint", "optimizer", "layer"}) {
     const auto& pj = j["peaks"][peak];

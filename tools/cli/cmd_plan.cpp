@@ -8,8 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "capacity_common.h"
 #include "commands.h"
 #include "exit_codes.h"
+#include "knob_search.h"
 #include "plan.h"
 #include "plan_table.h"
 #include "spec/hardware_loader.h"
@@ -24,6 +26,7 @@ struct PlanOptions {
   std::string gpu;
   OutputFormat format = OutputFormat::Table;
   std::map<std::string, std::string> values;  // run flag -> text as given
+  std::string efficiency;                     // --efficiency key=value,... (step time)
 };
 
 int run_plan(const CLI::App& sub, const PlanOptions& o) {
@@ -40,6 +43,8 @@ int run_plan(const CLI::App& sub, const PlanOptions& o) {
     if (has_value) ++i;
   }
   const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  const planner::Efficiency efficiency =
+      sub.count("--efficiency") > 0 ? planner::parse_efficiency(o.efficiency, errs) : planner::Efficiency{};
   std::unique_ptr<ModelSpec> model;
   std::unique_ptr<HardwareSpec> hardware;
   try {
@@ -60,9 +65,10 @@ int run_plan(const CLI::App& sub, const PlanOptions& o) {
   }
   errs.throw_if_any();
 
-  const planner::Plan plan = planner::make_plan(*model, *hardware, spec);
+  // Knobs not given are searched (knob_search.h); the plan carries its step time and reasons.
+  const planner::Plan plan = planner::make_searched_plan(*model, *hardware, spec, efficiency);
   if (o.format == OutputFormat::Json) std::cout << planner::plan_to_json(plan).dump(2) << "\n";
-  else std::cout << format_plan_table(plan);
+  else std::cout << format_plan_table(plan) << format_plan_time(plan);
   return plan.summary.fits() ? kExitOk : kExitDoesNotFit;
 }
 
@@ -77,6 +83,7 @@ Command make_plan_command() {
         sub.add_option("--model", options->model, "Model card name or alias, or a path to a card or config.json")->required();
         sub.add_option("--gpu", options->gpu, "Hardware card name or alias (H100-80GB, H200, ...), or a path")->required();
         for (const auto& f : planner::run_flags()) sub.add_option(f.name, options->values[f.name], f.help);
+        sub.add_option("--efficiency", options->efficiency, efficiency_help());
         add_format_option(sub, options->format);
         sub.allow_extras();
         return [options, &sub]() { return run_plan(sub, *options); };

@@ -28,6 +28,9 @@ void add_format_option(CLI::App& sub, OutputFormat& format, bool allow_csv = fal
 Command make_models_command();
 Command make_inspect_command();
 Command make_plan_command();
+Command make_reach_command();
+Command make_sweep_command();
+Command make_compare_command();
 Command make_verify_command();
 
 }  // namespace flatpeak::cli

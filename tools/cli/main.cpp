@@ -27,6 +27,9 @@ std::vector<Command> command_table() {
       make_models_command(),
       make_inspect_command(),
       make_plan_command(),
+      make_reach_command(),
+      make_sweep_command(),
+      make_compare_command(),
       make_verify_command(),
   };
 }

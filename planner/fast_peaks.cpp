@@ -1,0 +1,1112 @@
+// FastPeaks: workload.cpp, timeline.cpp, memory_terms_*.cpp and summarize() in numbers. Each
+// function below mirrors the one of the same name there (same terms, same alignment per tensor,
+// same order); only names and shapes are left out. Knob-dependent parts are kept per phase as
+// rules (boundary counts, dispatch round terms, logits block terms, the LM head's FSDP share).
+#include "fast_peaks.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "spec/least_loaded.h"
+
+namespace flatpeak::planner {
+
+namespace {
+
+constexpr size_t cat(Category c) { return static_cast<size_t>(c); }
+
+// Category sums of a list of terms, as TermList::add counts them.
+struct Acc {
+  std::array<int64_t, kCategoryCount> c{};
+  int64_t al = 1;
+  explicit Acc(int64_t alignment) : al(alignment) {}
+  void add(Category category, int64_t elems, int64_t dtype_bytes, int64_t count = 1) {
+    if (elems <= 0 || count <= 0) return;
+    const int64_t one = align_up(checked_mul(elems, dtype_bytes), al);
+    c[cat(category)] = checked_add(c[cat(category)], checked_mul(count, one));
+  }
+  void append(const Acc& o) {
+    for (size_t i = 0; i < c.size(); ++i) c[i] = checked_add(c[i], o.c[i]);
+  }
+  int64_t total() const {
+    int64_t s = 0;
+    for (int64_t v : c) s = checked_add(s, v);
+    return s;
+  }
+};
+
+int64_t mul(int64_t a, int64_t b) { return checked_mul(a, b); }
+int64_t mul(int64_t a, int64_t b, int64_t c) { return checked_mul(checked_mul(a, b), c); }
+
+constexpr int64_t kB16 = 2, kF32 = 4, kI64 = 8, kB1 = 1;
+constexpr Category kAct = Category::Activations, kDsp = Category::Dispatch, kVoc = Category::Vocab;
+
+CountMatrix ep_send_rows(const CountMatrix& copies, const RoutingShape& shape) {
+  const auto ep = static_cast<size_t>(shape.ep_ranks);
+  CountMatrix send(ep, std::vector<int64_t>(ep, 0));
+  for (size_t s = 0; s < copies.size(); ++s)
+    for (size_t e = 0; e < copies[s].size(); ++e)
+      send[s][static_cast<size_t>(shape.rank_of_expert(static_cast<int64_t>(e)))] += copies[s][e];
+  return send;
+}
+
+}  // namespace
+
+// ---- workload -----------------------------------------------------------------------------
+
+const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run, int64_t tokens, int64_t moe_layer) {
+  // Expected loads depend on the routing model, the shape, T and the layer only.
+  const ExpectedKey ekey{tokens, run.ep, model.num_experts, model.top_k, moe_layer, to_string(run.imbalance)};
+  const Key key{ekey, run.llep, run.llep ? run.llep_alpha : 0.0, run.llep ? run.llep_lambda : 0.0,
+                run.llep ? run.llep_min_rows : 0};
+  auto it = entries_.find(key);
+  if (it != entries_.end() && it->second) return *it->second;
+  const RoutingShape shape{run.ep, model.num_experts, model.top_k};
+  auto& expected = expected_[ekey];
+  if (!expected) expected = std::make_unique<ExpectedLoads>(expected_loads(run.imbalance, shape, tokens, moe_layer));
+  auto b = std::make_unique<MoeBasis>();
+  MoeLoad& load = b->load;
+  load.send_rows = checked_mul(tokens, model.top_k);
+  const auto received = received_rows_per_rank(expected->copies, shape);
+  load.recv_rows_ep = *std::max_element(received.begin(), received.end());
+  load.rho_ep = imbalance_rho(received);
+  load.clamp_note = expected->clamp_note;
+  if (run.llep) {
+    LlaKnobs knobs;
+    knobs.llep_alpha = run.llep_alpha;
+    knobs.min_rows_per_gemm = run.llep_min_rows;
+    knobs.imbalance_trigger = run.llep_lambda;
+    const LlaResult lla = least_loaded_assignment(expert_loads(expected->copies), run.ep, knobs);
+    load.lla_ran = lla.triggered;
+    load.recv_rows_llep = lla.triggered ? *std::max_element(lla.rank_rows.begin(), lla.rank_rows.end()) : load.recv_rows_ep;
+    load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
+    for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
+    for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
+    b->send = lla.triggered ? lla_send_rows(lla, expected->copies) : ep_send_rows(expected->copies, shape);
+  }
+  auto& slot = entries_[key];
+  slot = std::move(b);
+  return *slot;
+}
+
+MoeLoad load_with_cap(const MoeBasis& basis, const ResolvedRun& run, int64_t chunk_cap_rows) {
+  MoeLoad load = basis.load;
+  if (!run.llep || chunk_cap_rows <= 0) return load;
+  const int64_t C = std::min(chunk_cap_rows, load.send_rows);
+  int64_t buffer = run.striping ? round_receive_bound_rows(C, run.ep, std::max(1.0, load.rho_llep)) : checked_mul(run.ep, C);
+  buffer = std::min(buffer, load.recv_rows_llep);
+  int64_t cap = C;
+  if (run.striping && round_receive_bound_rows(basis.send, C) > buffer)
+    cap = std::max<int64_t>(1, shrink_chunk_cap(basis.send, C, buffer));
+  load.chunk_cap_rows = cap;
+  load.round_recv_rows = buffer;
+  load.rounds = ceil_div(load.send_rows, cap);
+  return load;
+}
+
+Workload fast_workload(const ModelSpec& model, const ResolvedRun& run, LoadCache& cache) {
+  Workload w;
+  w.gpus = run.gpus;
+  w.cp = run.cp;
+  w.dp = run.dp();
+  w.ep = run.ep;
+  w.tokens = checked_mul(run.micro_batch, run.context_tokens) / run.cp;
+  w.accumulation_steps = run.accumulation_steps();
+  w.counts = count_params(model);
+  const ParamCounts& pc = w.counts;
+  const int64_t E = model.num_experts;
+  w.experts_per_rank = E > 0 ? E / run.ep : 0;
+  w.expert_params_each = pc.expert_params;
+  const int64_t N = run.gpus;
+  const int64_t expert_group = N / std::max<int64_t>(1, run.ep);
+  auto dense_unit = [&](const char* name, int64_t params) { return FsdpUnit{name, params, params, ceil_div(params, N)}; };
+  auto layer_unit = [&](FfnKind ffn) {
+    const int64_t common = pc.attention_per_layer + pc.layer_norms_per_layer;
+    if (ffn == FfnKind::Dense) return dense_unit("", common + pc.dense_ffn_per_layer);
+    const int64_t dense = common + pc.router_per_layer + pc.shared_experts_per_layer;
+    const int64_t local_experts = checked_mul(w.experts_per_rank, pc.expert_params);
+    FsdpUnit u;
+    u.params = dense + checked_mul(E, pc.expert_params);
+    u.gathered_params = dense + local_experts;
+    u.shard_params = ceil_div(dense, N) + ceil_div(local_experts, expert_group);
+    return u;
+  };
+  w.units.reserve(static_cast<size_t>(model.num_layers + model.mtp_layers + 2));
+  w.units.push_back(dense_unit("embedding", pc.embedding));
+  int64_t moe_layers = 0;
+  for (int64_t l = 0; l < model.num_layers; ++l) {
+    const FfnKind ffn = model.layers[static_cast<size_t>(l)].ffn;
+    w.units.push_back(layer_unit(ffn));
+    w.moe_index.push_back(ffn == FfnKind::Moe && E > 0 ? moe_layers++ : -1);
+  }
+  if (run.mtp) {
+    const int64_t H = model.hidden_size;
+    const FfnKind ffn = E > 0 ? FfnKind::Moe : FfnKind::Dense;
+    for (int64_t j = 0; j < model.mtp_layers; ++j) {
+      FsdpUnit u = layer_unit(ffn);
+      const int64_t extra = 2 * H + 2 * H * H + H;
+      u.params += extra;
+      u.gathered_params += extra;
+      u.shard_params += ceil_div(extra, N);
+      w.units.push_back(u);
+      w.moe_index.push_back(ffn == FfnKind::Moe ? moe_layers++ : -1);
+    }
+  }
+  w.units.push_back(dense_unit("head", pc.final_norm + pc.lm_head));
+  w.head_unit = static_cast<int64_t>(w.units.size()) - 1;
+  for (const auto& u : w.units) {
+    w.shard_params = checked_add(w.shard_params, u.shard_params);
+    w.trained_params = checked_add(w.trained_params, u.params);
+  }
+  if (moe_layers > 0) {
+    const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file && run.imbalance.file->layers.size() > 1;
+    const int64_t distinct = per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
+    for (int64_t m = 0; m < distinct; ++m)
+      w.moe_loads.push_back(load_with_cap(cache.basis(model, run, w.tokens, m), run, run.chunk_cap_rows));
+  }
+  return w;
+}
+
+// ---- per-phase terms -----------------------------------------------------------------------
+
+namespace {
+
+struct Ctx {
+  const ModelSpec& m;
+  const ResolvedRun& r;
+  const Workload& w;
+  int64_t T, H, al;
+  LayerSpec spec(int64_t layer) const {
+    if (layer < m.num_layers) return m.layers[static_cast<size_t>(layer)];
+    LayerSpec s;
+    s.ffn = m.num_experts > 0 ? FfnKind::Moe : FfnKind::Dense;
+    return s;
+  }
+  Acc acc() const { return Acc(al); }
+};
+
+void qkvo(const Ctx& c, Acc& t) {
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  if (m.attention == AttentionKind::Mla) {
+    if (m.q_lora_rank > 0) t.add(kAct, mul(T, m.q_lora_rank), kB16);
+    t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
+  }
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(m.num_heads, T), kF32);
+}
+
+void ring_attention(const Ctx& c, int64_t layer, bool backward, Acc& t) {
+  if (c.r.cp <= 1) return;
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  const int64_t kv = m.num_kv_heads * (m.head_dim + m.v_head_dim);
+  const LayerSpec s = c.spec(layer);
+  if (s.window != AttentionWindow::Full && s.attention_window_tokens > 0) {
+    const int64_t halo = std::min(s.attention_window_tokens, T);
+    t.add(kAct, mul(halo, kv), kB16);
+    if (backward) t.add(kAct, mul(halo, kv), kF32);
+    return;
+  }
+  t.add(kAct, mul(T, kv), kB16, 2);
+  if (!backward) {
+    t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kF32);
+    t.add(kAct, mul(m.num_heads, T), kF32);
+  } else {
+    t.add(kAct, mul(T, kv), kF32, 2);
+  }
+}
+
+void layer_grad_stream(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, mul(c.T, c.H), kF32);
+}
+
+void attention_forward(const Ctx& c, int64_t layer, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  qkvo(c, t);
+  ring_attention(c, layer, false, t);
+}
+
+void attention_saved(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, c.T, kF32, 2);
+  qkvo(c, t);
+}
+
+void attention_backward(const Ctx& c, int64_t layer, Acc& t) {
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  attention_saved(c, t);
+  layer_grad_stream(c, t);
+  t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kF32);
+  t.add(kAct, mul(m.num_heads, T), kF32);
+  if (m.attention == AttentionKind::Mla) t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
+  t.add(kAct, mul(T, c.H), kB16);
+  ring_attention(c, layer, true, t);
+}
+
+void ffn_block_inputs(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, mul(c.T, c.H), kB16);
+}
+
+void ffn_pair(const Ctx& c, int64_t width, Acc& t) {  // forward and saved: gate,up then act*up
+  if (width <= 0) return;
+  t.add(kAct, mul(c.T, 2 * width), kB16);
+  t.add(kAct, mul(c.T, width), kB16);
+}
+
+void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t) {
+  if (width <= 0) return;
+  t.add(kAct, mul(c.T, width), kB16);
+  t.add(kAct, mul(c.T, 2 * width), kB16);
+}
+
+// ---- dispatch
+
+struct MoeShape {
+  int64_t T, H, E, k, F, sent, recv;
+  const MoeLoad* load;
+};
+
+MoeShape moe_shape(const Ctx& c, const MoeLoad& load) {
+  const int64_t R = c.r.llep ? load.recv_rows_llep : load.recv_rows_ep;
+  return MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, R, &load};
+}
+
+void route(const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kB1);
+  t.add(kDsp, mul(s.T, s.k), kF32);
+  t.add(kDsp, mul(s.T, s.k), kI64);
+}
+
+void meta(const MoeShape& s, Acc& t) {
+  t.add(kDsp, s.sent, kI64);
+  t.add(kDsp, s.sent, kF32);
+}
+
+void foreign(const Ctx& c, const MoeShape& s, Acc& t) {
+  if (!c.r.llep) return;
+  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
+}
+
+void foreign_grads(const Ctx& c, const MoeShape& s, Acc& t) {
+  if (!c.r.llep) return;
+  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
+  t.add(kDsp, mul(s.load->lent_experts, c.w.expert_params_each), kB16);
+}
+
+void saved_experts(const MoeShape& s, int64_t rows, Acc& t) {
+  t.add(kDsp, mul(rows, s.H), kB16);
+  t.add(kDsp, mul(rows, 2 * s.F), kB16);
+  t.add(kDsp, mul(rows, s.F), kB16);
+}
+
+void expert_grads(const MoeShape& s, int64_t rows, Acc& t) {
+  t.add(kDsp, mul(rows, s.H), kB16);
+  t.add(kDsp, mul(rows, s.F), kB16);
+  t.add(kDsp, mul(rows, 2 * s.F), kB16);
+}
+
+void dispatch_buffers(const Ctx& c, const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.sent, s.H), kB16);
+  if (c.r.llep) t.add(kDsp, mul(s.sent, s.H), kB16);
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, s.recv, kF32);
+}
+
+void combine_buffers(const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, mul(s.sent, s.H), kB16);
+  t.add(kDsp, mul(s.T, s.H), kB16);
+}
+
+// The phases of one MoE block: (suffix kind, dispatch bytes); suffix kinds tell the timeline
+// where the shared expert's terms go.
+enum class MoePhase { Route, Dispatch, Experts, Combine, Round };
+struct MoeTerms {
+  MoePhase kind;
+  FastPeaks::Disp disp;  // round phases: computed per cap
+  Acc terms;
+};
+
+std::vector<MoeTerms> ep_phases(const Ctx& c, const MoeShape& s, bool recompute) {
+  using D = FastPeaks::Disp;
+  std::vector<MoeTerms> out;
+  auto phase = [&](MoePhase k) -> Acc& {
+    out.push_back(MoeTerms{k, D::None, c.acc()});
+    route(s, out.back().terms);
+    return out.back().terms;
+  };
+  if (!recompute) phase(MoePhase::Route);
+  {
+    Acc& t = phase(MoePhase::Dispatch);
+    meta(s, t);
+    dispatch_buffers(c, s, t);
+    foreign(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Experts);
+    meta(s, t);
+    saved_experts(s, s.recv, t);
+    if (recompute) t.add(kDsp, mul(s.recv, s.H), kB16);
+    foreign(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Combine);
+    meta(s, t);
+    if (recompute) saved_experts(s, s.recv, t);
+    combine_buffers(s, t);
+    foreign(c, s, t);
+  }
+  return out;
+}
+
+std::vector<MoeTerms> ep_backward(const Ctx& c, const MoeShape& s) {
+  using D = FastPeaks::Disp;
+  std::vector<MoeTerms> out;
+  auto phase = [&](MoePhase k) -> Acc& {
+    out.push_back(MoeTerms{k, D::None, c.acc()});
+    Acc& t = out.back().terms;
+    route(s, t);
+    meta(s, t);
+    foreign(c, s, t);
+    return t;
+  };
+  {
+    Acc& t = phase(MoePhase::Combine);
+    saved_experts(s, s.recv, t);
+    t.add(kDsp, mul(s.sent, s.H), kB16);
+    t.add(kDsp, mul(s.recv, s.H), kB16);
+  }
+  {
+    Acc& t = phase(MoePhase::Experts);
+    saved_experts(s, s.recv, t);
+    expert_grads(s, s.recv, t);
+    foreign_grads(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Dispatch);
+    t.add(kDsp, mul(s.recv, s.H), kB16);
+    t.add(kDsp, mul(s.sent, s.H), kB16);
+    t.add(kDsp, mul(s.T, s.H), kF32);
+    foreign_grads(c, s, t);
+  }
+  return out;
+}
+
+void round_buffers(const MoeShape& s, int64_t C, int64_t B, int64_t D, Acc& t) {
+  t.add(kDsp, mul(D, C, s.H), kB16);
+  t.add(kDsp, mul(D, B, s.H), kB16);
+  t.add(kDsp, mul(D, B, s.H), kB16);
+  t.add(kDsp, mul(D, C, s.H), kB16);
+  t.add(kDsp, mul(D, 2 * (B + C)), kF32);
+  t.add(kDsp, mul(D, 2 * (B + C)), kI64);
+  t.add(kDsp, mul(3, s.sent), kI64);
+  t.add(kDsp, mul(s.T, s.H), kF32);
+}
+
+// Dispatch bytes of a round phase (the whole Dispatch category of that phase).
+Acc round_phase(const Ctx& c, const MoeShape& s, FastPeaks::Disp kind) {
+  using D = FastPeaks::Disp;
+  const int64_t C = s.load->chunk_cap_rows, B = s.load->round_recv_rows, Dp = c.r.dispatch_depth;
+  const bool store = c.r.dispatch_mode == DispatchMode::Store;
+  Acc t = c.acc();
+  route(s, t);
+  round_buffers(s, C, B, Dp, t);
+  if (kind == D::BackwardRound) {
+    saved_experts(s, store ? s.recv : B, t);
+    t.add(kDsp, mul(mul(Dp, 2 * (B + C)), s.H), kB16);
+    expert_grads(s, B, t);
+    t.add(kDsp, mul(s.T, s.H), kF32);
+    foreign(c, s, t);
+    foreign_grads(c, s, t);
+    return t;
+  }
+  saved_experts(s, kind == D::RecomputeRound ? s.recv : B, t);
+  t.add(kDsp, mul(B, s.H), kB16);
+  t.add(kDsp, mul(B, s.H), kB16);
+  foreign(c, s, t);
+  return t;
+}
+
+std::vector<MoeTerms> pipelined_forward(const Ctx& c, const MoeShape& s, bool recompute) {
+  using D = FastPeaks::Disp;
+  const bool store = c.r.dispatch_mode == DispatchMode::Store;
+  std::vector<MoeTerms> out;
+  if (recompute && !store) {
+    out.push_back(MoeTerms{MoePhase::Route, D::None, c.acc()});
+    route(s, out.back().terms);
+    foreign(c, s, out.back().terms);
+    return out;
+  }
+  if (!recompute) {
+    out.push_back(MoeTerms{MoePhase::Route, D::None, c.acc()});
+    route(s, out.back().terms);
+  }
+  const D kind = recompute ? D::RecomputeRound : D::ForwardRound;
+  out.push_back(MoeTerms{MoePhase::Round, kind, round_phase(c, s, kind)});
+  return out;
+}
+
+bool pipelined(const Ctx& c) { return c.r.llep && c.r.chunk_cap_rows > 0; }
+
+// ---- vocabulary (memory_terms_vocab.cpp)
+
+struct VocabShape {
+  int64_t T, H, V, R, shard, Tb, Vb;
+};
+
+VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block) {
+  const int64_t shard = ceil_div(V, R);
+  return VocabShape{T, H, V, R, shard, std::min(token_block, T), std::min(vocab_block, shard)};
+}
+
+void x_w(const VocabShape& s, Acc& t) {
+  t.add(kVoc, mul(s.T, s.H), kB16);
+  if (s.R == 1) t.add(kVoc, mul(s.V, s.H), kB16);
+  else t.add(kVoc, mul(s.shard, s.H), kB16);
+}
+
+void ring(RingRotate rotate, const VocabShape& s, bool grads, Acc& t) {
+  if (s.R <= 1) return;
+  if (rotate == RingRotate::Activations) {
+    t.add(kVoc, mul(2, s.Tb, s.H), kB16);
+    t.add(kVoc, mul(2, 3, s.Tb), kF32);
+    if (grads) t.add(kVoc, mul(2, s.Tb, s.H), kF32);
+  } else {
+    t.add(kVoc, mul(s.shard, s.H), kB16);
+  }
+}
+
+void lse_loss(const VocabShape& s, Acc& t) {
+  t.add(kVoc, s.T, kF32);
+  t.add(kVoc, s.T, kF32);
+}
+
+void dx(const VocabShape& s, Acc& t) {
+  if (s.R == 1) {
+    t.add(kVoc, mul(s.Tb, s.H), kF32);
+    t.add(kVoc, mul(s.T, s.H), kB16);
+  } else {
+    t.add(kVoc, mul(s.T, s.H), kF32);
+  }
+}
+
+void dw(RingRotate rotate, const VocabShape& s, Acc& t) {
+  if (s.R > 1 && rotate == RingRotate::Weights) t.add(kVoc, mul(2, s.shard, s.H), kF32);
+  else if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);
+  else t.add(kVoc, mul(s.V, s.H), kF32);
+}
+
+VocabShape vocab_shape(const Ctx& c) {
+  const int64_t R = c.r.vocab == VocabMode::RingDtp ? c.r.ring_size : 1;
+  return vocab_shape_of(c.T, c.H, c.m.vocab_size, R, c.r.token_block, c.r.vocab_block);
+}
+
+void loss_saved(const Ctx& c, Acc& t) {
+  const VocabShape s = vocab_shape(c);
+  if (c.r.vocab == VocabMode::Materialized) {
+    t.add(kVoc, mul(s.T, s.H), kB16);
+    t.add(kVoc, mul(s.T, s.V), kB16);
+    t.add(kVoc, mul(s.T, s.V), kF32);
+    t.add(kVoc, s.T, kF32);
+    t.add(kVoc, s.T, kF32);
+  } else if (c.r.vocab_backward == VocabBackward::InForward) {
+    // X, W and lse are released; dX, the fp32 dW accumulator and the loss wait for the backward.
+    t.add(kVoc, mul(s.T, s.H), s.R == 1 ? kB16 : kF32);
+    dw(c.r.ring_rotate, s, t);
+    t.add(kVoc, s.T, kF32);
+  } else {
+    t.add(kVoc, mul(s.T, s.H), kB16);
+    t.add(kVoc, s.T, kF32);
+    t.add(kVoc, s.T, kF32);
+  }
+}
+
+}  // namespace
+
+// ---- FastPeaks -----------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint8_t home_bit(PeakKind k) { return static_cast<uint8_t>(1u << static_cast<unsigned>(k)); }
+
+using FP = FastPeaks;
+
+// The timeline of timeline.cpp with every layer listed (build_timeline(ctx, false)); the folded
+// timeline has the same peaks (tests/unit/planner_fold_test.cpp). Layers are kept implicit: a
+// layer's phases are its bases (persistent state + FSDP, per forward/recompute/backward) plus the
+// transient terms of its kind, computed once per kind.
+class Builder {
+ public:
+  Builder(const Ctx& c, FP& out, std::vector<FP::Phase>& phases, std::vector<FP::Layer>& layers,
+          std::vector<std::vector<FP::Extra>>& kinds, std::vector<FP::Step>& order)
+      : c_(c), phases_(phases), layers_(layers), kinds_(kinds), order_(order) {
+    (void)out;
+    L_ = c.m.num_layers;
+    M_ = c.r.mtp ? c.m.mtp_layers : 0;
+    all_grads_ = c.w.accumulation_steps > 1;
+    head_ = c.w.head_unit;
+    // reduced_before(l) for every l: MTP modules from the last, then the head, then L-1 down.
+    reduced_.assign(static_cast<size_t>(L_ + M_), 0);
+    int64_t sum = 0;
+    for (int64_t j = L_ + M_ - 1; j >= L_; --j) {
+      reduced_[static_cast<size_t>(j)] = sum;
+      sum += shard(unit(j));
+    }
+    sum += shard(head_);
+    for (int64_t i = L_ - 1; i >= 0; --i) {
+      reduced_[static_cast<size_t>(i)] = sum;
+      sum += shard(unit(i));
+    }
+    layers_.assign(static_cast<size_t>(L_ + M_), FP::Layer{});
+  }
+
+  void build() {
+    using B = FP::Bnd;
+    {  // fwd/embed
+      Acc base = state(grads(0));
+      const FP::HeadRoles head = fsdp(base, 0, unit(0), -1, -1);
+      Acc t = c_.acc();
+      t.add(kAct, c_.T, kI64);
+      t.add(kAct, mul(c_.T, c_.H), kB16);
+      phase(home_bit(PeakKind::Layer), base, t, B::None, 0, head);
+    }
+    for (int64_t l = 0; l < L_; ++l) forward_layer(l);
+    loss_forward(0);
+    for (int64_t l = L_; l < L_ + M_; ++l) {
+      forward_layer(l);
+      loss_forward(1 + l - L_);
+    }
+    for (int64_t l = L_ + M_ - 1; l >= L_; --l) {
+      loss_backward(1 + l - L_);
+      backward_layer(l);
+    }
+    loss_backward(0);
+    for (int64_t l = L_ - 1; l >= 0; --l) backward_layer(l);
+    {  // bwd/embed
+      Acc base = state(grads(c_.w.shard_params - c_.w.units[0].shard_params));
+      const FP::HeadRoles head = fsdp(base, 0, -1, 0, unit(0));
+      Acc t = c_.acc();
+      t.add(kAct, mul(c_.T, c_.H), kB16);
+      phase(home_bit(PeakKind::Layer), base, t, B::None, 0, head);
+    }
+    // opt phases: persistent state only (no device transients in any placement).
+    const int64_t opt_phases = c_.r.optimizer == OptimizerPlacement::Serial ? 3 : 1;
+    for (int64_t i = 0; i < opt_phases; ++i) phase(home_bit(PeakKind::Optimizer), state(c_.w.shard_params), c_.acc(), B::None, 0, {});
+  }
+
+ private:
+  int64_t unit(int64_t l) const { return c_.w.layer_unit(l); }
+  int64_t grads(int64_t reduced) const { return all_grads_ ? c_.w.shard_params : reduced; }
+  int64_t shard(int64_t u) const { return c_.w.units[static_cast<size_t>(u)].shard_params; }
+  int64_t reduced_before(int64_t l) const { return reduced_[static_cast<size_t>(l)]; }
+  int64_t in_flight_before(int64_t l) const {
+    if (l >= L_) return l + 1 < L_ + M_ ? unit(l + 1) : -1;
+    return l + 1 < L_ ? unit(l + 1) : head_;
+  }
+
+  Acc state(int64_t grad_params) const {
+    Acc t = c_.acc();
+    const int64_t P = c_.w.shard_params;
+    if (c_.r.optimizer == OptimizerPlacement::Gpu) {
+      t.add(Category::Params, P, kF32);
+      t.add(Category::Grads, grad_params, kF32);
+      t.add(Category::Optimizer, P, kF32);
+      t.add(Category::Optimizer, P, kF32);
+    } else {
+      t.add(Category::Params, P, kB16);
+      t.add(Category::Grads, grad_params, kB16);
+    }
+    return t;
+  }
+
+  // add_fsdp without the LM head unit's share (it depends on the ring size): its roles are
+  // returned and counted by FastPeaks::head_bytes.
+  FP::HeadRoles fsdp(Acc& t, int64_t gathered, int64_t prefetch, int64_t grad, int64_t reduce_scatter) const {
+    FP::HeadRoles roles;
+    auto role = [&](int64_t u, int64_t bytes) {
+      if (u < 0) return;
+      if (u == head_) {
+        (bytes == kF32 ? roles.fp32 : roles.bf16) += 1;
+        return;
+      }
+      t.add(Category::Fsdp, c_.w.units[static_cast<size_t>(u)].gathered_params, bytes);
+    };
+    role(gathered, kB16);
+    role(prefetch, kB16);
+    role(grad, kB16);
+    role(reduce_scatter, kF32);
+    return roles;
+  }
+
+  void phase(uint8_t home, const Acc& base, const Acc& extra, FP::Bnd bnd, int64_t layer, FP::HeadRoles head,
+             FP::Voc voc = FP::Voc::None) {
+    FP::Phase p;
+    p.home = home;
+    Acc sum = base;
+    sum.append(extra);
+    p.fixed = sum.c;
+    p.bnd = bnd;
+    p.layer = layer;
+    p.voc = voc;
+    p.head = head;
+    order_.push_back(FP::Step{FP::Step::Type::Phase, static_cast<int32_t>(phases_.size())});
+    phases_.push_back(p);
+  }
+
+  static uint8_t layer_home(bool moe) {
+    return static_cast<uint8_t>(home_bit(PeakKind::Checkpoint) | (moe ? home_bit(PeakKind::Dispatch) : home_bit(PeakKind::Layer)));
+  }
+
+  bool moe_layer(int64_t l) const { return c_.spec(l).ffn == FfnKind::Moe && c_.m.num_experts > 0; }
+  int64_t load_index(int64_t l) const {
+    return c_.w.moe_index[static_cast<size_t>(l)] % static_cast<int64_t>(c_.w.moe_loads.size());
+  }
+
+  // A layer's transient terms depend only on its kind: MTP or not, FFN kind, its attention
+  // window (with CP > 1) and its routing; computed once per kind, forward and backward together.
+  using Kind = std::tuple<bool, int, int, int64_t, int64_t>;
+  int32_t kind_of(int64_t l) {
+    const LayerSpec s = c_.spec(l);
+    const bool moe = moe_layer(l);
+    const bool window = c_.r.cp > 1 && s.window != AttentionWindow::Full && s.attention_window_tokens > 0;
+    const Kind key{l >= L_, moe ? 1 : 0, window ? static_cast<int>(s.window) : 0, window ? s.attention_window_tokens : 0,
+                   moe ? load_index(l) : -1};
+    auto it = kind_index_.find(key);
+    if (it != kind_index_.end()) return it->second;
+    const auto index = static_cast<int32_t>(kinds_.size());
+    kind_index_[key] = index;
+    kinds_.push_back(extras(l));
+    return index;
+  }
+
+  std::vector<FP::Extra> extras(int64_t l) const {
+    std::vector<FP::Extra> out;
+    auto add = [&](uint8_t home, const Acc& t, FP::Disp disp, uint8_t base) {
+      out.push_back(FP::Extra{home, t.c, t.total(), disp, base});
+    };
+    const bool mtp = l >= L_;
+    const bool moe = moe_layer(l);
+    const MoeShape s = moe ? moe_shape(c_, c_.w.load_of(c_.w.moe_index[static_cast<size_t>(l)])) : MoeShape{};
+    // Forward (base 0).
+    Acc attn = c_.acc();
+    if (mtp) attn.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+    attention_forward(c_, l, attn);
+    add(layer_home(false), attn, FP::Disp::None, 0);
+    if (moe) {
+      for (auto& p : pipelined(c_) ? pipelined_forward(c_, s, false) : ep_phases(c_, s, false)) {
+        Acc t = c_.acc();
+        ffn_block_inputs(c_, t);
+        if (p.kind == MoePhase::Experts || p.kind == MoePhase::Round) ffn_pair(c_, c_.m.shared_expert_ffn_width, t);
+        if (p.disp == FP::Disp::None) t.append(p.terms);
+        add(layer_home(true), t, p.disp, 0);
+      }
+    } else {
+      Acc t = c_.acc();
+      ffn_block_inputs(c_, t);
+      ffn_pair(c_, c_.m.dense_ffn_width, t);
+      add(layer_home(false), t, FP::Disp::None, 0);
+    }
+    // Backward: recompute (base 1) and backward (base 2).
+    Acc attn_rec = c_.acc();
+    if (mtp) attn_rec.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+    attention_saved(c_, attn_rec);
+    ring_attention(c_, l, false, attn_rec);
+    layer_grad_stream(c_, attn_rec);
+    add(layer_home(false), attn_rec, FP::Disp::None, 1);
+    Acc block = c_.acc();
+    if (mtp) block.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+    attention_saved(c_, block);
+    ffn_block_inputs(c_, block);
+    layer_grad_stream(c_, block);
+    if (moe) {
+      const int64_t Fs = c_.m.shared_expert_ffn_width;
+      for (auto& p : pipelined(c_) ? pipelined_forward(c_, s, true) : ep_phases(c_, s, true)) {
+        Acc t = block;
+        ffn_pair(c_, Fs, t);
+        if (p.disp == FP::Disp::None) t.append(p.terms);
+        add(layer_home(true), t, p.disp, 1);
+      }
+      std::vector<MoeTerms> back;
+      if (pipelined(c_)) back.push_back(MoeTerms{MoePhase::Round, FP::Disp::BackwardRound, c_.acc()});
+      else back = ep_backward(c_, s);
+      for (auto& p : back) {
+        Acc t = block;
+        ffn_pair(c_, Fs, t);
+        if (p.kind == MoePhase::Experts || p.kind == MoePhase::Round) ffn_backward_grads(c_, Fs, t);
+        if (p.disp == FP::Disp::None) t.append(p.terms);
+        add(layer_home(true), t, p.disp, 2);
+      }
+    } else {
+      const int64_t F = c_.m.dense_ffn_width;
+      Acc t = block;
+      ffn_pair(c_, F, t);
+      add(layer_home(false), t, FP::Disp::None, 1);
+      ffn_backward_grads(c_, F, t);
+      t.add(kAct, mul(c_.T, c_.H), kB16);
+      add(layer_home(false), t, FP::Disp::None, 2);
+    }
+    Acc bwd_attn = c_.acc();
+    attention_backward(c_, l, bwd_attn);
+    add(layer_home(false), bwd_attn, FP::Disp::None, 2);
+    return out;
+  }
+
+  void set_base(FP::Layer& e, int b, const Acc& base, FP::HeadRoles head) {
+    e.base[static_cast<size_t>(b)] = base.c;
+    e.base_total[static_cast<size_t>(b)] = base.total();
+    e.head[static_cast<size_t>(b)] = head;
+  }
+
+  void forward_layer(int64_t l) {
+    FP::Layer& e = layers_[static_cast<size_t>(l)];
+    e.layer = l;
+    e.kind = kind_of(l);
+    e.load_index = moe_layer(l) ? static_cast<int32_t>(load_index(l)) : 0;
+    Acc base = state(grads(0));
+    const int64_t next = l + 1 < L_ + M_ ? unit(l + 1) : head_;
+    const FP::HeadRoles head = fsdp(base, unit(l), next, -1, -1);
+    if (l >= L_) loss_saved(c_, base);
+    set_base(e, 0, base, head);
+    order_.push_back(FP::Step{FP::Step::Type::Forward, static_cast<int32_t>(l)});
+  }
+
+  void backward_layer(int64_t l) {
+    FP::Layer& e = layers_[static_cast<size_t>(l)];
+    const bool mtp = l >= L_;
+    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : head_) : (l > 0 ? unit(l - 1) : 0);
+    for (int b = 1; b <= 2; ++b) {
+      Acc base = state(grads(reduced_before(l)));
+      const FP::HeadRoles head = fsdp(base, unit(l), prev, b == 2 ? unit(l) : -1, in_flight_before(l));
+      if (mtp) loss_saved(c_, base);
+      set_base(e, b, base, head);
+    }
+    order_.push_back(FP::Step{FP::Step::Type::Backward, static_cast<int32_t>(l)});
+  }
+
+  void loss_forward(int64_t index) {
+    Acc base = state(grads(0));
+    if (index > 0) loss_saved(c_, base);
+    const uint8_t home = home_bit(PeakKind::Vocab);
+    if (c_.r.vocab == VocabMode::Materialized) {
+      Acc t = c_.acc();
+      const VocabShape s = vocab_shape(c_);
+      x_w(s, t);
+      lse_loss(s, t);
+      t.add(kVoc, mul(s.T, s.V), kB16);
+      t.add(kVoc, mul(s.T, s.V), kF32);
+      phase(home, base, t, FP::Bnd::Loss, index, {});
+    } else {
+      phase(home, base, c_.acc(), FP::Bnd::Loss, index, {}, FP::Voc::BlockForward);
+    }
+  }
+
+  void loss_backward(int64_t index) {
+    const int64_t after = index > 0 ? L_ + index - 1 : L_ - 1;
+    Acc base = state(grads(index > 0 ? reduced_before(after) : reduced_before(L_ - 1) - shard(head_)));
+    if (index > 0) loss_saved(c_, base);
+    const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
+    const FP::HeadRoles head = fsdp(base, -1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1));
+    const uint8_t home = home_bit(PeakKind::Vocab);
+    if (c_.r.vocab == VocabMode::Materialized) {
+      Acc t = c_.acc();
+      const VocabShape s = vocab_shape(c_);
+      x_w(s, t);
+      lse_loss(s, t);
+      t.add(kVoc, mul(s.T, s.V), kB16);
+      t.add(kVoc, mul(s.T, s.V), kF32);
+      t.add(kVoc, mul(s.T, s.V), kF32);
+      t.add(kVoc, mul(s.T, s.H), kB16);
+      t.add(kVoc, mul(s.V, s.H), kB16);
+      phase(home, base, t, FP::Bnd::Loss, index, head);
+    } else if (c_.r.vocab_backward == VocabBackward::InForward) {
+      Acc t = c_.acc();
+      loss_saved(c_, t);
+      phase(home, base, t, FP::Bnd::Loss, index, head);
+    } else {
+      phase(home, base, c_.acc(), FP::Bnd::Loss, index, head, FP::Voc::BlockBackward);
+    }
+  }
+
+  const Ctx& c_;
+  std::vector<FP::Phase>& phases_;
+  std::vector<FP::Layer>& layers_;
+  std::vector<std::vector<FP::Extra>>& kinds_;
+  std::vector<FP::Step>& order_;
+  int64_t L_ = 0, M_ = 0, head_ = 0;
+  bool all_grads_ = false;
+  std::vector<int64_t> reduced_;
+  std::map<Kind, int32_t> kind_index_;
+};
+
+}  // namespace
+
+FastPeaks::FastPeaks(const ModelSpec& model, const HardwareSpec& hardware, const ResolvedRun& run, const Workload& work)
+    : model_(model), run_(run) {
+  L_ = model.num_layers;
+  T_ = work.tokens;
+  al_ = run.alignment_bytes;
+  boundary_one_ = align_up(checked_mul(checked_mul(T_, model.hidden_size), 2), al_);
+  head_gathered_ = work.units[static_cast<size_t>(work.head_unit)].gathered_params;
+  shard_params_ = work.shard_params;
+  stub_.expert_params_each = work.expert_params_each;
+  const Ctx c{model, run, work, T_, model.hidden_size, al_};
+  order_.reserve(static_cast<size_t>(2 * (model.num_layers + model.mtp_layers) + 12));
+  Builder(c, *this, phases_, layers_, kinds_, order_).build();
+  // Host terms that no searched knob moves (host_terms_per_gpu: alignment 1).
+  const int64_t P = shard_params_;
+  if (run.optimizer != OptimizerPlacement::Gpu) {
+    host_fixed_per_gpu_ = checked_mul(4, checked_mul(P, 4));
+    if (run.optimizer == OptimizerPlacement::Serial)
+      host_fixed_per_gpu_ = checked_add(host_fixed_per_gpu_, checked_mul(2, checked_mul(P, 2)));
+  }
+  gpus_per_node_ = run.gpus_per_node;
+  host_fixed_per_node_ = run.host_fixed_bytes_per_node;
+  host_budget_ = static_cast<int64_t>(std::floor(run.host_usable_fraction * static_cast<double>(run.host_memory_bytes_per_node)));
+  overhead_ = run.overhead_bytes;
+  fragmentation_ = run.fragmentation;
+  device_budget_ = hardware.device_memory_bytes;
+  // Largest peak p with required_bytes(p) <= budget (required is non-decreasing in p).
+  int64_t lo = -1, hi = std::max<int64_t>(0, device_budget_);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (required_bytes(mid) <= device_budget_) lo = mid;
+    else hi = mid - 1;
+  }
+  gpu_peak_budget_ = lo;
+}
+
+int64_t FastPeaks::required_bytes(int64_t gpu_peak) const {
+  const auto frag = static_cast<int64_t>(std::ceil(fragmentation_ * static_cast<double>(gpu_peak)));
+  return checked_add(checked_add(gpu_peak, overhead_), frag);
+}
+
+int64_t FastPeaks::boundary_count(Bnd rule, int64_t l, int64_t n, int64_t prefetch) const {
+  // First-n offload sets: resident among inputs 0..i = (i+1) - min(n, i+1).
+  const int64_t last = L_ - 1;
+  switch (rule) {
+    case Bnd::None: return 0;
+    case Bnd::Forward: {
+      const int64_t i = std::min(l, last);
+      int64_t count = (i + 1) - std::min(n, i + 1);
+      if (l >= L_) count += l - L_ + 1 + 1;  // MTP inputs, + final hidden
+      else count += l < n ? 1 : 0;          // this layer's copy in flight
+      return count;
+    }
+    case Bnd::Backward: {
+      const int64_t i = std::min(l, last);
+      int64_t count = (i + 1) - std::min(n, i + 1);
+      if (l >= L_) return count + (l - L_ + 1);
+      return count + (l < n ? 1 : 0) + std::max<int64_t>(0, std::min(l, n) - std::max<int64_t>(0, l - prefetch));
+    }
+    case Bnd::Loss: return L_ - std::min(n, L_) + l + 1;  // resident_upto(L-1) + extra + final hidden
+  }
+  return 0;
+}
+
+int64_t FastPeaks::dispatch_bytes(Disp kind, const MoeLoad& load) const {
+  const Ctx c{model_, run_, stub_, T_, model_.hidden_size, al_};
+  const MoeShape s = moe_shape(c, load);
+  return round_phase(c, s, kind).c[cat(Category::Dispatch)];
+}
+
+int64_t FastPeaks::vocab_bytes(Voc kind, int64_t ring_size, RingRotate rotate, int64_t token_block, int64_t vocab_block) const {
+  const int64_t R = run_.vocab == VocabMode::RingDtp ? ring_size : 1;
+  const VocabShape s = vocab_shape_of(T_, model_.hidden_size, model_.vocab_size, R, token_block, vocab_block);
+  const bool in_forward = run_.vocab_backward == VocabBackward::InForward;
+  Acc t(al_);
+  x_w(s, t);
+  if (kind == Voc::BlockForward) {
+    t.add(kVoc, mul(s.Tb, s.Vb), kF32);
+    t.add(kVoc, mul(3, s.R == 1 ? s.Tb : s.T), kF32);
+    lse_loss(s, t);
+    ring(rotate, s, in_forward, t);
+    if (in_forward) {
+      t.add(kVoc, mul(s.Tb, s.Vb), kB16);
+      dx(s, t);
+      dw(rotate, s, t);
+    }
+  } else {
+    lse_loss(s, t);
+    t.add(kVoc, mul(s.Tb, s.Vb), kF32);
+    t.add(kVoc, mul(s.Tb, s.Vb), kB16);
+    ring(rotate, s, true, t);
+    dx(s, t);
+    dw(rotate, s, t);
+  }
+  return t.c[cat(kVoc)];
+}
+
+int64_t FastPeaks::head_bytes(HeadRoles roles, int64_t ring_size) const {
+  if (roles.bf16 == 0 && roles.fp32 == 0) return 0;
+  const int64_t params = run_.vocab == VocabMode::RingDtp ? ceil_div(head_gathered_, ring_size) : head_gathered_;
+  return roles.bf16 * align_up(checked_mul(params, kB16), al_) + roles.fp32 * align_up(checked_mul(params, kF32), al_);
+}
+
+int64_t FastPeaks::host_per_gpu_bytes(int64_t offloaded_layers, int64_t bucket_params, int64_t bucket_depth) const {
+  int64_t bytes = host_fixed_per_gpu_;
+  if (run_.optimizer == OptimizerPlacement::Stream) {
+    const int64_t bucket = std::min(bucket_params, shard_params_);
+    if (bucket > 0 && bucket_depth > 0)
+      bytes = checked_add(bytes, checked_mul(checked_mul(2, bucket_depth), checked_mul(bucket, 2)));
+  }
+  if (offloaded_layers > 0)
+    bytes = checked_add(bytes, checked_mul(offloaded_layers, checked_mul(checked_mul(T_, model_.hidden_size), 2)));
+  return bytes;
+}
+
+int64_t FastPeaks::host_peak_bytes(int64_t host_per_gpu) const {
+  return checked_add(checked_mul(gpus_per_node_, host_per_gpu), host_fixed_per_node_);
+}
+
+PeakKnobs FastPeaks::knobs_of(const ResolvedRun& run, const Workload& work) const {
+  PeakKnobs k;
+  k.loads = work.moe_loads;
+  k.ring_size = run.vocab == VocabMode::RingDtp ? run.ring_size : 1;
+  k.ring_rotate = run.ring_rotate;
+  k.token_block = run.token_block;
+  k.vocab_block = run.vocab_block;
+  k.offloaded = run.sco_offloaded;
+  k.sco_prefetch = run.sco_prefetch;
+  k.bucket_params = run.bucket_params;
+  k.bucket_depth = run.bucket_depth;
+  return k;
+}
+
+FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
+  FastSummary s;
+  // prefix[i] = offloaded among layers 0..i-1.
+  std::vector<int64_t> prefix(static_cast<size_t>(L_ + 1), 0);
+  for (int64_t i = 0; i < L_; ++i) {
+    const bool off = k.sco_first >= 0 ? i < k.sco_first
+                                      : static_cast<size_t>(i) < k.offloaded.size() && k.offloaded[static_cast<size_t>(i)];
+    prefix[static_cast<size_t>(i + 1)] = prefix[static_cast<size_t>(i)] + (off ? 1 : 0);
+  }
+  const int64_t last = L_ - 1;
+  auto resident = [&](int64_t l) {
+    const int64_t i = std::min(l, last);
+    return (i + 1) - prefix[static_cast<size_t>(i + 1)] + (l >= L_ ? l - L_ + 1 : 0);
+  };
+  auto off = [&](int64_t l) { return prefix[static_cast<size_t>(l + 1)] - prefix[static_cast<size_t>(l)]; };
+  auto boundaries = [&](Bnd rule, int64_t l) -> int64_t {
+    switch (rule) {
+      case Bnd::None: return 0;
+      case Bnd::Forward: return resident(l) + (l >= L_ ? 1 : off(l));
+      case Bnd::Backward: {
+        if (l >= L_) return resident(l);
+        const int64_t lo = std::max<int64_t>(0, l - k.sco_prefetch);
+        return resident(l) + off(l) + (prefix[static_cast<size_t>(l)] - prefix[static_cast<size_t>(lo)]);
+      }
+      case Bnd::Loss: return resident(last) + l + 1;
+    }
+    return 0;
+  };
+  // Knob-dependent bytes per rule, computed once.
+  std::vector<std::array<int64_t, 4>> disp(k.loads.size());
+  for (size_t i = 0; i < k.loads.size(); ++i)
+    for (auto kind : {Disp::ForwardRound, Disp::RecomputeRound, Disp::BackwardRound})
+      disp[i][static_cast<size_t>(kind)] = dispatch_bytes(kind, k.loads[i]);
+  const bool blocks = run_.vocab != VocabMode::Materialized;
+  const int64_t voc[3] = {0, blocks ? vocab_bytes(Voc::BlockForward, k.ring_size, k.ring_rotate, k.token_block, k.vocab_block) : 0,
+                          blocks ? vocab_bytes(Voc::BlockBackward, k.ring_size, k.ring_rotate, k.token_block, k.vocab_block) : 0};
+  const int64_t head_params = run_.vocab == VocabMode::RingDtp ? ceil_div(head_gathered_, k.ring_size) : head_gathered_;
+  const int64_t head_one[2] = {align_up(checked_mul(head_params, kB16), al_), align_up(checked_mul(head_params, kF32), al_)};
+  auto head = [&](HeadRoles r) { return r.bf16 * head_one[0] + r.fp32 * head_one[1]; };
+
+  std::array<int64_t, kPeakCount> best_total{};
+  s.component_bytes.fill(-1);
+  s.peak_phase.fill(-1);
+  Cats peak_cats{};
+  uint8_t peak_home = 0;
+  int index = 0;
+  auto visit = [&](uint8_t home, const Cats& c) {
+    int64_t total = 0;
+    for (int64_t v : c) total = checked_add(total, v);
+    const int64_t comp[kPeakCount] = {c[cat(Category::Dispatch)], c[cat(Category::Vocab)], c[cat(Category::Boundaries)],
+                                      c[cat(Category::Params)] + c[cat(Category::Grads)] + c[cat(Category::Optimizer)],
+                                      c[cat(Category::Activations)]};
+    for (int kk = 0; kk < kPeakCount; ++kk) {
+      if (!(home & (1u << kk))) continue;
+      const auto ku = static_cast<size_t>(kk);
+      if (comp[kk] > s.component_bytes[ku] || (comp[kk] == s.component_bytes[ku] && total > best_total[ku])) {
+        s.component_bytes[ku] = comp[kk];
+        best_total[ku] = total;
+        s.peak_phase[ku] = index;
+      }
+    }
+    if (total > s.gpu_peak_bytes) {
+      s.gpu_peak_bytes = total;
+      s.gpu_peak_phase = index;
+      peak_cats = c;
+      peak_home = home;
+    }
+    ++index;
+  };
+  for (const Step& step : order_) {
+    if (step.type == Step::Type::Phase) {
+      const Phase& p = phases_[static_cast<size_t>(step.index)];
+      Cats c = p.fixed;
+      c[cat(Category::Boundaries)] += checked_mul(boundaries(p.bnd, p.layer), boundary_one_);
+      c[cat(Category::Vocab)] += voc[static_cast<size_t>(p.voc)];
+      c[cat(Category::Fsdp)] += head(p.head);
+      visit(p.home, c);
+      continue;
+    }
+    const Layer& e = layers_[static_cast<size_t>(step.index)];
+    const bool forward = step.type == Step::Type::Forward;
+    const int64_t bnd = checked_mul(boundaries(forward ? Bnd::Forward : Bnd::Backward, e.layer), boundary_one_);
+    for (const Extra& x : kinds_[static_cast<size_t>(e.kind)]) {
+      if ((x.base == 0) != forward) continue;
+      Cats c = e.base[x.base];
+      for (size_t i = 0; i < c.size(); ++i) c[i] += x.terms[i];
+      c[cat(Category::Boundaries)] += bnd;
+      c[cat(Category::Fsdp)] += head(e.head[x.base]);
+      if (x.disp != Disp::None) c[cat(Category::Dispatch)] += disp[static_cast<size_t>(e.load_index)][static_cast<size_t>(x.disp)];
+      visit(x.home, c);
+    }
+  }
+  for (int kk = 0; kk < kPeakCount; ++kk) {
+    const auto ku = static_cast<size_t>(kk);
+    if (s.peak_phase[ku] < 0) s.component_bytes[ku] = 0;
+    else s.peak_bytes[ku] = best_total[ku];
+  }
+  if (s.gpu_peak_phase >= 0) {
+    const Cats& c = peak_cats;
+    const int64_t comp[kPeakCount] = {c[cat(Category::Dispatch)], c[cat(Category::Vocab)], c[cat(Category::Boundaries)],
+                                      c[cat(Category::Params)] + c[cat(Category::Grads)] + c[cat(Category::Optimizer)],
+                                      c[cat(Category::Activations)]};
+    int64_t best = -1;
+    for (int kk = 0; kk < kPeakCount; ++kk) {
+      if (!(peak_home & (1u << kk))) continue;
+      if (comp[kk] > best) {
+        best = comp[kk];
+        s.binding = static_cast<PeakKind>(kk);
+      }
+    }
+  }
+  s.required_bytes = required_bytes(s.gpu_peak_bytes);
+  s.budget_bytes = device_budget_;
+  s.host_budget_bytes = host_budget_;
+  s.gpu_fits = s.required_bytes <= device_budget_;
+  s.host_per_gpu_bytes = host_per_gpu_bytes(prefix[static_cast<size_t>(L_)], k.bucket_params, k.bucket_depth);
+  s.host_peak_bytes = host_peak_bytes(s.host_per_gpu_bytes);
+  s.host_fits = s.host_peak_bytes <= host_budget_;
+  return s;
+}
+
+}  // namespace flatpeak::planner
