@@ -16,6 +16,14 @@ namespace {
 
 constexpr size_t cat(Category c) { return static_cast<size_t>(c); }
 
+// align_up for a power-of-two alignment without a division (the same result).
+int64_t align(int64_t bytes, int64_t alignment) {
+  if (alignment <= 1 || bytes <= 0 || (alignment & (alignment - 1)) != 0) return align_up(bytes, alignment);
+  int64_t up = 0;
+  if (__builtin_add_overflow(bytes, alignment - 1, &up)) return align_up(bytes, alignment);  // throws as it does
+  return up & ~(alignment - 1);
+}
+
 // Category sums of a list of terms, as TermList::add counts them.
 struct Acc {
   std::array<int64_t, kCategoryCount> c{};
@@ -23,7 +31,7 @@ struct Acc {
   explicit Acc(int64_t alignment) : al(alignment) {}
   void add(Category category, int64_t elems, int64_t dtype_bytes, int64_t count = 1) {
     if (elems <= 0 || count <= 0) return;
-    const int64_t one = align_up(checked_mul(elems, dtype_bytes), al);
+    const int64_t one = align(checked_mul(elems, dtype_bytes), al);
     c[cat(category)] = checked_add(c[cat(category)], checked_mul(count, one));
   }
   void append(const Acc& o) {
@@ -42,13 +50,27 @@ int64_t mul(int64_t a, int64_t b, int64_t c) { return checked_mul(checked_mul(a,
 constexpr int64_t kB16 = 2, kF32 = 4, kI64 = 8, kB1 = 1;
 constexpr Category kAct = Category::Activations, kDsp = Category::Dispatch, kVoc = Category::Vocab;
 
+// [EP][EP] rows source s sends to destination d under standard EP (expert e lives on rank
+// e / (E/EP): contiguous blocks, summed without a division per expert).
 CountMatrix ep_send_rows(const CountMatrix& copies, const RoutingShape& shape) {
   const auto ep = static_cast<size_t>(shape.ep_ranks);
+  const auto per = static_cast<size_t>(shape.experts_per_rank());
   CountMatrix send(ep, std::vector<int64_t>(ep, 0));
   for (size_t s = 0; s < copies.size(); ++s)
-    for (size_t e = 0; e < copies[s].size(); ++e)
-      send[s][static_cast<size_t>(shape.rank_of_expert(static_cast<int64_t>(e)))] += copies[s][e];
+    for (size_t d = 0; d < ep; ++d)
+      for (size_t e = d * per; e < (d + 1) * per && e < copies[s].size(); ++e) send[s][d] += copies[s][e];
   return send;
+}
+
+// received_rows_per_rank (routing.h), the same sums by blocks.
+std::vector<int64_t> received_rows(const CountMatrix& copies, const RoutingShape& shape) {
+  const auto ep = static_cast<size_t>(shape.ep_ranks);
+  const auto per = static_cast<size_t>(shape.experts_per_rank());
+  std::vector<int64_t> rows(ep, 0);
+  for (const auto& row : copies)
+    for (size_t d = 0; d < ep; ++d)
+      for (size_t e = d * per; e < (d + 1) * per && e < row.size(); ++e) rows[d] += row[e];
+  return rows;
 }
 
 }  // namespace
@@ -68,7 +90,7 @@ const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run,
   auto b = std::make_unique<MoeBasis>();
   MoeLoad& load = b->load;
   load.send_rows = checked_mul(tokens, model.top_k);
-  const auto received = received_rows_per_rank(expected->copies, shape);
+  const auto received = received_rows(expected->copies, shape);
   load.recv_rows_ep = *std::max_element(received.begin(), received.end());
   load.rho_ep = imbalance_rho(received);
   load.clamp_note = expected->clamp_note;
@@ -547,6 +569,11 @@ constexpr uint8_t home_bit(PeakKind k) { return static_cast<uint8_t>(1u << stati
 
 using FP = FastPeaks;
 
+FP::Comps comps_of(const FP::Cats& c) {
+  return {c[cat(Category::Dispatch)], c[cat(Category::Vocab)], c[cat(Category::Boundaries)],
+          c[cat(Category::Params)] + c[cat(Category::Grads)] + c[cat(Category::Optimizer)], c[cat(Category::Activations)]};
+}
+
 // The timeline of timeline.cpp with every layer listed (build_timeline(ctx, false)); the folded
 // timeline has the same peaks (tests/unit/planner_fold_test.cpp). Layers are kept implicit: a
 // layer's phases are its bases (persistent state + FSDP, per forward/recompute/backward) plus the
@@ -698,7 +725,7 @@ class Builder {
   std::vector<FP::Extra> extras(int64_t l) const {
     std::vector<FP::Extra> out;
     auto add = [&](uint8_t home, const Acc& t, FP::Disp disp, uint8_t base) {
-      out.push_back(FP::Extra{home, t.c, t.total(), disp, base});
+      out.push_back(FP::Extra{home, t.c, comps_of(t.c), t.total(), disp, base});
     };
     const bool mtp = l >= L_;
     const bool moe = moe_layer(l);
@@ -769,6 +796,7 @@ class Builder {
 
   void set_base(FP::Layer& e, int b, const Acc& base, FP::HeadRoles head) {
     e.base[static_cast<size_t>(b)] = base.c;
+    e.base_comps[static_cast<size_t>(b)] = comps_of(base.c);
     e.base_total[static_cast<size_t>(b)] = base.total();
     e.head[static_cast<size_t>(b)] = head;
   }
@@ -1031,20 +1059,15 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
   std::array<int64_t, kPeakCount> best_total{};
   s.component_bytes.fill(-1);
   s.peak_phase.fill(-1);
-  Cats peak_cats{};
+  Comps peak_comps{};
   uint8_t peak_home = 0;
   int index = 0;
-  auto visit = [&](uint8_t home, const Cats& c) {
-    int64_t total = 0;
-    for (int64_t v : c) total = checked_add(total, v);
-    const int64_t comp[kPeakCount] = {c[cat(Category::Dispatch)], c[cat(Category::Vocab)], c[cat(Category::Boundaries)],
-                                      c[cat(Category::Params)] + c[cat(Category::Grads)] + c[cat(Category::Optimizer)],
-                                      c[cat(Category::Activations)]};
+  auto visit = [&](uint8_t home, const Comps& comp, int64_t total) {
     for (int kk = 0; kk < kPeakCount; ++kk) {
       if (!(home & (1u << kk))) continue;
       const auto ku = static_cast<size_t>(kk);
-      if (comp[kk] > s.component_bytes[ku] || (comp[kk] == s.component_bytes[ku] && total > best_total[ku])) {
-        s.component_bytes[ku] = comp[kk];
+      if (comp[ku] > s.component_bytes[ku] || (comp[ku] == s.component_bytes[ku] && total > best_total[ku])) {
+        s.component_bytes[ku] = comp[ku];
         best_total[ku] = total;
         s.peak_phase[ku] = index;
       }
@@ -1052,11 +1075,13 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
     if (total > s.gpu_peak_bytes) {
       s.gpu_peak_bytes = total;
       s.gpu_peak_phase = index;
-      peak_cats = c;
+      peak_comps = comp;
       peak_home = home;
     }
     ++index;
   };
+  constexpr size_t kDispatch = static_cast<size_t>(PeakKind::Dispatch);
+  constexpr size_t kCheckpoint = static_cast<size_t>(PeakKind::Checkpoint);
   for (const Step& step : order_) {
     if (step.type == Step::Type::Phase) {
       const Phase& p = phases_[static_cast<size_t>(step.index)];
@@ -1064,20 +1089,26 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
       c[cat(Category::Boundaries)] += checked_mul(boundaries(p.bnd, p.layer), boundary_one_);
       c[cat(Category::Vocab)] += voc[static_cast<size_t>(p.voc)];
       c[cat(Category::Fsdp)] += head(p.head);
-      visit(p.home, c);
+      int64_t total = 0;
+      for (int64_t v : c) total = checked_add(total, v);
+      visit(p.home, comps_of(c), total);
       continue;
     }
+    // A layer pass: base + transient terms of its kind, plus boundaries, the head's FSDP share
+    // and the dispatch round terms; totals and components added part by part.
     const Layer& e = layers_[static_cast<size_t>(step.index)];
     const bool forward = step.type == Step::Type::Forward;
     const int64_t bnd = checked_mul(boundaries(forward ? Bnd::Forward : Bnd::Backward, e.layer), boundary_one_);
     for (const Extra& x : kinds_[static_cast<size_t>(e.kind)]) {
       if ((x.base == 0) != forward) continue;
-      Cats c = e.base[x.base];
-      for (size_t i = 0; i < c.size(); ++i) c[i] += x.terms[i];
-      c[cat(Category::Boundaries)] += bnd;
-      c[cat(Category::Fsdp)] += head(e.head[x.base]);
-      if (x.disp != Disp::None) c[cat(Category::Dispatch)] += disp[static_cast<size_t>(e.load_index)][static_cast<size_t>(x.disp)];
-      visit(x.home, c);
+      const int64_t dsp = x.disp != Disp::None ? disp[static_cast<size_t>(e.load_index)][static_cast<size_t>(x.disp)] : 0;
+      const Comps& bc = e.base_comps[x.base];
+      Comps comp;
+      for (size_t i = 0; i < comp.size(); ++i) comp[i] = bc[i] + x.comps[i];
+      comp[kDispatch] += dsp;
+      comp[kCheckpoint] += bnd;
+      const int64_t total = e.base_total[x.base] + x.total + bnd + head(e.head[x.base]) + dsp;
+      visit(x.home, comp, total);
     }
   }
   for (int kk = 0; kk < kPeakCount; ++kk) {
@@ -1086,15 +1117,11 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
     else s.peak_bytes[ku] = best_total[ku];
   }
   if (s.gpu_peak_phase >= 0) {
-    const Cats& c = peak_cats;
-    const int64_t comp[kPeakCount] = {c[cat(Category::Dispatch)], c[cat(Category::Vocab)], c[cat(Category::Boundaries)],
-                                      c[cat(Category::Params)] + c[cat(Category::Grads)] + c[cat(Category::Optimizer)],
-                                      c[cat(Category::Activations)]};
     int64_t best = -1;
     for (int kk = 0; kk < kPeakCount; ++kk) {
       if (!(peak_home & (1u << kk))) continue;
-      if (comp[kk] > best) {
-        best = comp[kk];
+      if (peak_comps[static_cast<size_t>(kk)] > best) {
+        best = peak_comps[static_cast<size_t>(kk)];
         s.binding = static_cast<PeakKind>(kk);
       }
     }

@@ -100,9 +100,13 @@ class FastPeaks {
     HeadRoles head;
   };
   // One phase's transient terms of a layer kind (same for every layer of that kind).
+  // The five peaks' own parts of a set of categories: dispatch, vocab, boundaries,
+  // params + grads + optimizer, activations (PeakKind order).
+  using Comps = std::array<int64_t, kPeakCount>;
   struct Extra {
     uint8_t home = 0;
     Cats terms{};
+    Comps comps{};
     int64_t total = 0;
     Disp disp = Disp::None;  // round phases: the dispatch terms come from the cap
     uint8_t base = 0;        // 0 forward, 1 recompute, 2 backward
@@ -113,6 +117,7 @@ class FastPeaks {
     int32_t kind = 0;
     int32_t load_index = 0;
     std::array<Cats, 3> base{};
+    std::array<Comps, 3> base_comps{};
     std::array<int64_t, 3> base_total{};
     std::array<HeadRoles, 3> head{};
   };

@@ -202,13 +202,15 @@ class Structure {
   const TimeModel& time_model() const { return tm_; }
   int64_t evaluated() const { return evaluated_; }
 
-  // The best feasible knob set of this structure (any = false when none fits).
-  Best search() {
+  // The best feasible knob set of this structure (any = false when none fits); with
+  // `first_fit`, the first one found.
+  Best search(bool first_fit = false) {
     Best best;
     for (int64_t R : rings_) {
       for (int64_t p : prefetches_) {
         if (!sco_free_) {
           consider(best, R, p, -1);
+          if (first_fit && best.any) return best;
           continue;
         }
         // Fewest layers at which the GPU fits (peaks never rise with n).
@@ -221,6 +223,7 @@ class Structure {
         }
         for (int64_t n = lo; n <= L_; ++n) {
           const int stop = consider(best, R, p, n);
+          if (first_fit && best.any) return best;
           if (stop != 0) break;
           // A larger n only adds host-link time unless the cap or the blocks are still held back.
           if (n + 1 <= L_ && best.any) {
@@ -348,11 +351,7 @@ class Structure {
     if (n < 0) return tm_.boundaries(run_.sco_offloaded, p).exposed_s;
     const size_t key = static_cast<size_t>(n) * 8 + static_cast<size_t>(p);
     if (sco_memo_.size() <= key) sco_memo_.resize(key + 1, -1);
-    if (sco_memo_[key] < 0) {
-      std::vector<bool> off(static_cast<size_t>(L_), false);
-      for (int64_t i = 0; i < std::min(n, L_); ++i) off[static_cast<size_t>(i)] = true;
-      sco_memo_[key] = tm_.boundaries(off, p).exposed_s;
-    }
+    if (sco_memo_[key] < 0) sco_memo_[key] = tm_.boundaries_first(n, p).exposed_s;
     return sco_memo_[key];
   }
 
@@ -916,6 +915,35 @@ SearchResult search_knobs(const ModelSpec& model, const HardwareSpec& hardware, 
   LoadCache local;
   LoadCache& loads = cache ? *cache : local;
   SearchResult result;
+  if (searchable_knobs(model, spec).empty()) {
+    // Nothing to search: the plan at its knobs, without the search's structures.
+    InputErrors errs;
+    ResolvedRun run = resolve_run(model, hardware, spec, errs);
+    errs.throw_if_any();
+    const Workload work = fast_workload(model, run, loads);
+    const FastPeaks fp(model, hardware, run, work);
+    result.summary = fp.evaluate(fp.knobs_of(run, work));
+    result.found = result.summary.fits();
+    result.time = TimeModel(model, hardware, run, work, efficiency).full(run, work);
+    result.spec = spec;
+    result.choice.cp = run.cp;
+    result.choice.micro_batch = run.micro_batch;
+    result.choice.chunk_cap_rows = run.chunk_cap_rows;
+    result.choice.ring_size = run.ring_size;
+    result.choice.ring_rotate = run.ring_rotate;
+    result.choice.token_block = run.token_block;
+    result.choice.vocab_block = run.vocab_block;
+    result.choice.sco_prefetch = run.sco_prefetch;
+    result.choice.bucket_params = run.bucket_params;
+    result.choice.bucket_depth = run.bucket_depth;
+    result.candidates = 1;
+    result.run = std::move(run);
+    if (options.explain && !result.found) {
+      LoadCache& c = loads;
+      result.diagnosis = diagnose(model, hardware, spec, efficiency, c, result, fp);
+    }
+    return result;
+  }
   const std::vector<int64_t> cps = cp_candidates(spec);
   Best best;
   std::unique_ptr<Structure> best_structure;
@@ -926,6 +954,7 @@ SearchResult search_knobs(const ModelSpec& model, const HardwareSpec& hardware, 
   int64_t frugal_required = std::numeric_limits<int64_t>::max();
   bool resolved_any = false;
   for (int64_t cp : cps) {
+    if (options.first_fit && best.any) break;
     const std::vector<int64_t> bs = micro_batch_candidates(spec, cp);
     for (int64_t b : bs) {
       RunSpec s = spec;
@@ -940,12 +969,13 @@ SearchResult search_knobs(const ModelSpec& model, const HardwareSpec& hardware, 
       }
       resolved_any = true;
       auto st = std::make_unique<Structure>(model, hardware, spec, run, efficiency, loads);
-      Best here = st->search();
+      Best here = st->search(options.first_fit);
       result.candidates += st->evaluated();
       if (here.any && here.better_than(best)) {
         best = here;
         best_structure = std::move(st);
         best_bs = bs;
+        if (options.first_fit) break;
         continue;
       }
       if (!best.any) {
@@ -971,6 +1001,7 @@ SearchResult search_knobs(const ModelSpec& model, const HardwareSpec& hardware, 
   result.choice = best.any ? best.c : frugal_choice;
   result.spec = apply(spec, result.choice, *chosen);
   result.run = chosen->run();
+  if (options.first_fit && result.found) return result;  // a yes/no question: no peaks or time
   // Peaks and time at the choice, from the real rules (FastPeaks evaluate, TimeModel).
   PeakKnobs k = chosen->peaks().knobs_of(chosen->run(), chosen->work());
   if (const CapCand* c = chosen->find_cap(result.choice.chunk_cap_rows)) k.loads = c->loads;
@@ -1016,7 +1047,9 @@ Diagnosis diagnose(const ModelSpec& model, const HardwareSpec& hardware, const R
                    LoadCache& cache, const SearchResult& failed, const FastPeaks& peaks) {
   Diagnosis d;
   const FastSummary& fs = failed.summary;
-  const SearchOptions quiet{false};
+  SearchOptions quiet;
+  quiet.explain = false;
+  quiet.first_fit = true;
   auto fits = [&](const RunSpec& s) {
     try {
       return search_knobs(model, hardware, s, efficiency, &cache, quiet);
@@ -1031,17 +1064,25 @@ Diagnosis diagnose(const ModelSpec& model, const HardwareSpec& hardware, const R
     d.peak = "host";
     d.over_bytes = fs.host_peak_bytes - peaks.host_budget_bytes();
   }
-  // More GPUs: shards (and the host's optimizer state per GPU) shrink.
-  for (int64_t n = spec.gpus * 2; n <= spec.gpus * 64; n *= 2) {
+  // More GPUs: shards (and the host's optimizer state per GPU) shrink. Fitting only gets easier
+  // with N: bisect over N = 2N .. 64N (powers of two).
+  auto fits_on = [&](int64_t n) {
     RunSpec s = spec;
     s.gpus = n;
     s.global_batch.reset();
     s.ep.reset();
-    if (fits(s).found) {
-      d.remedies.push_back(fmt::format("more GPUs: it fits on {} at the same CP", gpus_text(n)));
-      break;
+    return fits(s).found;
+  };
+  if (!fits_on(spec.gpus * 64)) {
+    d.remedies.push_back(fmt::format("more GPUs alone do not make it fit (tried up to {})", gpus_text(spec.gpus * 64)));
+  } else {
+    int64_t lo = 1, hi = 6;  // exponents: 2^hi fits
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (fits_on(spec.gpus << mid)) hi = mid;
+      else lo = mid + 1;
     }
-    if (n == spec.gpus * 64) d.remedies.push_back(fmt::format("more GPUs alone do not make it fit (tried up to {})", gpus_text(n)));
+    d.remedies.push_back(fmt::format("more GPUs: it fits on {} at the same CP", gpus_text(spec.gpus << lo)));
   }
   // Context parallelism: fewer tokens per GPU.
   if (!spec.cp_auto) {
@@ -1053,11 +1094,16 @@ Diagnosis diagnose(const ModelSpec& model, const HardwareSpec& hardware, const R
     if (r.found) d.remedies.push_back(fmt::format("context parallelism: it fits at CP = {} (--cp auto)", r.choice.cp));
     else d.remedies.push_back("context parallelism alone does not make it fit (--cp auto tried every power of two dividing N)");
   }
-  // Host memory: what the host would need if the GPU can fit with more boundaries offloaded.
+  // Host memory: what the host would need if the GPU can fit with more boundaries offloaded
+  // (the fastest knobs then; they offload the fewest layers that fit).
   {
     RunSpec s = spec;
     s.host_memory_bytes_per_node = int64_t{1} << 60;
-    const SearchResult r = fits(s);
+    SearchResult r;
+    try {
+      r = search_knobs(model, hardware, s, efficiency, &cache, SearchOptions{false, false});
+    } catch (const InputError&) {
+    }
     if (r.found) {
       const auto needed = static_cast<int64_t>(std::ceil(static_cast<double>(r.summary.host_peak_bytes) / kHostUsableFraction));
       d.remedies.push_back(fmt::format("host memory: it fits with {} of host DRAM per node (--host-memory; {} of it usable)",

@@ -57,8 +57,8 @@ struct SearchResult {
 };
 
 struct SearchOptions {
-  bool explain = true;           // knob reasons and the diagnosis (off for bulk queries)
-  bool keep_cp = false;          // search CP even without --cp auto? (false: only with auto)
+  bool explain = true;     // knob reasons and the diagnosis (off for bulk queries)
+  bool first_fit = false;  // stop at the first knob set that fits (a yes/no question: not the best)
 };
 
 // Searches the knobs `spec` leaves unset (technique knobs of techniques that are on; CP with

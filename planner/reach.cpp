@@ -16,9 +16,9 @@ std::string ScheduleRun::binding() const {
 namespace {
 
 SearchResult try_search(const ModelSpec& model, const HardwareSpec& hardware, const RunSpec& spec, const Efficiency& eff,
-                        LoadCache& cache) {
+                        LoadCache& cache, bool first_fit) {
   try {
-    return search_knobs(model, hardware, spec, eff, &cache, SearchOptions{false});
+    return search_knobs(model, hardware, spec, eff, &cache, SearchOptions{false, first_fit});
   } catch (const InputError&) {
     return SearchResult{};  // e.g. tokens per GPU beyond 2^32: treated as not fitting
   }
@@ -48,7 +48,7 @@ RunSpec at(const RunSpec& base, Schedule schedule, int64_t context, int64_t cp) 
 }  // namespace
 
 ScheduleRun run_schedule(const ModelSpec& model, const HardwareSpec& hardware, const RunSpec& spec, const Efficiency& eff,
-                         LoadCache& cache, bool tuned_baseline) {
+                         LoadCache& cache, bool tuned_baseline, bool first_fit) {
   ScheduleRun out;
   out.name = to_string(spec.schedule);
   // The tuned baseline (DESIGN.md) and practice, which builds on it: the better optimizer placement.
@@ -56,13 +56,20 @@ ScheduleRun run_schedule(const ModelSpec& model, const HardwareSpec& hardware, c
     RunSpec gpu = spec, serial = spec;
     gpu.optimizer = OptimizerPlacement::Gpu;
     serial.optimizer = OptimizerPlacement::Serial;
-    SearchResult g = try_search(model, hardware, gpu, eff, cache);
-    SearchResult s = try_search(model, hardware, serial, eff, cache);
-    const bool take_serial = (s.found && !g.found) || (s.found && g.found && faster(s, g));
+    SearchResult g = try_search(model, hardware, gpu, eff, cache, first_fit);
+    if (first_fit && g.found) {
+      out.search = std::move(g);
+      out.fits = true;
+      return out;
+    }
+    SearchResult s = try_search(model, hardware, serial, eff, cache, first_fit);
+    // Neither fits: the one that fits the GPU (its binding is then the host), else the GPU's.
+    const bool take_serial = (s.found && !g.found) || (s.found && g.found && faster(s, g)) ||
+                             (!s.found && !g.found && s.summary.gpu_fits && !g.summary.gpu_fits);
     out.search = take_serial ? std::move(s) : std::move(g);
     out.optimizer = take_serial ? OptimizerPlacement::Serial : OptimizerPlacement::Gpu;
   } else {
-    out.search = try_search(model, hardware, spec, eff, cache);
+    out.search = try_search(model, hardware, spec, eff, cache, first_fit);
     out.optimizer = out.search.run.optimizer;
   }
   out.fits = out.search.found;
@@ -77,6 +84,7 @@ class Fitter {
   Fitter(const ModelSpec& model, const HardwareSpec& hardware, const Query& q, Schedule schedule, LoadCache& cache)
       : model_(model), hw_(hardware), q_(q), schedule_(schedule), cache_(cache) {}
 
+  // The schedule's best knobs at (S, CP).
   const ScheduleRun& run(int64_t context, int64_t cp) {
     auto it = memo_.find({context, cp});
     if (it != memo_.end()) return it->second;
@@ -85,7 +93,15 @@ class Fitter {
     else r.name = to_string(schedule_);
     return memo_.emplace(std::make_pair(context, cp), std::move(r)).first->second;
   }
-  bool fits(int64_t context, int64_t cp) { return run(context, cp).fits; }
+  // Whether some knob set fits at (S, CP): the search stops at the first.
+  bool fits(int64_t context, int64_t cp) {
+    auto it = fits_.find({context, cp});
+    if (it != fits_.end()) return it->second;
+    bool f = false;
+    if (context % cp == 0)
+      f = run_schedule(model_, hw_, at(q_.base, schedule_, context, cp), q_.efficiency, cache_, true, true).fits;
+    return fits_.emplace(std::make_pair(context, cp), f).first->second;
+  }
 
   // Largest multiple of `step` in [from, limit] that fits at `cp`, given that `from` fits.
   int64_t bisect(int64_t from, int64_t cp, int64_t step, bool& at_limit) {
@@ -121,6 +137,7 @@ class Fitter {
   Schedule schedule_;
   LoadCache& cache_;
   std::map<std::pair<int64_t, int64_t>, ScheduleRun> memo_;
+  std::map<std::pair<int64_t, int64_t>, bool> fits_;
 };
 
 }  // namespace
@@ -195,7 +212,7 @@ std::vector<TargetFit> reach_target(const ModelSpec& model, const HardwareSpec& 
       std::pair<int64_t, ScheduleRun> result{0, ScheduleRun{}};
       for (int64_t cp : allowed_cps(query.base, n)) {
         if (n % cp != 0 || context_tokens % cp != 0) continue;
-        ScheduleRun r = run_schedule(model, hardware, at(base, schedule, context_tokens, cp), query.efficiency, cache, true);
+        ScheduleRun r = run_schedule(model, hardware, at(base, schedule, context_tokens, cp), query.efficiency, cache, true, true);
         if (r.fits) {
           result = {cp, std::move(r)};
           break;
@@ -215,7 +232,11 @@ std::vector<TargetFit> reach_target(const ModelSpec& model, const HardwareSpec& 
       const auto& best = fit(int64_t{1} << lo);
       t.gpus = int64_t{1} << lo;
       t.cp = best.first;
-      t.at = best.second;
+      // The answer with the best knobs at that N and CP.
+      RunSpec base = query.base;
+      base.gpus = t.gpus;
+      base.global_batch.reset();
+      t.at = run_schedule(model, hardware, at(base, schedule, context_tokens, t.cp), query.efficiency, cache, true);
     } else {
       t.at = fit(int64_t{1} << hi).second;
     }
@@ -317,7 +338,7 @@ nlohmann::ordered_json schedule_run_json(const ScheduleRun& run, const ModelSpec
   j["gpu"] = ojson{{"peak_bytes", s.gpu_peak_bytes}, {"required_bytes", s.required_bytes}, {"budget_bytes", s.budget_bytes},
                    {"fits", s.gpu_fits}, {"binding", to_string(s.binding)}};
   j["host"] = ojson{{"peak_bytes", s.host_peak_bytes}, {"budget_bytes", s.host_budget_bytes}, {"fits", s.host_fits}};
-  ojson knobs;
+  ojson knobs = ojson::object();
   const ResolvedRun& rr = r.run;
   const SearchChoice& c = r.choice;
   const bool moe = model.num_experts > 0 && model.count_layers(FfnKind::Moe) > 0;

@@ -33,8 +33,9 @@ struct ScheduleRun {
 
 // Searches one schedule at context S. `tuned_baseline`: baseline and practice try the optimizer
 // on the GPU and serial offload and keep the one that fits (both: the faster).
+// `first_fit`: only whether it fits matters (the knobs are the first that fit, not the best).
 ScheduleRun run_schedule(const ModelSpec& model, const HardwareSpec& hardware, const RunSpec& spec, const Efficiency& eff,
-                         LoadCache& cache, bool tuned_baseline);
+                         LoadCache& cache, bool tuned_baseline, bool first_fit = false);
 
 struct Reach {
   std::string schedule;

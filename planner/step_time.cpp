@@ -20,6 +20,7 @@
 #include "step_time.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -442,10 +443,27 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
 }
 
 BoundaryTime TimeModel::boundaries(const std::vector<bool>& offloaded, int64_t prefetch) const {
+  return boundaries_of([&](int64_t l) { return static_cast<size_t>(l) < offloaded.size() && offloaded[static_cast<size_t>(l)]; },
+                       prefetch);
+}
+
+BoundaryTime TimeModel::boundaries_first(int64_t layers, int64_t prefetch) const {
+  return boundaries_of([&](int64_t l) { return l < layers; }, prefetch);
+}
+
+template <class Offloaded>
+double TimeModel::forward_wait(const Offloaded& off, double x) const {
+  double wait = 0;
+  for (size_t l = 0; l < layers_.size(); ++l)
+    if (off(static_cast<int64_t>(l))) wait += std::max(0.0, x - layers_[l].forward_s);
+  return wait;
+}
+
+template <class Offloaded>
+BoundaryTime TimeModel::boundaries_of(const Offloaded& off, int64_t prefetch) const {
   BoundaryTime out;
   if (boundary_mode_ == BoundaryMode::Device) return out;
   const auto L = static_cast<int64_t>(layers_.size());
-  auto off = [&](int64_t l) { return static_cast<size_t>(l) < offloaded.size() && offloaded[static_cast<size_t>(l)]; };
   int64_t count = 0;
   for (int64_t l = 0; l < L; ++l) count += off(l) ? 1 : 0;
   const double boundary_bytes = d(T_) * d(model_.hidden_size) * 2;
@@ -456,35 +474,26 @@ BoundaryTime TimeModel::boundaries(const std::vector<bool>& offloaded, int64_t p
     out.exposed_s = 2 * d(count) * (x + eff_.transfer_latency_s);
     return out;
   }
-  // Forward: copy l runs beside layer l; layer l+1 starts when both are done.
-  double t = 0, link = 0, compute = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    const double end = t + layers_[static_cast<size_t>(l)].forward_s;
-    compute += layers_[static_cast<size_t>(l)].forward_s;
-    if (off(l)) {
-      const double copy_end = std::max(t, link) + x;
-      link = copy_end;
-      t = std::max(end, copy_end);
-    } else {
-      t = end;
-    }
-  }
-  out.exposed_s = t - compute;
-  // Backward, layers L-1 .. 0: fetch l may start once layer l+p+1 is done.
-  std::vector<double> end(static_cast<size_t>(L), 0);
-  link = 0;
-  compute = 0;
+  // Forward: copy l runs beside layer l; layer l+1 starts when both are done. The previous copy
+  // always ended before layer l started, so layer l takes max(f_l, x): the wait is max(0, x - f_l),
+  // summed in layer order (boundaries_first sums the same terms in the same order).
+  out.exposed_s = forward_wait(off, x);
+  // Backward, layers L-1 .. 0: fetch l may start once layer l+p+1 is done (the last p+2 ends kept).
+  constexpr int64_t kRing = 8;
+  std::array<double, kRing> end{};
+  double link = 0, compute = 0;
   double prev_end = 0;
   for (int64_t l = L - 1; l >= 0; --l) {
     double start = prev_end;
     if (off(l)) {
-      const double slot = l + prefetch + 1 <= L - 1 ? end[static_cast<size_t>(l + prefetch + 1)] : 0;
+      const int64_t after = l + prefetch + 1;
+      const double slot = after <= L - 1 ? end[static_cast<size_t>(after % kRing)] : 0;
       const double fetch_end = std::max(slot, link) + x;
       link = fetch_end;
       start = std::max(start, fetch_end);
     }
     const double g = layers_[static_cast<size_t>(l)].backward_s;
-    end[static_cast<size_t>(l)] = start + g;
+    end[static_cast<size_t>(l % kRing)] = start + g;
     prev_end = start + g;
     compute += g;
   }

@@ -116,6 +116,8 @@ class TimeModel {
   DispatchTime dispatch(const std::vector<MoeLoad>& loads) const;
   VocabTime vocab(int64_t ring_size, RingRotate rotate, int64_t token_block, int64_t vocab_block) const;
   BoundaryTime boundaries(const std::vector<bool>& offloaded, int64_t prefetch) const;
+  // The same for the first `layers` layers offloaded (no allocation; equal to boundaries()).
+  BoundaryTime boundaries_first(int64_t layers, int64_t prefetch) const;
   OptimizerTime optimizer(int64_t bucket_params, int64_t bucket_depth) const;
   // Step seconds from the group totals (the fixed order the search and full() share).
   double combine(double dispatch_s, double vocab_s, double boundaries_s, double optimizer_s) const {
@@ -135,6 +137,10 @@ class TimeModel {
     double forward_s = 0;   // no-grad forward at reference efficiency
     double backward_s = 0;  // recompute + backward
   };
+  template <class Offloaded>
+  BoundaryTime boundaries_of(const Offloaded& offloaded, int64_t prefetch) const;  // prefetch <= 6
+  template <class Offloaded>
+  double forward_wait(const Offloaded& offloaded, double copy_seconds) const;
   double link_seconds(double bytes, int64_t group, bool contiguous) const;
   double gemm_seconds(double flops, double bytes) const;
   double head_pass_seconds(int64_t rows, int64_t cols, int64_t gemms, int64_t token_block, int64_t vocab_block,

@@ -74,7 +74,7 @@ ojson comparison_json(const planner::Comparison& c, const ModelSpec& model) {
 std::string run_line(const std::string& name, const planner::ScheduleRun& r, const planner::ScheduleRun& base) {
   const auto& s = r.search.summary;
   const auto [x, reason] = ratio(r, base);
-  return fmt::format("{:<22} {:<4} {:>4} {:>7} {:>11.4g} {:>11.4g} {:>6.1f}  {:<11} {:<11} {:>22} {:>10}\n", name,
+  return fmt::format("{:<24} {:<4} {:>4} {:>7} {:>11.4g} {:>11.0f} {:>6.1f}  {:<11} {:<11} {:>22} {:>10}\n", name,
                      r.fits ? "yes" : "no", r.search.choice.cp,
                      fmt::format("{}x{}", r.search.choice.micro_batch, r.search.time.micro_batches), r.search.time.step_seconds,
                      r.search.time.tokens_per_second, 100 * r.search.time.mfu, r.binding(), r.search.time.bound_by,
@@ -84,7 +84,7 @@ std::string run_line(const std::string& name, const planner::ScheduleRun& r, con
 
 std::string comparison_table(const planner::Comparison& c) {
   std::string out = fmt::format("routing {}, global batch {} sequences\n", c.imbalance, c.global_batch);
-  out += fmt::format("{:<22} {:<4} {:>4} {:>7} {:>11} {:>11} {:>6}  {:<11} {:<11} {:>22} {:>10}\n", "schedule", "fits", "CP",
+  out += fmt::format("{:<24} {:<4} {:>4} {:>7} {:>11} {:>11} {:>6}  {:<11} {:<11} {:>22} {:>10}\n", "schedule", "fits", "CP",
                      "b x acc", "step s", "tokens/s", "MFU %", "binding", "bound by", "GPU required / budget", "vs base");
   for (const auto& s : c.schedules) out += run_line(s.name, s, c.schedules[0]);
   out += "baseline + one technique:\n";

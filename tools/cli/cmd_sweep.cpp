@@ -168,7 +168,7 @@ int run_sweep(const CLI::App& sub, const SweepOptions& o) {
               std::string knobs;
               for (const char* k : {"chunk_cap_rows", "ring_size", "sco_layers", "bucket_params"})
                 if (!row[k].is_null()) knobs += fmt::format("{}{}={}", knobs.empty() ? "" : " ", k, csv_cell(row[k]));
-              std::cout << fmt::format("{:<16} {:<10} {:>5} {:>7} {:<9} {:<4} {:>4} {:<11} {:>22} {:>12.4g} {:>11.4g}  {}\n",
+              std::cout << fmt::format("{:<16} {:<10} {:>5} {:>7} {:<9} {:<4} {:>4} {:<11} {:>22} {:>12.4g} {:>11.0f}  {}\n",
                                        model.name, hw.name, n, tokens_text(context), r.name, r.fits ? "yes" : "no",
                                        row["cp"].is_null() ? "-" : row["cp"].dump(), error.empty() ? r.binding() : "error",
                                        format_bytes(r.search.summary.required_bytes) + " / " +
