@@ -284,11 +284,8 @@ SearchResult search_knobs(const ModelSpec& model, const HardwareSpec& hardware, 
     result.choice.bucket_params = run.bucket_params;
     result.choice.bucket_depth = run.bucket_depth;
     result.candidates = 1;
-    result.run = std::move(run);
-    if (options.explain && !result.found) {
-      LoadCache& c = loads;
-      result.diagnosis = diagnose(model, hardware, spec, efficiency, c, result, fp);
-    }
+    if (options.explain && !result.found) result.diagnosis = diagnose(model, hardware, spec, efficiency, loads, result, fp);
+    result.run = std::move(run);  // after the diagnosis: fp refers to it
     return result;
   }
   const std::vector<int64_t> cps = cp_candidates(spec);
