@@ -28,8 +28,9 @@ struct KnobReason {
 
 // What no knob can fix, by how much, and what would.
 struct Diagnosis {
-  std::string peak;         // the binding peak at the most memory-frugal knobs, or "host"
+  std::string peak;         // the binding peak at the knobs shown, or "host"
   int64_t over_bytes = 0;   // required - budget there (GPU), or host peak - host budget
+  std::string at;           // which knobs: the lowest GPU peak, or (host) the fastest that fit the GPU
   std::vector<std::string> remedies;
 };
 

@@ -281,7 +281,7 @@ TEST(PlannerKnobSearch, NothingFitsSaysWhichPeakByHowMuchAndWhatWouldFit) {
   EXPECT_NE(remedies.find("out of scope: "), std::string::npos) << remedies;
   for (const Knob& k : p.run.knobs)
     if (k.name == "chunk_cap_rows") {
-      EXPECT_EQ(k.reason, "nothing fits: the most memory-frugal value on the grid (see diagnosis)");
+      EXPECT_EQ(k.reason, "nothing fits: part of the knob set with the lowest GPU peak (see diagnosis)");
     }
 }
 

@@ -30,8 +30,8 @@ std::string format_plan_time(const planner::Plan& p) {
       out += fmt::format("knob  {} = {}: {}\n", k.name, k.value.is_string() ? k.value.get<std::string>() : k.value.dump(),
                          k.reason);
   if (!p.diagnosis.is_null()) {
-    out += fmt::format("nothing fits: the {} peak stays {} over budget at the most memory-frugal knobs\n",
-                       p.diagnosis["peak"].get<std::string>(), format_bytes(p.diagnosis["over_bytes"].get<int64_t>()));
+    out += fmt::format("nothing fits: the {} peak is {} over budget at {}\n", p.diagnosis["peak"].get<std::string>(),
+                       format_bytes(p.diagnosis["over_bytes"].get<int64_t>()), p.diagnosis["at"].get<std::string>());
     for (const auto& r : p.diagnosis["remedies"]) out += "  - " + r.get<std::string>() + "\n";
   }
   return out;

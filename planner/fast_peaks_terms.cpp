@@ -1,0 +1,347 @@
+// FastPeaks' term builders: memory_terms_layer.cpp, memory_terms_dispatch.cpp and
+// memory_terms_vocab.cpp in numbers (see fast_peaks_terms.h).
+#include "fast_peaks_terms.h"
+
+#include <algorithm>
+
+namespace flatpeak::planner::fast_terms {
+
+void qkvo(const Ctx& c, Acc& t) {
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  if (m.attention == AttentionKind::Mla) {
+    if (m.q_lora_rank > 0) t.add(kAct, mul(T, m.q_lora_rank), kB16);
+    t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
+  }
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(m.num_heads, T), kF32);
+}
+
+void ring_attention(const Ctx& c, int64_t layer, bool backward, Acc& t) {
+  if (c.r.cp <= 1) return;
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  const int64_t kv = m.num_kv_heads * (m.head_dim + m.v_head_dim);
+  const LayerSpec s = c.spec(layer);
+  if (s.window != AttentionWindow::Full && s.attention_window_tokens > 0) {
+    const int64_t halo = std::min(s.attention_window_tokens, T);
+    t.add(kAct, mul(halo, kv), kB16);
+    if (backward) t.add(kAct, mul(halo, kv), kF32);
+    return;
+  }
+  t.add(kAct, mul(T, kv), kB16, 2);
+  if (!backward) {
+    t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kF32);
+    t.add(kAct, mul(m.num_heads, T), kF32);
+  } else {
+    t.add(kAct, mul(T, kv), kF32, 2);
+  }
+}
+
+void layer_grad_stream(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, mul(c.T, c.H), kF32);
+}
+
+void attention_forward(const Ctx& c, int64_t layer, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  qkvo(c, t);
+  ring_attention(c, layer, false, t);
+}
+
+void attention_saved(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, c.T, kF32, 2);
+  qkvo(c, t);
+}
+
+void attention_backward(const Ctx& c, int64_t layer, Acc& t) {
+  const ModelSpec& m = c.m;
+  const int64_t T = c.T;
+  attention_saved(c, t);
+  layer_grad_stream(c, t);
+  t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
+  t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
+  t.add(kAct, mul(T, m.num_heads * m.head_dim), kF32);
+  t.add(kAct, mul(m.num_heads, T), kF32);
+  if (m.attention == AttentionKind::Mla) t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
+  t.add(kAct, mul(T, c.H), kB16);
+  ring_attention(c, layer, true, t);
+}
+
+void ffn_block_inputs(const Ctx& c, Acc& t) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, mul(c.T, c.H), kB16);
+}
+
+void ffn_pair(const Ctx& c, int64_t width, Acc& t) {  // forward and saved: gate,up then act*up
+  if (width <= 0) return;
+  t.add(kAct, mul(c.T, 2 * width), kB16);
+  t.add(kAct, mul(c.T, width), kB16);
+}
+
+void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t) {
+  if (width <= 0) return;
+  t.add(kAct, mul(c.T, width), kB16);
+  t.add(kAct, mul(c.T, 2 * width), kB16);
+}
+
+// ---- dispatch
+
+MoeShape moe_shape(const Ctx& c, const MoeLoad& load) {
+  const int64_t R = c.r.llep ? load.recv_rows_llep : load.recv_rows_ep;
+  return MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, R, &load};
+}
+
+void route(const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kF32, 1);
+  t.add(kDsp, mul(s.T, s.E), kB1);
+  t.add(kDsp, mul(s.T, s.k), kF32);
+  t.add(kDsp, mul(s.T, s.k), kI64);
+}
+
+void meta(const MoeShape& s, Acc& t) {
+  t.add(kDsp, s.sent, kI64);
+  t.add(kDsp, s.sent, kF32);
+}
+
+void foreign(const Ctx& c, const MoeShape& s, Acc& t) {
+  if (!c.r.llep) return;
+  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
+}
+
+void foreign_grads(const Ctx& c, const MoeShape& s, Acc& t) {
+  if (!c.r.llep) return;
+  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
+  t.add(kDsp, mul(s.load->lent_experts, c.w.expert_params_each), kB16);
+}
+
+void saved_experts(const MoeShape& s, int64_t rows, Acc& t) {
+  t.add(kDsp, mul(rows, s.H), kB16);
+  t.add(kDsp, mul(rows, 2 * s.F), kB16);
+  t.add(kDsp, mul(rows, s.F), kB16);
+}
+
+void expert_grads(const MoeShape& s, int64_t rows, Acc& t) {
+  t.add(kDsp, mul(rows, s.H), kB16);
+  t.add(kDsp, mul(rows, s.F), kB16);
+  t.add(kDsp, mul(rows, 2 * s.F), kB16);
+}
+
+void dispatch_buffers(const Ctx& c, const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.sent, s.H), kB16);
+  if (c.r.llep) t.add(kDsp, mul(s.sent, s.H), kB16);
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, s.recv, kF32);
+}
+
+void combine_buffers(const MoeShape& s, Acc& t) {
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, mul(s.recv, s.H), kB16);
+  t.add(kDsp, mul(s.sent, s.H), kB16);
+  t.add(kDsp, mul(s.T, s.H), kB16);
+}
+
+// The phases of one MoE block: (suffix kind, dispatch bytes); suffix kinds tell the timeline
+
+// where the shared expert's terms go.
+
+std::vector<MoeTerms> ep_phases(const Ctx& c, const MoeShape& s, bool recompute) {
+  using D = FastPeaks::Disp;
+  std::vector<MoeTerms> out;
+  auto phase = [&](MoePhase k) -> Acc& {
+    out.push_back(MoeTerms{k, D::None, c.acc()});
+    route(s, out.back().terms);
+    return out.back().terms;
+  };
+  if (!recompute) phase(MoePhase::Route);
+  {
+    Acc& t = phase(MoePhase::Dispatch);
+    meta(s, t);
+    dispatch_buffers(c, s, t);
+    foreign(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Experts);
+    meta(s, t);
+    saved_experts(s, s.recv, t);
+    if (recompute) t.add(kDsp, mul(s.recv, s.H), kB16);
+    foreign(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Combine);
+    meta(s, t);
+    if (recompute) saved_experts(s, s.recv, t);
+    combine_buffers(s, t);
+    foreign(c, s, t);
+  }
+  return out;
+}
+
+std::vector<MoeTerms> ep_backward(const Ctx& c, const MoeShape& s) {
+  using D = FastPeaks::Disp;
+  std::vector<MoeTerms> out;
+  auto phase = [&](MoePhase k) -> Acc& {
+    out.push_back(MoeTerms{k, D::None, c.acc()});
+    Acc& t = out.back().terms;
+    route(s, t);
+    meta(s, t);
+    foreign(c, s, t);
+    return t;
+  };
+  {
+    Acc& t = phase(MoePhase::Combine);
+    saved_experts(s, s.recv, t);
+    t.add(kDsp, mul(s.sent, s.H), kB16);
+    t.add(kDsp, mul(s.recv, s.H), kB16);
+  }
+  {
+    Acc& t = phase(MoePhase::Experts);
+    saved_experts(s, s.recv, t);
+    expert_grads(s, s.recv, t);
+    foreign_grads(c, s, t);
+  }
+  {
+    Acc& t = phase(MoePhase::Dispatch);
+    t.add(kDsp, mul(s.recv, s.H), kB16);
+    t.add(kDsp, mul(s.sent, s.H), kB16);
+    t.add(kDsp, mul(s.T, s.H), kF32);
+    foreign_grads(c, s, t);
+  }
+  return out;
+}
+
+void round_buffers(const MoeShape& s, int64_t C, int64_t B, int64_t D, Acc& t) {
+  t.add(kDsp, mul(D, C, s.H), kB16);
+  t.add(kDsp, mul(D, B, s.H), kB16);
+  t.add(kDsp, mul(D, B, s.H), kB16);
+  t.add(kDsp, mul(D, C, s.H), kB16);
+  t.add(kDsp, mul(D, 2 * (B + C)), kF32);
+  t.add(kDsp, mul(D, 2 * (B + C)), kI64);
+  t.add(kDsp, mul(3, s.sent), kI64);
+  t.add(kDsp, mul(s.T, s.H), kF32);
+}
+
+// Dispatch bytes of a round phase (the whole Dispatch category of that phase).
+
+Acc round_phase(const Ctx& c, const MoeShape& s, FastPeaks::Disp kind) {
+  using D = FastPeaks::Disp;
+  const int64_t C = s.load->chunk_cap_rows, B = s.load->round_recv_rows, Dp = c.r.dispatch_depth;
+  const bool store = c.r.dispatch_mode == DispatchMode::Store;
+  Acc t = c.acc();
+  route(s, t);
+  round_buffers(s, C, B, Dp, t);
+  if (kind == D::BackwardRound) {
+    saved_experts(s, store ? s.recv : B, t);
+    t.add(kDsp, mul(mul(Dp, 2 * (B + C)), s.H), kB16);
+    expert_grads(s, B, t);
+    t.add(kDsp, mul(s.T, s.H), kF32);
+    foreign(c, s, t);
+    foreign_grads(c, s, t);
+    return t;
+  }
+  saved_experts(s, kind == D::RecomputeRound ? s.recv : B, t);
+  t.add(kDsp, mul(B, s.H), kB16);
+  t.add(kDsp, mul(B, s.H), kB16);
+  foreign(c, s, t);
+  return t;
+}
+
+std::vector<MoeTerms> pipelined_forward(const Ctx& c, const MoeShape& s, bool recompute) {
+  using D = FastPeaks::Disp;
+  const bool store = c.r.dispatch_mode == DispatchMode::Store;
+  std::vector<MoeTerms> out;
+  if (recompute && !store) {
+    out.push_back(MoeTerms{MoePhase::Route, D::None, c.acc()});
+    route(s, out.back().terms);
+    foreign(c, s, out.back().terms);
+    return out;
+  }
+  if (!recompute) {
+    out.push_back(MoeTerms{MoePhase::Route, D::None, c.acc()});
+    route(s, out.back().terms);
+  }
+  const D kind = recompute ? D::RecomputeRound : D::ForwardRound;
+  out.push_back(MoeTerms{MoePhase::Round, kind, round_phase(c, s, kind)});
+  return out;
+}
+
+bool pipelined(const Ctx& c) { return c.r.llep && c.r.chunk_cap_rows > 0; }
+
+// ---- vocabulary (memory_terms_vocab.cpp)
+
+VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block) {
+  const int64_t shard = ceil_div(V, R);
+  return VocabShape{T, H, V, R, shard, std::min(token_block, T), std::min(vocab_block, shard)};
+}
+
+void x_w(const VocabShape& s, Acc& t) {
+  t.add(kVoc, mul(s.T, s.H), kB16);
+  if (s.R == 1) t.add(kVoc, mul(s.V, s.H), kB16);
+  else t.add(kVoc, mul(s.shard, s.H), kB16);
+}
+
+void ring(RingRotate rotate, const VocabShape& s, bool grads, Acc& t) {
+  if (s.R <= 1) return;
+  if (rotate == RingRotate::Activations) {
+    t.add(kVoc, mul(2, s.Tb, s.H), kB16);
+    t.add(kVoc, mul(2, 3, s.Tb), kF32);
+    if (grads) t.add(kVoc, mul(2, s.Tb, s.H), kF32);
+  } else {
+    t.add(kVoc, mul(s.shard, s.H), kB16);
+  }
+}
+
+void lse_loss(const VocabShape& s, Acc& t) {
+  t.add(kVoc, s.T, kF32);
+  t.add(kVoc, s.T, kF32);
+}
+
+void dx(const VocabShape& s, Acc& t) {
+  if (s.R == 1) {
+    t.add(kVoc, mul(s.Tb, s.H), kF32);
+    t.add(kVoc, mul(s.T, s.H), kB16);
+  } else {
+    t.add(kVoc, mul(s.T, s.H), kF32);
+  }
+}
+
+void dw(RingRotate rotate, const VocabShape& s, Acc& t) {
+  if (s.R > 1 && rotate == RingRotate::Weights) t.add(kVoc, mul(2, s.shard, s.H), kF32);
+  else if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);
+  else t.add(kVoc, mul(s.V, s.H), kF32);
+}
+
+VocabShape vocab_shape(const Ctx& c) {
+  const int64_t R = c.r.vocab == VocabMode::RingDtp ? c.r.ring_size : 1;
+  return vocab_shape_of(c.T, c.H, c.m.vocab_size, R, c.r.token_block, c.r.vocab_block);
+}
+
+void loss_saved(const Ctx& c, Acc& t) {
+  const VocabShape s = vocab_shape(c);
+  if (c.r.vocab == VocabMode::Materialized) {
+    t.add(kVoc, mul(s.T, s.H), kB16);
+    t.add(kVoc, mul(s.T, s.V), kB16);
+    t.add(kVoc, mul(s.T, s.V), kF32);
+    t.add(kVoc, s.T, kF32);
+    t.add(kVoc, s.T, kF32);
+  } else if (c.r.vocab_backward == VocabBackward::InForward) {
+    // X, W and lse are released; dX, the fp32 dW accumulator and the loss wait for the backward.
+    t.add(kVoc, mul(s.T, s.H), s.R == 1 ? kB16 : kF32);
+    dw(c.r.ring_rotate, s, t);
+    t.add(kVoc, s.T, kF32);
+  } else {
+    t.add(kVoc, mul(s.T, s.H), kB16);
+    t.add(kVoc, s.T, kF32);
+    t.add(kVoc, s.T, kF32);
+  }
+}
+
+}  // namespace flatpeak::planner::fast_terms
