@@ -84,7 +84,7 @@ nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s)
   j["scaled_values"] = scaled;
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   for (const auto& row : r.rows)
-    rows.push_back({{"component", row.component}, {"space", row.space}, {"phase", row.phase},
+    rows.push_back({{"component", row.component}, {"space", row.space}, {"phase", row.phase}, {"rank", row.rank},
                     {"predicted_bytes", row.predicted_bytes}, {"measured_bytes", row.measured_bytes},
                     {"relative_error", row.relative_error}});
   j["results"] = rows;

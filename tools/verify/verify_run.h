@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,12 +15,13 @@
 namespace flatpeak::cli {
 
 struct VerifyRow {
-  std::string component;  // "vocab"
+  std::string component;  // "vocab", "dispatch", "checkpoint", "optimizer", "layer", "step"
   std::string space;      // "device" | "host"
   std::string phase;      // predicted phase name, or "peak"
   int64_t predicted_bytes = 0;
   int64_t measured_bytes = 0;
   double relative_error = 0.0;  // (measured − predicted) / predicted
+  int rank = 0;                 // the rank whose measurement this is (the maximum's, over ranks)
 };
 
 struct VerifyReport {
@@ -32,10 +34,15 @@ struct VerifyReport {
   nlohmann::ordered_json measured_trace;  // traces/README.md timeline, source "measured"
 };
 
-// The components this version verifies.
+// Changes the predicted timeline before the comparison. Tests use it to show that verify catches
+// a wrong prediction (one term raised by 2 % must fail); the CLI never sets it.
+using PredictionAdjust = std::function<void(nlohmann::ordered_json& predicted_timeline)>;
+
+// The components this version verifies (every one `--component` accepts), in report order.
 std::vector<std::string> verify_components();
 
 VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled,
-                              const std::vector<std::string>& components, double tolerance);
+                              const std::vector<std::string>& components, double tolerance,
+                              const PredictionAdjust& adjust = nullptr);
 
 }  // namespace flatpeak::cli

@@ -73,7 +73,16 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   in.micro_batch = r.integer("/inputs/run/micro_batch", 1);
   in.tokens_per_gpu = r.integer("/inputs/run/tokens_per_gpu", 1);
   in.schedule = r.text("/inputs/run/schedule");
-  if (!r.at("/knobs")) r.errs.throw_if_any();
+  if (r.has("/inputs/run/imbalance")) in.imbalance = r.text("/inputs/run/imbalance");
+  if (const json* knobs = r.at("/knobs"); !knobs) {
+    r.errs.throw_if_any();
+  } else if (!knobs->is_object()) {
+    r.errs.add(Diagnostic{file, "/knobs", "must be an object of {\"value\": ...} entries (got " + knobs->dump() + ")", ""});
+    r.errs.throw_if_any();
+  } else {
+    for (const auto& [name, knob] : knobs->items())
+      if (knob.is_object() && knob.contains("value")) in.knob_values[name] = knob["value"];
+  }
   if (r.has("/knobs/vocab")) in.vocab_mode = r.text("/knobs/vocab/value");
   if (in.vocab_mode != "materialized" && in.vocab_mode != "blocked" && in.vocab_mode != "ring-dtp")
     r.errs.add(Diagnostic{file, "/knobs/vocab/value", "must be materialized, blocked or ring-dtp (got '" + in.vocab_mode + "')", ""});

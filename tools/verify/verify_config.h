@@ -27,6 +27,12 @@ struct VerifyInputs {
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
   std::string vocab_backward = "recompute";
   int64_t ring_size = 1, token_block = 0, vocab_block = 0;
+  std::string imbalance = "balanced";  // /inputs/run/imbalance (routing model)
+  // Every knob as written (/knobs/<name>/value), for the components that read their own knobs
+  // (dispatch: chunk_cap_rows, dispatch_mode, ...; checkpoint: boundaries, sco_layers, ...;
+  // optimizer: optimizer, bucket_params, bucket_depth). A component checks its knobs itself and
+  // throws InputError naming /knobs/<name>/value.
+  nlohmann::json knob_values = nlohmann::json::object();
 };
 
 // Throws InputError (exit 2) for another schema_version, a missing or mistyped field, and knobs

@@ -1,0 +1,59 @@
+// What every verify component shares (verify_<component>.cpp): the planner's timeline of the
+// scaled configuration, the measured trace, and the comparison rows.
+//   ordered_json predicted = predicted_timeline(ctx, {{"--sco", "on"}});
+//   compare_category(ctx, "checkpoint", "boundaries", exec::MemorySpace::Host, predicted, alloc, filter, report);
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "executor/memory/tracking_allocator.h"
+#include "verify_config.h"
+#include "verify_run.h"
+
+namespace flatpeak::cli {
+
+// One component's inputs: the plan as read, its scaled configuration, and the test-only hook.
+struct VerifyContext {
+  const VerifyInputs& in;
+  const ScaledConfig& scaled;
+  const PredictionAdjust& adjust;
+};
+
+using FlagList = std::vector<std::pair<std::string, std::string>>;
+
+// The planner's timeline (traces/README.md JSON) for the scaled configuration on one rank, with the
+// plan's vocabulary knobs and `extra` flags (a component's own knobs) on top; `adjust` applied.
+nlohmann::ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra);
+
+// The measured record(s) a predicted phase stands for: itself, or, when folded ("loss/fwd/blk0"
+// with folds "blk0-blk3"), every measured phase that differs from it only in the last index.
+bool phase_matches(const std::string& predicted, bool folded, const std::string& measured);
+
+// (measured − predicted) / predicted; 0 when both are 0, infinite when only the prediction is 0.
+double relative_error(int64_t measured, int64_t predicted);
+
+// The measured timeline in the traces/ format, from an allocator's phase records.
+nlohmann::ordered_json measured_trace(const exec::TrackingAllocator& alloc);
+
+// Appends one row per predicted phase accepted by `phase_filter` (category `category` of `space`
+// against the maximum of the measured phases it folds) and a "peak" row over them. Returns the
+// number of phase rows.
+int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
+                     const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
+                     const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report);
+
+// One verify component per file.
+void verify_vocab(const VerifyContext& ctx, VerifyReport& report);
+void verify_dispatch(const VerifyContext& ctx, VerifyReport& report);
+void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report);
+void verify_optimizer(const VerifyContext& ctx, VerifyReport& report);
+void verify_layer(const VerifyContext& ctx, VerifyReport& report);
+void verify_step(const VerifyContext& ctx, VerifyReport& report);
+
+}  // namespace flatpeak::cli

@@ -1,0 +1,44 @@
+// verify --component vocab: the vocabulary projection and loss (materialised, blocked, Ring-DTP at
+// R = 1) against the planner's `vocab` column of the loss phases.
+#include <algorithm>
+#include <cmath>
+
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/vocab_schedule.h"
+#include "verify_common.h"
+
+namespace flatpeak::cli {
+
+void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  exec::VocabScheduleConfig c;
+  c.tokens = s.tokens;
+  c.hidden = s.hidden;
+  c.vocab = s.vocab;
+  c.token_block_rows = s.token_block;
+  c.vocab_block_rows = s.vocab_block;
+  c.mode = in.vocab_mode == "materialized" ? exec::VocabScheduleMode::Materialized : exec::VocabScheduleMode::Blocked;
+  c.gradients_in_forward = in.vocab_backward == "in-forward";
+  const exec::VocabScheduleResult got = exec::run_vocab_schedule(alloc, c);
+  if (c.mode != exec::VocabScheduleMode::Materialized) {
+    exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
+    exec::VocabScheduleConfig n = c;
+    n.mode = exec::VocabScheduleMode::Materialized;
+    const exec::VocabScheduleResult ref = exec::run_vocab_schedule(naive_alloc, n);
+    report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mean_loss - ref.mean_loss));
+    for (size_t i = 0; i < got.d_x.size(); ++i)
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_x[i] - ref.d_x[i])));
+    for (size_t i = 0; i < got.d_w.size(); ++i)
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_w[i] - ref.d_w[i])));
+  }
+  // The main loss only: the MTP losses (loss/mtpJ/...) are not run by this component yet.
+  compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc,
+                   [](const std::string& name) { return name.rfind("loss/fwd", 0) == 0 || name.rfind("loss/bwd", 0) == 0; },
+                   report);
+  report.measured_trace = measured_trace(alloc);
+}
+
+}  // namespace flatpeak::cli
