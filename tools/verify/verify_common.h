@@ -12,17 +12,22 @@
 
 #include <nlohmann/json.hpp>
 
+#include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
 #include "verify_config.h"
 #include "verify_run.h"
 
 namespace flatpeak::cli {
 
-// One component's inputs: the plan as read, its scaled configuration, and the test-only hook.
+// One component's inputs: the plan as read, its scaled configuration, the test-only hook, and,
+// when the scaled configuration has more than one rank, this rank's communicator (nullptr on one
+// rank). A component's single-rank function never sees a communicator; its multi-rank function
+// (verify_run.cpp's table) runs on every rank, each with its own TrackingAllocator.
 struct VerifyContext {
   const VerifyInputs& in;
   const ScaledConfig& scaled;
   const PredictionAdjust& adjust;
+  exec::Communicator* comm = nullptr;
 };
 
 using FlagList = std::vector<std::pair<std::string, std::string>>;

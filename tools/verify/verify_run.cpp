@@ -10,20 +10,23 @@ namespace flatpeak::cli {
 
 namespace {
 
+using ComponentRun = void (*)(const VerifyContext&, VerifyReport&);
+
 struct Component {
   const char* name;
-  void (*run)(const VerifyContext&, VerifyReport&);
-  bool implemented;  // false: refused by --component, skipped by default
+  ComponentRun run;              // one rank
+  ComponentRun run_multi_rank;   // every rank of a multi-rank configuration; nullptr: one rank only
+  bool implemented;              // false: refused by --component, skipped by default
 };
 
 // Report order: the techniques' components first, then the layer and the whole step.
 const Component kComponents[] = {
-    {"dispatch", verify_dispatch, false},
-    {"vocab", verify_vocab, true},
-    {"checkpoint", verify_checkpoint, false},
-    {"optimizer", verify_optimizer, false},
-    {"layer", verify_layer, false},
-    {"step", verify_step, false},
+    {"dispatch", verify_dispatch, nullptr, false},
+    {"vocab", verify_vocab, nullptr, true},
+    {"checkpoint", verify_checkpoint, nullptr, false},
+    {"optimizer", verify_optimizer, nullptr, false},
+    {"layer", verify_layer, nullptr, false},
+    {"step", verify_step, nullptr, false},
 };
 
 }  // namespace
