@@ -56,7 +56,7 @@ const std::vector<FlagInfo>& run_flags() {
       {"--context", "S, context length in tokens (K/M/G = powers of 1024)", "a positive token count such as 131072, 128K or 1M"},
       {"--micro-batch", "b, sequences per micro-batch (default 1)", "a positive integer"},
       {"--global-batch", "sequences per step (default b x DP); accumulation steps = global / (b x DP)", "a positive multiple of b x DP"},
-      {"--cp", "context-parallel degree, or 'auto' (smallest power of two dividing N that fits; default 1)", "a positive divisor of both N and S, or auto"},
+      {"--cp", "context-parallel degree, or 'auto': the smallest power of two dividing N and S that fits; when knobs are searched (--schedule flatpeak), the one giving the fastest step that fits (default 1)", "a positive divisor of both N and S, or auto"},
       {"--ep", "expert-parallel degree (default: largest divisor of N and E that is <= gpus per node)", "a positive divisor of both N and E"},
       {"--gpus-per-node", "GPUs per node (default: the hardware card's, at most N)", "a positive integer"},
       {"--host-memory", "host DRAM per node (default: the hardware card's), e.g. 2TB, 1536GiB", "a byte size: an integer or decimal with KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 2TB or 1536GiB"},
