@@ -1,7 +1,8 @@
 // CUDA twin of the blocked cross-entropy (executor/cpu/cross_entropy_cpu.cpp): per token block,
 // each [T_blk, V_blk] fp32 logits block comes from cuBLAS and is folded into the running
 // (max, sum) with the shared lse_fold; the backward recomputes it from the saved lse and turns it
-// into dz with the shared cross_entropy_dlogit. The same order of blocks as on the CPU.
+// into dz with the shared cross_entropy_dlogit, rounded into the compute-dtype dlogits block as on
+// the CPU. The same order of blocks and the same workspace as on the CPU.
 #include <algorithm>
 
 #include "executor/cpu/op_util.h"
@@ -19,18 +20,18 @@ using cuda_detail::grid_for;
 using cuda_detail::grid_threads;
 using cuda_detail::kThreads;
 
-// Workspace (fp32): logits [T_blk, V_blk], dX accumulator [T_blk, H], running max, running sum,
-// target logit [T_blk] each (the CPU layout), then for bf16 storage fp32 copies of the X block
-// [T_blk, H] and the W block [V_blk, H]: cuBLAS multiplies only like with like, and the fp32 dz
-// must not be rounded to bf16.
+// Workspace: the CPU's layout (cross_entropy_cpu.cpp): fp32 logits block [T_blk, V_blk], fp32
+// running max, running sum, target logit [T_blk] each, fp32 dX accumulator [T_blk, H], then the
+// dlogits block [T_blk, V_blk] in the compute dtype. dz is rounded once into that block and is the
+// operand of the dX and dW GEMMs (bf16 × bf16 with fp32 accumulation, as on the CPU), so the two
+// backends hold the same bytes and the planner's vocab terms describe both.
 struct Workspace {
   float* logits;
-  float* dx_acc;
   float* row_max;
   float* row_sum;
   float* target_logit;
-  float* x_f32;  // null for f32 storage
-  float* w_f32;
+  float* dx_acc;
+  void* dlogits;
 };
 
 Workspace carve(const CrossEntropyArgs& a) {
@@ -39,16 +40,12 @@ Workspace carve(const CrossEntropyArgs& a) {
   Workspace ws{};
   ws.logits = p;
   p += tb * a.vocab_block_rows;
-  ws.dx_acc = p;
-  p += tb * a.hidden;
   ws.row_max = p;
   ws.row_sum = p + tb;
   ws.target_logit = p + 2 * tb;
-  p += 3 * tb;
-  if (a.dtype == DType::BF16) {
-    ws.x_f32 = p;
-    ws.w_f32 = p + tb * a.hidden;
-  }
+  p += 3 * tb;  // the forward uses only what comes before this point
+  ws.dx_acc = p;
+  ws.dlogits = p + tb * a.hidden;
   return ws;
 }
 
@@ -89,20 +86,16 @@ __global__ void finish_rows_kernel(const float* row_max, const float* row_sum,
   }
 }
 
-// In place: z → dz = g · (e^(z − lse) − onehot), 0 for ignored tokens.
-__global__ void dlogits_kernel(float* logits, int64_t tb, int64_t vb, int64_t v0,
+// dz = g · (e^(z − lse) − onehot), 0 for ignored tokens, rounded once to the compute dtype.
+template <class T>
+__global__ void dlogits_kernel(const float* logits, T* dz, int64_t tb, int64_t vb, int64_t v0,
                                const int32_t* targets, const float* lse, float g) {
   for (int64_t i = global_thread(); i < tb * vb; i += grid_threads()) {
     const int64_t r = i / vb;
     const int64_t c = i % vb;
     const int64_t y = targets[r];
-    logits[i] = y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], lse[r], v0 + c == y, g);
+    store_f32(&dz[i], y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], lse[r], v0 + c == y, g));
   }
-}
-
-template <class T>
-__global__ void widen_kernel(const T* src, float* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = to_f32(src[i]);
 }
 
 template <class T>
@@ -139,35 +132,24 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::
   cudaStream_t stream = blas.stream();
   const int64_t H = a.hidden;
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(ws.dx_acc, 0, static_cast<size_t>(tb * H) * 4, stream));
-  const bool bf16 = a.dtype == DType::BF16;
-  const float* x_blk = bf16 ? ws.x_f32 : static_cast<const float*>(offset_rows(a.x, t0, H, a.dtype));
-  if (bf16) {
-    widen_kernel<<<grid_for(tb * H), kThreads, 0, stream>>>(
-        static_cast<const Bf16*>(offset_rows(a.x, t0, H, a.dtype)), ws.x_f32, tb * H);
-    FLATPEAK_CUDA_CHECK_LAUNCH();
-  }
+  const void* x_blk = offset_rows(a.x, t0, H, a.dtype);
   for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
     const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
     const void* w_blk = offset_rows(a.w, v0, H, a.dtype);
-    cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype,
-                    offset_rows(a.x, t0, H, a.dtype), H, a.dtype, w_blk, H, false, DType::F32,
-                    ws.logits, vb);
-    dlogits_kernel<<<grid_for(tb * vb), kThreads, 0, stream>>>(ws.logits, tb, vb, v0,
-                                                               a.targets + t0, a.lse + t0,
-                                                               a.grad_scale);
+    cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype, x_blk, H, a.dtype, w_blk, H,
+                    false, DType::F32, ws.logits, vb);
+    dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+      using T = decltype(tag);
+      dlogits_kernel<<<grid_for(tb * vb), kThreads, 0, stream>>>(
+          ws.logits, static_cast<T*>(ws.dlogits), tb, vb, v0, a.targets + t0, a.lse + t0,
+          a.grad_scale);
+    });
     FLATPEAK_CUDA_CHECK_LAUNCH();
-    const float* w_f32 = static_cast<const float*>(w_blk);
-    if (bf16) {
-      widen_kernel<<<grid_for(vb * H), kThreads, 0, stream>>>(static_cast<const Bf16*>(w_blk),
-                                                              ws.w_f32, vb * H);
-      FLATPEAK_CUDA_CHECK_LAUNCH();
-      w_f32 = ws.w_f32;
-    }
-    // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (fp32 throughout)
-    cuda::gemm_cuda(blas, false, false, tb, H, vb, 1.0f, DType::F32, ws.logits, vb, DType::F32,
-                    w_f32, H, true, DType::F32, ws.dx_acc, H);
-    cuda::gemm_cuda(blas, true, false, vb, H, tb, 1.0f, DType::F32, ws.logits, vb, DType::F32,
-                    x_blk, H, true, DType::F32, a.d_w + v0 * H, H);
+    // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (compute-dtype operands, fp32 accumulators)
+    cuda::gemm_cuda(blas, false, false, tb, H, vb, 1.0f, a.dtype, ws.dlogits, vb, a.dtype, w_blk,
+                    H, true, DType::F32, ws.dx_acc, H);
+    cuda::gemm_cuda(blas, true, false, vb, H, tb, 1.0f, a.dtype, ws.dlogits, vb, a.dtype, x_blk,
+                    H, true, DType::F32, a.d_w + v0 * H, H);
   }
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
@@ -202,10 +184,7 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
 }  // namespace
 
 int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& a) {
-  const int64_t widened = a.dtype == DType::BF16
-                              ? (a.token_block_rows + a.vocab_block_rows) * a.hidden * 4
-                              : 0;
-  return blocked_cross_entropy_workspace_bytes(a) + widened;
+  return blocked_cross_entropy_workspace_bytes(a);  // the CPU's layout, byte for byte
 }
 
 void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& a, const cuda::CublasContext& blas) {

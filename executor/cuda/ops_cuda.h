@@ -59,8 +59,8 @@ void linear_backward_cuda(const LinearArgs& args, const cuda::CublasContext& bla
 
 // Blocked cross-entropy (online log-sum-exp), the CPU's block order; logits blocks from cuBLAS.
 // targets are not range-checked on the device (the CPU twin checks them). The workspace is the
-// CPU's plus, for bf16 storage, fp32 copies of one X block and one W block (the dz GEMMs run in
-// fp32): blocked_cross_entropy_workspace_bytes_cuda().
+// CPU's, byte for byte (dz rounded into the compute-dtype dlogits block, the operand of the dX and
+// dW GEMMs with fp32 accumulation): blocked_cross_entropy_workspace_bytes_cuda().
 int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& args);
 void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
 void blocked_cross_entropy_backward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
