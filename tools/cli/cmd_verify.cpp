@@ -1,8 +1,10 @@
-// `flatpeak verify PLAN.json [--scale auto|FACTOR] [--max-ranks 1] [--component C] [--tolerance X]
+// `flatpeak verify PLAN.json [--scale auto|FACTOR] [--max-ranks 8] [--component C] [--tolerance X]
 // [--trace OUT.json] [--format table|json]`: runs the plan's schedule at a scale this machine holds
-// (one rank, CPU backend), plans that same scaled configuration, and compares the measured bytes
-// with the predicted ones phase by phase and at the component's peak. Reads only the plan's
-// inputs and knobs. Exit 0 when every |relative error| <= tolerance, 5 beyond it, 2 on bad input.
+// (CPU backend; the plan's N ranks, at most --max-ranks, as threads or, under mpirun/srun, as the
+// job's processes), plans that same scaled configuration, and compares the measured bytes with the
+// predicted ones phase by phase and at the component's peak. Reads only the plan's inputs and
+// knobs. Exit 0 when every |relative error| <= tolerance, 5 beyond it, 2 on bad input, a failing
+// rank's code (2 input, 4 runtime) naming the rank; under MPI only rank 0 prints.
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -17,7 +19,11 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
+#ifdef FLATPEAK_HAVE_MPI
+#include "executor/comm/mpi_comm.h"
+#endif
 #include "exit_codes.h"
 #include "spec/errors.h"
 #include "spec/json_util.h"
@@ -31,7 +37,7 @@ namespace {
 struct VerifyOptions {
   std::string plan_path;
   std::string scale = "auto";
-  int64_t max_ranks = 1;
+  int64_t max_ranks = 8;
   std::string component;
   double tolerance = 0.01;
   std::string trace_path;
@@ -62,12 +68,14 @@ std::optional<double> parse_scale(const std::string& text) {
 std::string signed_percent(double e) { return fmt::format("{:+.3f}%", 100.0 * e); }
 
 void print_table(const VerifyReport& r, const ScaledConfig& s) {
-  std::cout << fmt::format("flatpeak verify: {} at scale {:.4g} (CPU backend, 1 rank)\n", r.plan_file, s.factor);
+  const std::string ranks = r.ranks == 1 ? "1 rank" : fmt::format("{} ranks as {}", r.ranks, r.launcher == "mpi" ? "MPI processes" : "threads");
+  std::cout << fmt::format("flatpeak verify: {} at scale {:.4g} (CPU backend, {})\n", r.plan_file, s.factor, ranks);
   std::cout << "scaled values:\n";
   for (const auto& v : s.values) std::cout << fmt::format("  {:<20} {:>12} -> {}\n", v.name, v.original, v.scaled);
-  std::cout << fmt::format("\n{:<10} {:<7} {:<18} {:>14} {:>14} {:>10}\n", "component", "space", "phase", "predicted", "measured", "rel.error");
+  for (const auto& note : r.notes) std::cout << "note: " << note << "\n";
+  std::cout << fmt::format("\n{:<10} {:<7} {:<18} {:>4} {:>14} {:>14} {:>10}\n", "component", "space", "phase", "rank", "predicted", "measured", "rel.error");
   for (const auto& row : r.rows)
-    std::cout << fmt::format("{:<10} {:<7} {:<18} {:>14} {:>14} {:>10}\n", row.component, row.space, row.phase,
+    std::cout << fmt::format("{:<10} {:<7} {:<18} {:>4} {:>14} {:>14} {:>10}\n", row.component, row.space, row.phase, row.rank,
                              row.predicted_bytes, row.measured_bytes, signed_percent(row.relative_error));
   std::cout << fmt::format("\nmax |dloss| vs naive: {:.3g}   max |dgrad| vs naive: {:.3g}\n", r.max_abs_dloss, r.max_abs_dgrad);
   std::cout << fmt::format("verdict: {} (tolerance {:.3g}%)\n", r.pass ? "pass" : "fail", 100.0 * r.tolerance);
@@ -77,7 +85,8 @@ nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s)
   nlohmann::ordered_json j;
   j["plan"] = r.plan_file;
   j["backend"] = "cpu";
-  j["ranks"] = 1;
+  j["ranks"] = r.ranks;
+  j["launcher"] = r.launcher;
   j["scale"] = s.factor;
   nlohmann::ordered_json scaled = nlohmann::ordered_json::array();
   for (const auto& v : s.values) scaled.push_back({{"name", v.name}, {"original", v.original}, {"scaled", v.scaled}});
@@ -92,12 +101,13 @@ nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s)
   j["max_abs_dgrad"] = r.max_abs_dgrad;
   j["tolerance"] = r.tolerance;
   j["verdict"] = r.pass ? "pass" : "fail";
+  j["notes"] = r.notes;
   return j;
 }
 
-int run_verify(const VerifyOptions& o) {
+int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   InputErrors errs;
-  if (o.max_ranks != 1) errs.add(Diagnostic{"", "--max-ranks", "must be 1: this version runs one rank (got " + std::to_string(o.max_ranks) + ")", ""});
+  if (o.max_ranks < 1) errs.add(Diagnostic{"", "--max-ranks", "must be an integer >= 1 (got " + std::to_string(o.max_ranks) + ")", ""});
   if (!(o.tolerance > 0.0) || !std::isfinite(o.tolerance))
     errs.add(Diagnostic{"", "--tolerance", fmt::format("must be a positive fraction (got {})", o.tolerance), "1% is --tolerance 0.01"});
   const std::vector<std::string> components = verify_components();
@@ -118,9 +128,10 @@ int run_verify(const VerifyOptions& o) {
 
   const nlohmann::json plan = read_json_file(o.plan_path);
   const VerifyInputs in = read_plan_inputs(plan, o.plan_path);
-  const ScaledConfig scaled = scale_config(in, factor);
+  const ScaledConfig scaled = scale_config(in, factor, o.max_ranks);
   VerifyReport report = run_verification(in, scaled, o.component.empty() ? components : std::vector<std::string>{o.component},
-                                         o.tolerance);
+                                         o.tolerance, nullptr, world);
+  if (world != nullptr && world->rank() != 0) return report.pass ? kExitOk : kExitVerifyMismatch;  // rank 0 prints
   if (!o.trace_path.empty()) {
     std::ofstream out(o.trace_path);
     out << report.measured_trace.dump(2) << "\n";
@@ -129,6 +140,31 @@ int run_verify(const VerifyOptions& o) {
   if (o.format == OutputFormat::Json) std::cout << report_json(report, scaled).dump(2) << "\n";
   else print_table(report, scaled);
   return report.pass ? kExitOk : kExitVerifyMismatch;
+}
+
+// A failed rank ends verify with its code; the message names it (executor/comm/README.md).
+int run_verify_reporting_ranks(const VerifyOptions& o, exec::Communicator* world) {
+  const bool prints = world == nullptr || world->rank() == 0;
+  try {
+    return run_verify_on(o, world);
+  } catch (const exec::RankFailed& e) {
+    if (prints) std::cerr << "flatpeak: error: rank " << e.failing_rank << ": " << e.reason << "\n";
+    return e.exit_code;
+  } catch (const InputError&) {
+    if (prints) throw;  // every process read the same input and fails alike; rank 0 reports it
+    return kExitInput;
+  }
+}
+
+int run_verify(const VerifyOptions& o) {
+  if (exec::detect_launcher() != "mpi") return run_verify_reporting_ranks(o, nullptr);
+#ifdef FLATPEAK_HAVE_MPI
+  exec::MpiCommunicator world;
+  return run_verify_reporting_ranks(o, &world);
+#else
+  std::cerr << "flatpeak: error: started by an MPI launcher, but this flatpeak was built without MPI; run it without mpirun/srun (ranks as threads)\n";
+  return kExitBackend;
+#endif
 }
 
 }  // namespace
@@ -141,8 +177,8 @@ Command make_verify_command() {
         auto o = std::make_shared<VerifyOptions>();
         sub.add_option("plan", o->plan_path, "A plan written by 'flatpeak plan --format json'")->required();
         sub.add_option("--scale", o->scale, "auto, or a factor >= 1 dividing T, H and V")->default_str("auto");
-        sub.add_option("--max-ranks", o->max_ranks, "Ranks to run (1 in this version)")->default_str("1");
-        sub.add_option("--component", o->component, "One component: vocab (default: every implemented component)");
+        sub.add_option("--max-ranks", o->max_ranks, "Most ranks to run; above it N and EP shrink keeping E/EP, k and N/EP")->default_str("8");
+        sub.add_option("--component", o->component, "One component (default: every implemented component)");
         sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction)")->default_str("0.01");
         sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here");
         add_format_option(sub, o->format);

@@ -67,6 +67,8 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   in.hidden = r.integer("/inputs/model/hidden_size", 1);
   in.vocab = r.integer("/inputs/model/vocab_size", 1);
   in.layers = r.integer("/inputs/model/num_layers", 1);
+  in.num_experts = r.integer("/inputs/model/num_experts", 0);
+  in.top_k = r.integer("/inputs/model/top_k", 0);
   in.gpus = r.integer("/inputs/run/gpus", 1);
   in.ep = r.integer("/inputs/run/ep", 1);
   in.cp = r.integer("/inputs/run/cp", 1);
@@ -112,8 +114,19 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   return in;
 }
 
-ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor) {
+ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, int64_t max_ranks) {
   ScaledConfig s;
+  // Ranks: N/EP (the FSDP replicas of each expert group) is kept; EP shrinks to fit max_ranks.
+  const int64_t replicas = in.gpus / in.ep;
+  if (max_ranks < 1 || replicas > max_ranks)
+    throw InputError({Diagnostic{"", "--max-ranks",
+                                 "must be at least N/EP = " + std::to_string(replicas) + " (" + in.file + ": N = " +
+                                     std::to_string(in.gpus) + ", EP = " + std::to_string(in.ep) +
+                                     "), which verify keeps (got " + std::to_string(max_ranks) + ")",
+                                 ""}});
+  s.ep = std::min(in.ep, max_ranks / replicas);
+  s.ranks = s.ep * replicas;
+  s.num_experts = in.num_experts / in.ep * s.ep;
   const int64_t T = in.tokens_per_gpu;
   if (factor) {
     s.tokens = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(T) / *factor)));
@@ -133,10 +146,11 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor) 
     const int64_t vocab_blocks = ceil_div(ceil_div(in.vocab, in.ring_size), in.vocab_block);
     s.vocab_block = std::max<int64_t>(1, ceil_div(s.vocab, vocab_blocks));
   }
-  s.values = {{"N (gpus)", in.gpus, 1},          {"EP", in.ep, 1},
+  s.values = {{"N (gpus)", in.gpus, s.ranks},    {"EP", in.ep, s.ep},
               {"T (tokens per GPU)", T, s.tokens}, {"H", in.hidden, s.hidden},
               {"V", in.vocab, s.vocab},          {"L", in.layers, s.layers},
               {"R (ring size)", in.ring_size, 1}};
+  if (s.num_experts != in.num_experts) s.values.push_back({"E (experts)", in.num_experts, s.num_experts});
   if (in.vocab_mode != "materialized") {
     s.values.push_back({"T_blk", in.token_block, s.token_block});
     s.values.push_back({"V_blk", in.vocab_block, s.vocab_block});

@@ -22,6 +22,7 @@ struct VerifyInputs {
   int64_t alignment_bytes = 1;  // /inputs/hardware/allocation_alignment_bytes
   int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
   int64_t hidden = 0, vocab = 0, layers = 0;
+  int64_t num_experts = 0, top_k = 0;  // /inputs/model/num_experts, top_k (0: a dense model)
   std::string schedule;  // baseline | practice | flatpeak
   // Knobs (/knobs/<name>/value); absent ones are off.
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
@@ -49,11 +50,15 @@ struct ScaledValue {
 // number of token blocks and of vocabulary blocks per shard are kept.
 struct ScaledConfig {
   double factor = 1.0;  // T / T_scaled
+  // Ranks verify runs: min(N, max_ranks). Above max_ranks, N and EP shrink together keeping
+  // E/EP, k and N/EP, so the experts become ep · E/EP.
+  int64_t ranks = 1, ep = 1, num_experts = 0;
   int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
   std::vector<ScaledValue> values;  // every scaled value, for printing
 };
 
 // factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
-ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor);
+// max_ranks: --max-ranks (≥ 1); InputError naming --max-ranks when it is below N/EP (N/EP is kept).
+ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, int64_t max_ranks = 1);
 
 }  // namespace flatpeak::cli

@@ -1,10 +1,15 @@
 // `flatpeak verify`: the components and their order (verify_run.h). Each component plans the
-// scaled configuration, runs it with the executor and appends its rows (verify_<component>.cpp).
+// scaled configuration, runs it with the executor and appends its rows (verify_<component>.cpp);
+// on more than one rank, its multi-rank function runs on every rank (verify_ranks.h).
 #include "verify_run.h"
 
+#include <algorithm>
 #include <cmath>
+#include <exception>
 
+#include "executor/comm/communicator.h"
 #include "verify_common.h"
+#include "verify_ranks.h"
 
 namespace flatpeak::cli {
 
@@ -21,10 +26,10 @@ struct Component {
 
 // Report order: the techniques' components first, then the layer and the whole step.
 const Component kComponents[] = {
-    {"dispatch", verify_dispatch, nullptr, false},
+    {"dispatch", verify_dispatch, verify_dispatch_ranks, false},
     {"vocab", verify_vocab, nullptr, true},
     {"checkpoint", verify_checkpoint, nullptr, false},
-    {"optimizer", verify_optimizer, nullptr, false},
+    {"optimizer", verify_optimizer, nullptr, true},
     {"layer", verify_layer, nullptr, false},
     {"step", verify_step, nullptr, false},
 };
@@ -40,16 +45,56 @@ std::vector<std::string> verify_components() {
 
 VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled,
                               const std::vector<std::string>& components, double tolerance,
-                              const PredictionAdjust& adjust) {
+                              const PredictionAdjust& adjust, exec::Communicator* world) {
   VerifyReport report;
   report.plan_file = in.file;
   report.tolerance = tolerance;
+  report.ranks = static_cast<int>(scaled.ranks);
+  report.launcher = world != nullptr ? world->backend_name() : "threads";
+  const bool multi_rank = scaled.ranks > 1;
+  const int my_rank = world != nullptr ? world->rank() : 0;
   const VerifyContext ctx{in, scaled, adjust};
-  for (const auto& c : kComponents)
-    for (const auto& wanted : components)
-      if (c.implemented && wanted == c.name) c.run(ctx, report);
-  for (const auto& row : report.rows)
-    if (!(std::fabs(row.relative_error) <= tolerance)) report.pass = false;
+  for (const auto& c : kComponents) {
+    if (!c.implemented || std::find(components.begin(), components.end(), c.name) == components.end()) continue;
+    if (multi_rank && c.run_multi_rank != nullptr) {
+      VerifyReport part = run_component_on_ranks(c.run_multi_rank, in, scaled, adjust, static_cast<int>(scaled.ranks), world);
+      report.rows.insert(report.rows.end(), part.rows.begin(), part.rows.end());
+      report.max_abs_dloss = std::max(report.max_abs_dloss, part.max_abs_dloss);
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad, part.max_abs_dgrad);
+      report.notes.insert(report.notes.end(), part.notes.begin(), part.notes.end());
+      if (!part.measured_trace.is_null()) report.measured_trace = part.measured_trace;
+      continue;
+    }
+    if (multi_rank)
+      report.notes.push_back(std::string(c.name) + ": no multi-rank run yet; ran on rank 0 alone, with one rank's prediction");
+    if (world == nullptr) {
+      c.run(ctx, report);
+      continue;
+    }
+    // Under MPI only rank 0 runs it; its failure is agreed at once so no peer waits for it.
+    int code = 0;
+    std::string message;
+    if (my_rank == 0) {
+      try {
+        c.run(ctx, report);
+      } catch (const std::exception& e) {
+        code = exec::exit_code_for_current_exception();
+        message = e.what();
+      }
+    }
+    world->check_status(code, message);
+  }
+  // A "bound" row states an upper bound: it passes when the measurement stays at or under it.
+  for (const auto& row : report.rows) {
+    const bool ok = row.phase == "bound" ? row.measured_bytes <= row.predicted_bytes : std::fabs(row.relative_error) <= tolerance;
+    if (!ok) report.pass = false;
+  }
+  if (world != nullptr) {
+    // Every process exits with the same code: rank 0's verdict is the job's.
+    int64_t failed = my_rank == 0 && !report.pass ? 1 : 0;
+    world->all_reduce(&failed, &failed, 1, exec::DType::I64, exec::ReduceOp::Max);
+    report.pass = failed == 0;
+  }
   return report;
 }
 

@@ -12,6 +12,10 @@
 
 #include "verify_config.h"
 
+namespace flatpeak::exec {
+class Communicator;
+}
+
 namespace flatpeak::cli {
 
 struct VerifyRow {
@@ -31,7 +35,10 @@ struct VerifyReport {
   double max_abs_dgrad = 0.0;
   double tolerance = 0.01;
   bool pass = true;
-  nlohmann::ordered_json measured_trace;  // traces/README.md timeline, source "measured"
+  nlohmann::ordered_json measured_trace;  // traces/README.md timeline, source "measured" (rank 0's)
+  int ranks = 1;                          // ranks the multi-rank components ran on
+  std::string launcher = "threads";       // "threads" | "mpi"
+  std::vector<std::string> notes;         // e.g. a component that ran on one rank only
 };
 
 // Changes the predicted timeline before the comparison. Tests use it to show that verify catches
@@ -41,8 +48,12 @@ using PredictionAdjust = std::function<void(nlohmann::ordered_json& predicted_ti
 // The components this version verifies (every one `--component` accepts), in report order.
 std::vector<std::string> verify_components();
 
+// With scaled.ranks > 1, each component's multi-rank function runs on every rank: as threads
+// (world == nullptr) or on the processes of `world` (an MPI communicator of scaled.ranks
+// processes; the returned report is complete on rank 0 only). Components without one run on one
+// rank (a note says so). A failing rank throws exec::RankFailed naming it (verify_ranks.h).
 VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled,
                               const std::vector<std::string>& components, double tolerance,
-                              const PredictionAdjust& adjust = nullptr);
+                              const PredictionAdjust& adjust = nullptr, exec::Communicator* world = nullptr);
 
 }  // namespace flatpeak::cli

@@ -1,0 +1,219 @@
+// verify --component dispatch on EP ranks: one MoE layer's recompute + backward across the ranks
+// with executor/dispatch (uncapped EP for baseline and practice; LLEP or PipelinedLLEP for
+// flatpeak, with the plan's knobs, cap and m scaled with T), routed by the plan's routing model,
+// against the planner's dispatch column predicted on the realised routing (the EP × E count
+// matrix the executor ran, an in-memory routing file), and, for PipelinedLLEP, against the bound
+// the planner states for the plan's own routing model (row phase "bound": passes when measured ≤
+// predicted). Run by verify_ranks.h on every rank; each rank's row is its own measurement.
+//   VerifyReport r = run_component_on_ranks(verify_dispatch_ranks, in, scaled, nullptr, 4, nullptr);
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "executor/dispatch/ep_dispatch_case.h"
+#include "executor/memory/tracking_allocator.h"
+#include "plan.h"
+#include "run_spec.h"
+#include "spec/errors.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
+#include "spec/routing.h"
+#include "verify_common.h"
+#include "verify_ranks.h"
+
+namespace flatpeak::cli {
+
+namespace {
+
+using nlohmann::ordered_json;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The plan's dispatch knobs as verify runs them, scaled with T (DESIGN.md "Verify").
+struct DispatchKnobs {
+  bool llep = false;
+  int64_t chunk_cap_rows = 0;  // scaled C (0: no cap)
+  int64_t min_rows = 0;        // scaled m
+  double alpha = 1.1, lambda = 1.3;
+  bool striping = true;
+  std::string mode = "recompute";
+  int64_t depth = 2;
+};
+
+const nlohmann::json* knob(const VerifyInputs& in, const char* name) {
+  return in.knob_values.contains(name) ? &in.knob_values[name] : nullptr;
+}
+
+DispatchKnobs read_knobs(const VerifyInputs& in, const ScaledConfig& s) {
+  DispatchKnobs k;
+  InputErrors errs;
+  auto integer = [&](const char* name, int64_t min_value, int64_t& out) {
+    const nlohmann::json* v = knob(in, name);
+    if (!v) return false;
+    if (!v->is_number_integer() || v->get<int64_t>() < min_value) {
+      errs.add(Diagnostic{in.file, std::string("/knobs/") + name + "/value",
+                          "must be an integer >= " + std::to_string(min_value) + " (got " + v->dump() + ")", ""});
+      return false;
+    }
+    out = v->get<int64_t>();
+    return true;
+  };
+  auto number = [&](const char* name, double& out) {
+    const nlohmann::json* v = knob(in, name);
+    if (!v) return;
+    if (!v->is_number() || !(v->get<double>() >= 0.0)) {
+      errs.add(Diagnostic{in.file, std::string("/knobs/") + name + "/value", "must be a number >= 0 (got " + v->dump() + ")", ""});
+      return;
+    }
+    out = v->get<double>();
+  };
+  if (const nlohmann::json* v = knob(in, "llep")) k.llep = v->is_boolean() && v->get<bool>();
+  if (const nlohmann::json* v = knob(in, "striping")) k.striping = !v->is_boolean() || v->get<bool>();
+  if (const nlohmann::json* v = knob(in, "dispatch_mode"); v && v->is_string()) k.mode = v->get<std::string>();
+  number("llep_alpha", k.alpha);
+  number("llep_lambda", k.lambda);
+  integer("dispatch_depth", 1, k.depth);
+  int64_t cap = 0, m = 0;
+  // Cap and m scale with T: the same number of rounds and the same share of a rank's rows.
+  if (integer("chunk_cap_rows", 0, cap) && cap > 0) k.chunk_cap_rows = std::max<int64_t>(1, ceil_div(cap * s.tokens, in.tokens_per_gpu));
+  if (integer("llep_min_rows", 0, m)) k.min_rows = ceil_div(m * s.tokens, in.tokens_per_gpu);
+  errs.throw_if_any();
+  k.chunk_cap_rows = std::min(k.chunk_cap_rows, s.tokens * in.top_k);
+  return k;
+}
+
+// The expert FFN width scaled with H (the expert's shape kept).
+int64_t scaled_ffn(const ModelSpec& model, const VerifyInputs& in, const ScaledConfig& s) {
+  return std::max<int64_t>(1, ceil_div(model.expert_ffn_width * s.hidden, in.hidden));
+}
+
+// The planner's plan of the scaled configuration on the EP ranks, routed by `routing`.
+planner::Plan predict(const VerifyInputs& in, const ScaledConfig& s, const DispatchKnobs& k, const RoutingModel& routing) {
+  ModelSpec model = load_model(in.model_name);
+  const int64_t ffn = scaled_ffn(model, in, s);
+  model.hidden_size = s.hidden;
+  model.vocab_size = s.vocab;
+  model.num_layers = s.layers;
+  model.layers.resize(static_cast<size_t>(s.layers));
+  model.num_experts = s.num_experts;
+  model.expert_ffn_width = ffn;
+  const HardwareSpec hardware = load_hardware(in.hardware_name);
+  std::vector<std::pair<std::string, std::string>> flags{
+      {"--gpus", std::to_string(s.ranks)},          {"--ep", std::to_string(s.ep)},
+      {"--context", std::to_string(s.tokens)},      {"--schedule", in.schedule},
+      {"--gpus-per-node", std::to_string(s.ranks)}, {"--micro-batch", "1"}};
+  if (in.schedule == "flatpeak") {
+    flags.emplace_back("--llep", k.llep ? "on" : "off");
+    if (k.llep) {
+      flags.emplace_back("--chunk-cap-rows", std::to_string(k.chunk_cap_rows));
+      flags.emplace_back("--llep-alpha", fmt::format("{}", k.alpha));
+      flags.emplace_back("--llep-lambda", fmt::format("{}", k.lambda));
+      flags.emplace_back("--llep-min-rows", std::to_string(std::max<int64_t>(1, k.min_rows)));
+      if (k.chunk_cap_rows > 0) {
+        flags.emplace_back("--striping", k.striping ? "on" : "off");
+        flags.emplace_back("--dispatch-mode", k.mode);
+        flags.emplace_back("--dispatch-depth", std::to_string(k.depth));
+      }
+    }
+  }
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  planner::ResolvedRun run = planner::resolve_run(model, hardware, spec, errs);
+  errs.throw_if_any();
+  run.imbalance = routing;
+  validate_routing_model(routing, RoutingShape{s.ep, s.num_experts, model.top_k}, 0);
+  return planner::make_plan_resolved(model, hardware, run);
+}
+
+// The largest dispatch column over the MoE block's recompute + backward phases, and its phase.
+std::pair<std::string, int64_t> backward_dispatch_peak(const ordered_json& timeline) {
+  std::pair<std::string, int64_t> best{"", -1};
+  for (const auto& phase : timeline["phases"]) {
+    const std::string name = phase["name"].get<std::string>();
+    if (name.rfind("bwd/", 0) != 0 || name.find("/moe/") == std::string::npos) continue;
+    const int64_t bytes = phase["device"]["dispatch"].get<int64_t>();
+    if (bytes > best.second) best = {name, bytes};
+  }
+  if (best.second < 0) throw std::logic_error("verify: the planner's timeline has no bwd/*/moe/* phase");
+  return best;
+}
+
+}  // namespace
+
+void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  exec::Communicator& comm = *ctx.comm;
+  if (in.num_experts == 0) {
+    if (comm.rank() == 0) report.notes.push_back("dispatch: a dense model has no expert dispatch; nothing to run");
+    return;
+  }
+  if (s.ranks != s.ep) {
+    // One EP group per N/EP replica would need a communicator per group (not built).
+    if (comm.rank() == 0)
+      report.notes.push_back(fmt::format("dispatch: N/EP = {} > 1 needs one communicator per EP group, not built yet; not run",
+                                         s.ranks / s.ep));
+    return;
+  }
+  const DispatchKnobs knobs = read_knobs(in, s);
+  const RoutingModel plan_routing = parse_routing_model(in.imbalance);
+  const ModelSpec model = load_model(in.model_name);
+  exec::MoeDims dims{s.tokens, s.hidden, scaled_ffn(model, in, s), s.num_experts, in.top_k};
+  const RoutingShape shape{s.ep, s.num_experts, in.top_k};
+  validate_routing_model(plan_routing, shape, 0);
+
+  // Every rank builds the same global case (a pure function of the seed) and runs its slice.
+  const exec::EpCase ep_case = exec::make_ep_case(dims, s.ep, plan_routing, /*seed=*/1);
+  std::vector<std::vector<int32_t>> ids_per_rank;
+  for (int64_t r = 0; r < s.ep; ++r)
+    ids_per_rank.emplace_back(ep_case.topk_ids.begin() + r * s.tokens * in.top_k,
+                              ep_case.topk_ids.begin() + (r + 1) * s.tokens * in.top_k);
+  auto realised_file = std::make_shared<RoutingFile>();
+  realised_file->path = "(the routing verify ran)";
+  realised_file->ep_ranks = s.ep;
+  realised_file->num_experts = s.num_experts;
+  realised_file->layers = {count_matrix(ids_per_rank, shape)};
+  RoutingModel realised;
+  realised.kind = RoutingKind::File;
+  realised.file_path = realised_file->path;
+  realised.file = realised_file;
+
+  ordered_json predicted = planner::timeline_to_json(predict(in, s, knobs, realised).timeline);
+  if (ctx.adjust) ctx.adjust(predicted);
+  const auto [phase, predicted_bytes] = backward_dispatch_peak(predicted);
+
+  exec::EpDispatchConfig config;
+  config.schedule = !knobs.llep ? exec::EpSchedule::Uncapped
+                    : knobs.chunk_cap_rows > 0 ? exec::EpSchedule::PipelinedLlep
+                                               : exec::EpSchedule::Llep;
+  config.lla.llep_alpha = knobs.alpha;
+  config.lla.imbalance_trigger = knobs.lambda;
+  config.lla.min_rows_per_gemm = knobs.min_rows;
+  config.chunk_cap_rows = knobs.chunk_cap_rows;
+  config.phase_prefix = phase.substr(0, phase.find("/moe/") + 4);  // "bwd/L3/moe"
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  const exec::EpRankResult got = exec::run_ep_rank(comm, alloc, ep_case, config);
+  const int64_t measured = got.stats.dispatch_peak_bytes;
+  const int rank = comm.rank();
+  report.rows.push_back({"dispatch", "device", phase, predicted_bytes, measured, relative_error(measured, predicted_bytes), rank});
+  if (config.schedule == exec::EpSchedule::PipelinedLlep) {
+    // The planner's statement for the plan as written: its routing model's expected loads.
+    ordered_json stated = planner::timeline_to_json(predict(in, s, knobs, plan_routing).timeline);
+    if (ctx.adjust) ctx.adjust(stated);
+    const int64_t bound = backward_dispatch_peak(stated).second;
+    report.rows.push_back({"dispatch", "device", "bound", bound, measured, relative_error(measured, bound), rank});
+  }
+  report.measured_trace = measured_trace(alloc);
+  if (rank == 0) {
+    const std::vector<int64_t> rows = received_rows_per_rank(realised_file->layers[0], shape);
+    report.notes.push_back(fmt::format("dispatch: {} on {} ranks, routing {} realised rho = {:.3f} (seed 1), F = {} -> {}, C = {}, m = {}",
+                                       exec::ep_schedule_name(config.schedule), s.ep, in.imbalance, imbalance_rho(rows),
+                                       model.expert_ffn_width, dims.ffn, knobs.chunk_cap_rows, knobs.min_rows));
+  }
+}
+
+}  // namespace flatpeak::cli
