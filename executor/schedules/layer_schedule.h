@@ -1,0 +1,63 @@
+// One decoder layer (GQA attention + MoE with top-k routing) on one rank, as a component run:
+// the no-grad forward from the layer's boundary, then the backward with full recompute
+// (recompute attention and MoE keeping what backward needs, then back-propagate), every buffer
+// from the TrackingAllocator under the traces/ categories and the shared phase names.
+//   LayerScheduleConfig c; c.tokens = 512; c.hidden = 64; c.q_heads = 8; c.kv_heads = 1; c.head_dim = 12;
+//   c.experts = 16; c.top_k = 4; c.expert_ffn = 64;
+//   LayerInputs in = make_layer_inputs(c);  LayerScheduleResult r = run_layer_schedule(alloc, c, in);
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "executor/memory/tracking_allocator.h"
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec {
+
+struct LayerScheduleConfig {
+  int64_t tokens = 0;      // T (one sequence, causal)
+  int64_t hidden = 0;      // H
+  int64_t q_heads = 0;     // a
+  int64_t kv_heads = 0;    // g (a multiple of it is a)
+  int64_t head_dim = 0;    // d (q, k and v)
+  int64_t experts = 0;     // local experts (E/EP; every expert at EP = 1)
+  int64_t top_k = 0;       // k
+  int64_t expert_ffn = 0;  // F
+  int64_t layer_index = 0;  // phase names use L<layer_index>
+  // true: the checkpointed step (no-grad forward, recompute + backward); false: the naive
+  // reference that keeps every activation from one forward with grad (phases fwd/...).
+  bool checkpointed = true;
+  DType dtype = DType::BF16;  // storage of activations, weights and their gradients (F32 for tests)
+  uint64_t seed = 1;
+};
+
+// The layer's inputs as plain fp32 values (rounded to the storage dtype when copied in): the
+// boundary x, the weights, and r, the output gradient of the loss proxy Σ y ⊙ r.
+struct LayerInputs {
+  std::map<std::string, std::vector<float>> values;  // "x" [T, H], "r" [T, H], weights by name
+};
+
+// Weights: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d], norm2 [H],
+// router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F].
+LayerInputs make_layer_inputs(const LayerScheduleConfig& config);
+
+struct LayerScheduleResult {
+  double loss = 0.0;                                 // Σ y ⊙ r in fp64 over the stored output
+  std::vector<float> y;                              // [T, H] the layer output (forward pass)
+  std::map<std::string, std::vector<float>> grads;   // "x" [T, H] and every weight's gradient
+};
+
+// Phases (l = layer_index), in order: fwd/Ll/attn, fwd/Ll/moe/{route,dispatch,experts,combine},
+// bwd/Ll/recompute/attn, bwd/Ll/recompute/moe/{dispatch,experts,combine},
+// bwd/Ll/moe/{combine,experts,dispatch}, bwd/Ll/attn. Categories: the boundary x and the output y
+// — boundaries; gathered weights and their unsharded grads — fsdp; attention, norms, residual
+// stream and gradient stream — activations; routing, dispatch/combine buffers, expert
+// activations and their grads — dispatch; op tiles (on-chip memory on a GPU) — workspace.
+// Throws std::invalid_argument for a shape the layer cannot run.
+LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& config,
+                                       const LayerInputs& inputs);
+
+}  // namespace flatpeak::exec
