@@ -80,7 +80,8 @@ class Builder {
   // resident) and, when its live set is larger, the worst of the candidates where the maximum
   // can sit: the members next to the group's ends (their FSDP neighbours differ) and, in
   // backward, the first member (boundaries fall but reduced grad shards grow down the stack;
-  // between the ends the total changes linearly, so its maximum is at an end).
+  // between the ends the total changes linearly, so its maximum is at an end) — or every member
+  // when the group's SCO set is irregular.
   std::vector<std::vector<Phase>> layer_instances(bool backward) {
     std::vector<std::vector<Phase>> out;
     for (int64_t rep : reps_) {
@@ -90,6 +91,12 @@ class Builder {
       if (mem.size() >= 2) candidates.push_back(mem[mem.size() - 2]);
       if (backward && !all_grads_ && mem.size() >= 3) candidates.push_back(mem[1]);
       if (backward && !all_grads_ && mem.size() >= 2) candidates.push_back(mem[0]);
+      // A group whose members are not all offloaded alike (an irregular SCO set) is not linear
+      // between its ends: boundaries prefetched or in flight depend on which layers nearby are
+      // offloaded. Then every member is a candidate (still one pass over the group).
+      const auto offloaded = [&](int64_t l) { return l < L_ && offloaded_[static_cast<size_t>(l)]; };
+      if (std::any_of(mem.begin(), mem.end(), [&](int64_t l) { return offloaded(l) != offloaded(mem.front()); }))
+        candidates.assign(mem.begin(), mem.end() - 1);
       std::vector<Phase> last = instance(rep, backward, folds_[rep]);
       std::vector<Phase> worst;
       int64_t worst_bytes = max_bytes(last);
