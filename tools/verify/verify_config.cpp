@@ -69,6 +69,7 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   in.layers = r.integer("/inputs/model/num_layers", 1);
   in.num_experts = r.integer("/inputs/model/num_experts", 0);
   in.top_k = r.integer("/inputs/model/top_k", 0);
+  in.expert_ffn_width = r.integer("/inputs/model/expert_ffn_width", 0);
   in.gpus = r.integer("/inputs/run/gpus", 1);
   in.ep = r.integer("/inputs/run/ep", 1);
   in.cp = r.integer("/inputs/run/cp", 1);
@@ -151,6 +152,7 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
               {"V", in.vocab, s.vocab},          {"L", in.layers, s.layers},
               {"R (ring size)", in.ring_size, 1}};
   if (s.num_experts != in.num_experts) s.values.push_back({"E (experts)", in.num_experts, s.num_experts});
+  scale_dispatch_knobs(in, s);
   if (in.vocab_mode != "materialized") {
     s.values.push_back({"T_blk", in.token_block, s.token_block});
     s.values.push_back({"V_blk", in.vocab_block, s.vocab_block});

@@ -23,6 +23,7 @@ struct VerifyInputs {
   int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
   int64_t hidden = 0, vocab = 0, layers = 0;
   int64_t num_experts = 0, top_k = 0;  // /inputs/model/num_experts, top_k (0: a dense model)
+  int64_t expert_ffn_width = 0;        // /inputs/model/expert_ffn_width
   std::string schedule;  // baseline | practice | flatpeak
   // Knobs (/knobs/<name>/value); absent ones are off.
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
@@ -55,10 +56,19 @@ struct ScaledConfig {
   int64_t ranks = 1, ep = 1, num_experts = 0;
   int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
   std::vector<ScaledValue> values;  // every scaled value, for printing
+  // Dispatch (scale_dispatch_knobs): the expert FFN width scaled with H; the plan's LLEP switch,
+  // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.
+  int64_t expert_ffn = 0, chunk_cap_rows = 0, llep_min_rows = 0, dispatch_depth = 2;
+  bool llep = false, dispatch_store = false;
 };
 
 // factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
 // max_ranks: --max-ranks (≥ 1); InputError naming --max-ranks when it is below N/EP (N/EP is kept).
 ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, int64_t max_ranks = 1);
+
+// Checks /knobs/llep, chunk_cap_rows, dispatch_mode, llep_min_rows and dispatch_depth (InputError
+// naming /knobs/<name>/value), scales F with H and C, m with T; appends the scaled values.
+// scale_config calls it (verify_dispatch.cpp).
+void scale_dispatch_knobs(const VerifyInputs& in, ScaledConfig& s);
 
 }  // namespace flatpeak::cli

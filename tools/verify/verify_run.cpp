@@ -26,7 +26,7 @@ struct Component {
 
 // Report order: the techniques' components first, then the layer and the whole step.
 const Component kComponents[] = {
-    {"dispatch", verify_dispatch, verify_dispatch_ranks, false},
+    {"dispatch", verify_dispatch, verify_dispatch_ranks, true},
     {"vocab", verify_vocab, nullptr, true},
     {"checkpoint", verify_checkpoint, nullptr, false},
     {"optimizer", verify_optimizer, nullptr, true},
