@@ -265,6 +265,14 @@ void ThreadsCommunicator::abort(int exit_code, const std::string& message) {
 
 RunResult run_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn,
                     ThreadsOptions options) {
+  return run_ranks_with(
+      n, [](ThreadsWorld& world, int rank) { return std::make_unique<ThreadsCommunicator>(world, rank); }, fn,
+      options);
+}
+
+RunResult run_ranks_with(int n, const CommFactory& make_comm,
+                         const std::function<void(int rank, Communicator& comm)>& fn,
+                         ThreadsOptions options) {
   ThreadsWorld world(n, options);
   RunResult result;
   result.ranks.resize(static_cast<size_t>(n));
@@ -274,9 +282,9 @@ RunResult run_ranks(int n, const std::function<void(int rank, Communicator& comm
     threads.emplace_back([&, r]() {
       RankStatus& status = result.ranks[static_cast<size_t>(r)];
       status.rank = r;
-      ThreadsCommunicator comm(world, r);
       try {
-        fn(r, comm);
+        const std::unique_ptr<Communicator> comm = make_comm(world, r);
+        fn(r, *comm);
       } catch (const std::exception& e) {
         status.ok = false;
         status.exit_code = exit_code_for_current_exception();

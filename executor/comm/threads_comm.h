@@ -125,4 +125,12 @@ class ThreadsCommunicator final : public Communicator {
 RunResult run_ranks(int n, const std::function<void(int rank, Communicator& comm)>& fn,
                     ThreadsOptions options = {});
 
+// run_ranks with each rank's communicator made by `make_comm` on that rank's thread (e.g. the
+// CUDA backend's communicator for ranks sharing one GPU, over the same world); the same failure
+// handling. A factory that throws fails its rank like fn would.
+using CommFactory = std::function<std::unique_ptr<Communicator>(ThreadsWorld& world, int rank)>;
+RunResult run_ranks_with(int n, const CommFactory& make_comm,
+                         const std::function<void(int rank, Communicator& comm)>& fn,
+                         ThreadsOptions options = {});
+
 }  // namespace flatpeak::exec

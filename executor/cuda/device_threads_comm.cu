@@ -1,0 +1,257 @@
+// DeviceThreadsCommunicator (device_threads_comm.h).
+#include "executor/cuda/device_threads_comm.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/kernel_util.cuh"
+
+namespace flatpeak::cuda {
+
+namespace {
+
+using exec::cuda_detail::global_thread;
+using exec::cuda_detail::grid_for;
+using exec::cuda_detail::grid_threads;
+using exec::cuda_detail::kThreads;
+
+// The CPU's reduce_in_rank_order, element by element: acc starts at rank 0's value and adds (or
+// takes the max of) ranks 1..n−1 in order, in Acc; the result is rounded once to T.
+template <class T, class Acc>
+__global__ void reduce_rank_order_kernel(const T* staged, T* out, int64_t count, int n, bool sum) {
+  for (int64_t i = global_thread(); i < count; i += grid_threads()) {
+    Acc acc = static_cast<Acc>(staged[i]);
+    for (int p = 1; p < n; ++p) {
+      const Acc v = static_cast<Acc>(staged[static_cast<int64_t>(p) * count + i]);
+      acc = sum ? static_cast<Acc>(acc + v) : (acc < v ? v : acc);
+    }
+    out[i] = static_cast<T>(acc);
+  }
+}
+
+__global__ void reduce_rank_order_bf16_kernel(const exec::Bf16* staged, exec::Bf16* out, int64_t count, int n,
+                                              bool sum) {
+  for (int64_t i = global_thread(); i < count; i += grid_threads()) {
+    float acc = exec::to_f32(staged[i]);
+    for (int p = 1; p < n; ++p) {
+      const float v = exec::to_f32(staged[static_cast<int64_t>(p) * count + i]);
+      acc = sum ? __fadd_rn(acc, v) : (acc < v ? v : acc);
+    }
+    out[i] = exec::f32_to_bf16(acc);
+  }
+}
+
+const char* byte_ptr(const void* p, int64_t elems, exec::DType dtype) {
+  return static_cast<const char*>(p) + elems * exec::dtype_bytes(dtype);
+}
+
+}  // namespace
+
+DeviceThreadsCommunicator::DeviceThreadsCommunicator(exec::ThreadsWorld& world, int rank, int device,
+                                                     DeviceAllocator::Options allocator_options)
+    : world_(world), rank_(rank) {
+  FLATPEAK_CUDA_CHECK(cudaSetDevice(device));
+  allocator_options.device = device;
+  allocator_ = std::make_unique<DeviceAllocator>(allocator_options);
+  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+DeviceThreadsCommunicator::~DeviceThreadsCommunicator() {
+  if (stream_ != nullptr) {
+    (void)cudaStreamSynchronize(stream_);
+    (void)cudaStreamDestroy(stream_);
+  }
+}
+
+void DeviceThreadsCommunicator::post_and_wait(exec::ThreadsWorld::Post post, int64_t count) {
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const std::string op = post.op;
+  const exec::DType dtype = post.dtype;
+  world_.arrive(rank_, std::move(post));
+  for (int p = 0; p < size(); ++p) {
+    const auto& other = world_.post(p);
+    if (other.op != op || other.count != count || other.dtype != dtype)
+      throw exec::CommError(rank_, op, "rank " + std::to_string(p) + " called " + other.op + " with " +
+                                           std::to_string(other.count) + " " + exec::dtype_name(other.dtype) +
+                                           " elements, this rank " + std::to_string(count) + " " +
+                                           exec::dtype_name(dtype));
+  }
+}
+
+void DeviceThreadsCommunicator::release(const std::string& op) {
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  world_.arrive(rank_, op + " (release)");
+}
+
+void DeviceThreadsCommunicator::reduce_staged(const void* staged, void* out, int64_t count, exec::DType dtype,
+                                              exec::ReduceOp op) {
+  if (count <= 0) return;
+  const bool sum = op == exec::ReduceOp::Sum;
+  const int n = size();
+  switch (dtype) {
+    case exec::DType::F32:
+      reduce_rank_order_kernel<float, float><<<grid_for(count), kThreads, 0, stream_>>>(
+          static_cast<const float*>(staged), static_cast<float*>(out), count, n, sum);
+      break;
+    case exec::DType::BF16:
+      reduce_rank_order_bf16_kernel<<<grid_for(count), kThreads, 0, stream_>>>(
+          static_cast<const exec::Bf16*>(staged), static_cast<exec::Bf16*>(out), count, n, sum);
+      break;
+    case exec::DType::I32:
+      reduce_rank_order_kernel<int32_t, int64_t><<<grid_for(count), kThreads, 0, stream_>>>(
+          static_cast<const int32_t*>(staged), static_cast<int32_t*>(out), count, n, sum);
+      break;
+    case exec::DType::I64:
+      reduce_rank_order_kernel<int64_t, int64_t><<<grid_for(count), kThreads, 0, stream_>>>(
+          static_cast<const int64_t*>(staged), static_cast<int64_t*>(out), count, n, sum);
+      break;
+  }
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void DeviceThreadsCommunicator::all_to_allv(const void* send, const int64_t* send_counts,
+                                            const int64_t* send_displs, void* recv,
+                                            const int64_t* recv_counts, const int64_t* recv_displs,
+                                            exec::DType dtype) {
+  exec::ThreadsWorld::Post post;
+  post.op = "all_to_allv";
+  post.send = send;
+  post.send_counts = send_counts;
+  post.send_displs = send_displs;
+  post.count = -1;
+  post.dtype = dtype;
+  post_and_wait(post, -1);
+  const int64_t elem = exec::dtype_bytes(dtype);
+  for (int p = 0; p < size(); ++p) {
+    const auto& src = world_.post(p);
+    const int64_t n = src.send_counts[rank_];
+    if (n != recv_counts[p])
+      throw exec::CommError(rank_, "all_to_allv", "expects " + std::to_string(recv_counts[p]) +
+                                                      " elements from rank " + std::to_string(p) +
+                                                      ", which sends " + std::to_string(n));
+    if (n > 0)
+      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + recv_displs[p] * elem,
+                                          byte_ptr(src.send, src.send_displs[rank_], dtype),
+                                          static_cast<size_t>(n * elem), cudaMemcpyDeviceToDevice, stream_));
+  }
+  release("all_to_allv");
+}
+
+void DeviceThreadsCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count,
+                                               exec::DType dtype, int shift) {
+  exec::ThreadsWorld::Post post;
+  post.op = "sendrecv_shift";
+  post.send = send;
+  post.count = count;
+  post.dtype = dtype;
+  post.shift = shift;
+  post_and_wait(post, count);
+  const int n = size();
+  const int src = ((rank_ - shift) % n + n) % n;
+  if (world_.post(src).shift != shift)
+    throw exec::CommError(rank_, "sendrecv_shift", "rank " + std::to_string(src) + " shifts by " +
+                                                       std::to_string(world_.post(src).shift) + ", this rank by " +
+                                                       std::to_string(shift));
+  if (count > 0)
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(recv, world_.post(src).send,
+                                        static_cast<size_t>(count * exec::dtype_bytes(dtype)),
+                                        cudaMemcpyDeviceToDevice, stream_));
+  release("sendrecv_shift");
+}
+
+void DeviceThreadsCommunicator::all_gather(const void* send, void* recv, int64_t count, exec::DType dtype) {
+  exec::ThreadsWorld::Post post;
+  post.op = "all_gather";
+  post.send = send;
+  post.count = count;
+  post.dtype = dtype;
+  post_and_wait(post, count);
+  const int64_t bytes = count * exec::dtype_bytes(dtype);
+  for (int p = 0; p < size() && bytes > 0; ++p)
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + p * bytes, world_.post(p).send,
+                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  release("all_gather");
+}
+
+void DeviceThreadsCommunicator::reduce_scatter(const void* send, void* recv, int64_t count, exec::DType dtype) {
+  exec::ThreadsWorld::Post post;
+  post.op = "reduce_scatter";
+  post.send = send;
+  post.count = count;
+  post.dtype = dtype;
+  post_and_wait(post, count);
+  const int64_t bytes = count * exec::dtype_bytes(dtype);
+  DeviceBuffer staged(*allocator_, size() * bytes, exec::Category::Comm, stream_);
+  for (int p = 0; p < size() && bytes > 0; ++p)
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes,
+                                        static_cast<const char*>(world_.post(p).send) + rank_ * bytes,
+                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  release("reduce_scatter");
+  reduce_staged(staged.raw(), recv, count, dtype, exec::ReduceOp::Sum);
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void DeviceThreadsCommunicator::all_reduce(const void* send, void* recv, int64_t count, exec::DType dtype,
+                                           exec::ReduceOp op) {
+  exec::ThreadsWorld::Post post;
+  post.op = op == exec::ReduceOp::Sum ? "all_reduce(sum)" : "all_reduce(max)";
+  post.send = send;
+  post.count = count;
+  post.dtype = dtype;
+  const std::string name = post.op;
+  post_and_wait(post, count);
+  const int64_t bytes = count * exec::dtype_bytes(dtype);
+  DeviceBuffer staged(*allocator_, size() * bytes, exec::Category::Comm, stream_);
+  for (int p = 0; p < size() && bytes > 0; ++p)
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes, world_.post(p).send,
+                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  // Peers read this rank's send, which may be recv: write recv only after every rank has copied.
+  release(name);
+  reduce_staged(staged.raw(), recv, count, dtype, op);
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void DeviceThreadsCommunicator::barrier() {
+  exec::ThreadsWorld::Post post;
+  post.op = "barrier";
+  post_and_wait(post, 0);
+  release("barrier");
+}
+
+void DeviceThreadsCommunicator::check_status(int exit_code, const std::string& message) {
+  exec::ThreadsWorld::Post post;
+  post.op = "check_status";
+  post.status_code = exit_code;
+  post.status_message = message;
+  post_and_wait(post, 0);
+  int failing = -1;
+  for (int p = 0; p < size() && failing < 0; ++p)
+    if (world_.post(p).status_code != 0) failing = p;
+  int code = 0;
+  std::string reason;
+  if (failing >= 0) {
+    code = world_.post(failing).status_code;
+    reason = world_.post(failing).status_message;
+  }
+  release("check_status");
+  if (failing >= 0) throw exec::RankFailed(failing, code, reason);
+}
+
+void DeviceThreadsCommunicator::abort(int exit_code, const std::string& message) {
+  world_.fail(rank_, exit_code, message);
+  throw exec::RankFailed(world_.failing_rank(), world_.failure_code(), world_.failure_message());
+}
+
+exec::RunResult run_ranks_on_device(int n, int device,
+                                    const std::function<void(int rank, exec::Communicator& comm)>& fn,
+                                    exec::ThreadsOptions options) {
+  return exec::run_ranks_with(
+      n,
+      [device](exec::ThreadsWorld& world, int rank) {
+        return std::make_unique<DeviceThreadsCommunicator>(world, rank, device);
+      },
+      fn, options);
+}
+
+}  // namespace flatpeak::cuda

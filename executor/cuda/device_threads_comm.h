@@ -1,0 +1,72 @@
+// Ranks sharing one GPU: the `threads` protocol (executor/comm/threads_comm.h: ranks as threads
+// of one process, posting their send buffers to a shared world and reading their peers') with
+// device buffers. Each rank has its own stream and its own DeviceAllocator (so per-rank peaks are
+// tracked apart, as on separate GPUs); peers' buffers are read with device-to-device copies on the
+// reading rank's stream, and sums run in a kernel in rank order 0..n−1 in fp32 (bf16 rounded
+// once), so results are bitwise those of the threads and mpi communicators. NCCL refuses two
+// ranks on one device, and a lent machine has one GPU and no launcher: this is how several ranks
+// run there.
+//   RunResult r = run_ranks_on_device(4, /*device=*/0, [&](int rank, Communicator& c) {
+//     auto& comm = static_cast<DeviceThreadsCommunicator&>(c);
+//     DeviceBuffer x(comm.allocator(), bytes, Category::Dispatch, comm.stream()); ... });
+// Each collective synchronises the rank's stream at its start (its send buffer must be written)
+// and before it releases its peers (they must be done reading): a reference mode, not a fast one.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+
+#include "executor/comm/threads_comm.h"
+#include "executor/cuda/device_allocator.h"
+
+namespace flatpeak::cuda {
+
+class DeviceThreadsCommunicator final : public exec::Communicator {
+ public:
+  DeviceThreadsCommunicator(exec::ThreadsWorld& world, int rank, int device,
+                            DeviceAllocator::Options allocator_options = {});
+  ~DeviceThreadsCommunicator() override;
+  DeviceThreadsCommunicator(const DeviceThreadsCommunicator&) = delete;
+  DeviceThreadsCommunicator& operator=(const DeviceThreadsCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return world_.size(); }
+  const char* backend_name() const override { return "cuda-threads"; }
+  cudaStream_t stream() const { return stream_; }
+  DeviceAllocator& allocator() { return *allocator_; }
+
+  void all_to_allv(const void* send, const int64_t* send_counts, const int64_t* send_displs,
+                   void* recv, const int64_t* recv_counts, const int64_t* recv_displs,
+                   exec::DType dtype) override;
+  void sendrecv_shift(const void* send, void* recv, int64_t count, exec::DType dtype,
+                      int shift) override;
+  void all_gather(const void* send, void* recv, int64_t count, exec::DType dtype) override;
+  void reduce_scatter(const void* send, void* recv, int64_t count, exec::DType dtype) override;
+  void all_reduce(const void* send, void* recv, int64_t count, exec::DType dtype,
+                  exec::ReduceOp op) override;
+  void barrier() override;
+  void check_status(int exit_code, const std::string& message) override;
+  void abort(int exit_code, const std::string& message) override;
+
+ private:
+  // Waits for this rank's queued work, posts, waits for every rank, checks they agree.
+  void post_and_wait(exec::ThreadsWorld::Post post, int64_t count);
+  // Waits for this rank's copies, then for every rank (peers may reuse their buffers after).
+  void release(const std::string& op);
+  // Reduces the n contributions staged at [n, count] into out, in rank order, on the stream.
+  void reduce_staged(const void* staged, void* out, int64_t count, exec::DType dtype, exec::ReduceOp op);
+
+  exec::ThreadsWorld& world_;
+  const int rank_;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<DeviceAllocator> allocator_;
+};
+
+// run_ranks_with (threads_comm.h) with a DeviceThreadsCommunicator per rank on `device`.
+exec::RunResult run_ranks_on_device(int n, int device,
+                                    const std::function<void(int rank, exec::Communicator& comm)>& fn,
+                                    exec::ThreadsOptions options = {});
+
+}  // namespace flatpeak::cuda
