@@ -157,6 +157,7 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
     s.values.push_back({"T_blk", in.token_block, s.token_block});
     s.values.push_back({"V_blk", in.vocab_block, s.vocab_block});
   }
+  scale_checkpoint_knobs(in, s);
   return s;
 }
 

@@ -60,6 +60,11 @@ struct ScaledConfig {
   // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.
   int64_t expert_ffn = 0, chunk_cap_rows = 0, llep_min_rows = 0, dispatch_depth = 2;
   bool llep = false, dispatch_store = false;
+  // Checkpoint boundaries (scale_checkpoint_knobs): the plan's boundaries knob (device |
+  // sync-offload | sco), per scaled layer whether its boundary goes to the host, SCO's prefetch.
+  std::string boundaries = "device";
+  std::vector<bool> sco_offloaded;
+  int64_t sco_prefetch = 0;
 };
 
 // factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
@@ -70,5 +75,10 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
 // naming /knobs/<name>/value), scales F with H and C, m with T; appends the scaled values.
 // scale_config calls it (verify_dispatch.cpp).
 void scale_dispatch_knobs(const VerifyInputs& in, ScaledConfig& s);
+
+// Checks /knobs/boundaries, sco_layers and sco_prefetch (InputError naming /knobs/<name>/value)
+// and scales the offloaded layer set to s.layers (verify_checkpoint_knobs.cpp says how); appends
+// the scaled values. scale_config calls it.
+void scale_checkpoint_knobs(const VerifyInputs& in, ScaledConfig& s);
 
 }  // namespace flatpeak::cli

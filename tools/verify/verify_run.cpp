@@ -28,7 +28,7 @@ struct Component {
 const Component kComponents[] = {
     {"dispatch", verify_dispatch, verify_dispatch_ranks, true},
     {"vocab", verify_vocab, nullptr, true},
-    {"checkpoint", verify_checkpoint, nullptr, false},
+    {"checkpoint", verify_checkpoint, nullptr, true},
     {"optimizer", verify_optimizer, nullptr, true},
     {"layer", verify_layer, nullptr, false},
     {"step", verify_step, nullptr, false},
