@@ -69,6 +69,11 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   in.layers = r.integer("/inputs/model/num_layers", 1);
   in.num_experts = r.integer("/inputs/model/num_experts", 0);
   in.top_k = r.integer("/inputs/model/top_k", 0);
+  if (r.has("/inputs/model/attention")) in.attention = r.text("/inputs/model/attention");
+  if (r.has("/inputs/model/num_heads")) in.num_heads = r.integer("/inputs/model/num_heads", 1);
+  if (r.has("/inputs/model/num_kv_heads")) in.num_kv_heads = r.integer("/inputs/model/num_kv_heads", 1);
+  if (r.has("/inputs/model/head_dim")) in.head_dim = r.integer("/inputs/model/head_dim", 1);
+  if (r.has("/inputs/model/shared_expert_ffn_width")) in.shared_expert_ffn = r.integer("/inputs/model/shared_expert_ffn_width", 0);
   in.expert_ffn_width = r.integer("/inputs/model/expert_ffn_width", 0);
   in.gpus = r.integer("/inputs/run/gpus", 1);
   in.ep = r.integer("/inputs/run/ep", 1);
@@ -158,6 +163,7 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
     s.values.push_back({"V_blk", in.vocab_block, s.vocab_block});
   }
   scale_checkpoint_knobs(in, s);
+  scale_layer_dims(in, s);
   return s;
 }
 

@@ -23,6 +23,10 @@ struct VerifyInputs {
   int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
   int64_t hidden = 0, vocab = 0, layers = 0;
   int64_t num_experts = 0, top_k = 0;  // /inputs/model/num_experts, top_k (0: a dense model)
+  // The layer's shape (/inputs/model/attention, num_heads, num_kv_heads, head_dim,
+  // shared_expert_ffn_width); 0 where the plan does not say.
+  std::string attention = "gqa";
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, shared_expert_ffn = 0;
   int64_t expert_ffn_width = 0;        // /inputs/model/expert_ffn_width
   std::string schedule;  // baseline | practice | flatpeak
   // Knobs (/knobs/<name>/value); absent ones are off.
@@ -55,6 +59,8 @@ struct ScaledConfig {
   // E/EP, k and N/EP, so the experts become ep · E/EP.
   int64_t ranks = 1, ep = 1, num_experts = 0;
   int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
+  // Layer (scale_layer_dims): a, g and d shrunk with H, keeping the query heads per kv head.
+  int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
   std::vector<ScaledValue> values;  // every scaled value, for printing
   // Dispatch (scale_dispatch_knobs): the expert FFN width scaled with H; the plan's LLEP switch,
   // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.
@@ -70,6 +76,10 @@ struct ScaledConfig {
 // factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
 // max_ranks: --max-ranks (≥ 1); InputError naming --max-ranks when it is below N/EP (N/EP is kept).
 ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, int64_t max_ranks = 1);
+
+// Scales the layer's head counts and head dim with H (verify_step.cpp says how); appends the
+// scaled values. scale_config calls it. Leaves them 0 when the plan gives no head counts.
+void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s);
 
 // Checks /knobs/llep, chunk_cap_rows, dispatch_mode, llep_min_rows and dispatch_depth (InputError
 // naming /knobs/<name>/value), scales F with H and C, m with T; appends the scaled values.

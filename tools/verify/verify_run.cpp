@@ -30,7 +30,7 @@ const Component kComponents[] = {
     {"vocab", verify_vocab, nullptr, true},
     {"checkpoint", verify_checkpoint, nullptr, true},
     {"optimizer", verify_optimizer, nullptr, true},
-    {"layer", verify_layer, nullptr, false},
+    {"layer", verify_layer, nullptr, true},
     {"step", verify_step, nullptr, false},
 };
 

@@ -1,15 +1,140 @@
-// verify --component layer | step: one decoder layer (attention + MoE, forward, recompute and
-// backward), and the whole step of a small MoE transformer.
-// Not yet run by this build: verify_components() leaves them out, so --component layer|step is
-// refused with exit 2 before anything runs.
+// verify --component layer: one decoder layer (GQA attention + MoE: no-grad forward, recompute and
+// backward) on one rank, against the planner's `activations` and `dispatch` device columns of
+// every decoder-layer phase. The whole step (--component step) is not run yet.
+// Scaling: H shrinks by f = H / H_scaled; the kv heads by the same factor (at least one), the
+// query heads keep their number per kv head, and the head dim is chosen so that a·d shrinks by f
+// too (rounded up); the expert FFN width F scales with H (scale_dispatch_knobs); the local
+// experts E/EP and k are kept.
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/layer_schedule.h"
+#include "plan.h"
+#include "run_spec.h"
+#include "spec/errors.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
 #include "verify_common.h"
 
 namespace flatpeak::cli {
 
-void verify_layer(const VerifyContext&, VerifyReport&) {
-  throw std::logic_error("verify: the layer component is not implemented yet");
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
+// routed MoE block without shared experts. Anything else is refused before anything runs.
+void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s) {
+  InputErrors errs;
+  if (in.attention != "gqa")
+    errs.add(Diagnostic{in.file, "/inputs/model/attention",
+                        "the layer component runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
+  if (in.num_experts <= 0 || in.top_k <= 0)
+    errs.add(Diagnostic{in.file, "/inputs/model/num_experts", "the layer component runs a MoE layer (got a dense model)", ""});
+  if (in.shared_expert_ffn > 0)
+    errs.add(Diagnostic{in.file, "/inputs/model/shared_expert_ffn_width",
+                        "the layer component does not run shared experts yet (got " + std::to_string(in.shared_expert_ffn) + ")", ""});
+  if (in.cp != 1)
+    errs.add(Diagnostic{in.file, "/inputs/run/cp", "the layer component runs CP = 1 only (ring attention is not in the executor; got " +
+                                                       std::to_string(in.cp) + ")", ""});
+  const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
+  if (in.num_experts > 0 && in.top_k > local_experts)
+    errs.add(Diagnostic{in.file, "/inputs/run/ep",
+                        "the layer component runs one rank's E/EP = " + std::to_string(local_experts) + " experts, fewer than top_k = " +
+                            std::to_string(in.top_k) + " (got EP = " + std::to_string(in.ep) + ")",
+                        "plan with fewer GPUs or a smaller --ep"});
+  if (s.q_heads <= 0)
+    errs.add(Diagnostic{in.file, "/inputs/model/num_heads", "the layer component needs num_heads, num_kv_heads and head_dim", ""});
+  errs.throw_if_any();
+}
+
+// The planner's timeline of the scaled layer shape on one rank (EP = 1 with the rank's E/EP
+// experts), with the flags predicted_timeline() would give; `adjust` applied.
+nlohmann::ordered_json predict_layer(const VerifyContext& ctx, int64_t local_experts) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  ModelSpec model = load_model(in.model_name);
+  model.hidden_size = s.hidden;
+  model.vocab_size = s.vocab;
+  model.num_layers = s.layers;
+  model.layers.resize(static_cast<size_t>(s.layers));
+  model.num_heads = s.q_heads;
+  model.num_kv_heads = s.kv_heads;
+  model.head_dim = s.head_dim;
+  model.v_head_dim = s.head_dim;
+  model.num_experts = local_experts;
+  model.expert_ffn_width = s.expert_ffn;
+  const HardwareSpec hardware = load_hardware(in.hardware_name);
+  FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
+  if (in.schedule == "flatpeak") flags.emplace_back("--llep", "off");  // EP = 1: nothing to balance
+  if (in.vocab_mode == "materialized") {
+    if (in.schedule != "baseline") flags.emplace_back("--ring-dtp", "off");
+  } else {
+    if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-dtp", "on");
+    flags.emplace_back("--token-block", std::to_string(s.token_block));
+    flags.emplace_back("--vocab-block", std::to_string(s.vocab_block));
+    flags.emplace_back("--vocab-backward", in.vocab_backward);
+  }
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  const planner::Plan plan = planner::make_plan(model, hardware, spec);
+  nlohmann::ordered_json timeline = planner::timeline_to_json(plan.timeline);
+  if (ctx.adjust) ctx.adjust(timeline);
+  return timeline;
+}
+
+bool is_layer_phase(const std::string& name) { return name.rfind("fwd/L", 0) == 0 || name.rfind("bwd/L", 0) == 0; }
+
+}  // namespace
+
+void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
+  if (in.num_heads <= 0 || in.num_kv_heads <= 0 || in.head_dim <= 0 || in.num_heads % in.num_kv_heads != 0) return;
+  const double f = static_cast<double>(in.hidden) / static_cast<double>(s.hidden);
+  const int64_t group = in.num_heads / in.num_kv_heads;
+  s.kv_heads = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(in.num_kv_heads) / f)));
+  s.q_heads = s.kv_heads * group;
+  const double width = static_cast<double>(in.num_heads * in.head_dim) / f;
+  s.head_dim = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(width / static_cast<double>(s.q_heads) - 1e-9)));
+  s.values.push_back({"a (query heads)", in.num_heads, s.q_heads});
+  s.values.push_back({"g (kv heads)", in.num_kv_heads, s.kv_heads});
+  s.values.push_back({"d (head dim)", in.head_dim, s.head_dim});
+}
+
+void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  check_layer_supported(in, s);
+  const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
+  const nlohmann::ordered_json predicted = predict_layer(ctx, local_experts);
+  exec::LayerScheduleConfig c;
+  c.tokens = s.tokens;
+  c.hidden = s.hidden;
+  c.q_heads = s.q_heads;
+  c.kv_heads = s.kv_heads;
+  c.head_dim = s.head_dim;
+  c.experts = local_experts;
+  c.top_k = in.top_k;
+  c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : std::max<int64_t>(1, ceil_div(in.expert_ffn_width * s.hidden, in.hidden));
+  const exec::LayerInputs inputs = exec::make_layer_inputs(c);
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, inputs);
+  // The naive reference (every activation kept from one forward) on the same data.
+  exec::LayerScheduleConfig n = c;
+  n.checkpointed = false;
+  exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
+  const exec::LayerScheduleResult ref = exec::run_layer_schedule(naive_alloc, n, inputs);
+  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
+  for (const auto& [name, g] : got.grads) {
+    const std::vector<float>& r = ref.grads.at(name);
+    for (size_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
+  }
+  compare_category("layer.activations", "activations", exec::MemorySpace::Device, predicted, alloc, is_layer_phase, report);
+  compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,
+                   [](const std::string& name) { return is_layer_phase(name) && name.find("/moe/") != std::string::npos; }, report);
+  if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);
 }
 
 void verify_step(const VerifyContext&, VerifyReport&) {

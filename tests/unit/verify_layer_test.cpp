@@ -1,0 +1,88 @@
+// verify --component layer: for GQA models scaled from real cards (gpt-oss-120b, Qwen3-30B-A3B,
+// Qwen3-235B-A22B), baseline and flatpeak plans, the measured `activations` and `dispatch` bytes
+// of every decoder-layer phase are within 1 % of the planner's; the recompute is bitwise the
+// naive run; one predicted term raised by 2 % fails; MLA and too few local experts are refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "plan.h"
+#include "run_spec.h"
+#include "spec/errors.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
+#include "verify_config.h"
+#include "verify_run.h"
+
+namespace flatpeak::cli {
+namespace {
+
+using Flags = std::vector<std::pair<std::string, std::string>>;
+
+nlohmann::json plan_json(const std::string& model_name, const Flags& flags) {
+  const ModelSpec model = load_model(model_name);
+  const HardwareSpec hardware = load_hardware("H200");
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  return nlohmann::json::parse(planner::plan_to_json(planner::make_plan(model, hardware, spec)).dump());
+}
+
+VerifyReport verify_layer_of(const std::string& model, const std::string& schedule, const PredictionAdjust& adjust = nullptr) {
+  const VerifyInputs in = read_plan_inputs(plan_json(model, {{"--gpus", "8"}, {"--context", "64K"}, {"--schedule", schedule}}), "plan.json");
+  const ScaledConfig s = scale_config(in, std::nullopt, 1);
+  return run_verification(in, s, {"layer"}, 0.01, adjust);
+}
+
+TEST(VerifyLayer, MeasuredWithinOnePercentOnThreeGqaModels) {
+  for (const std::string model : {"gpt-oss-120b", "Qwen3-30B-A3B", "Qwen3-235B-A22B"})
+    for (const std::string schedule : {"baseline", "flatpeak"}) {
+      const VerifyReport r = verify_layer_of(model, schedule);
+      EXPECT_TRUE(r.pass) << model << " " << schedule;
+      int peaks = 0, phases = 0;
+      for (const auto& row : r.rows) {
+        EXPECT_LE(std::fabs(row.relative_error), 0.01) << model << " " << schedule << " " << row.component << " " << row.phase;
+        EXPECT_GT(row.predicted_bytes, 0) << row.component << " " << row.phase;
+        (row.phase == "peak" ? peaks : phases) += 1;
+      }
+      EXPECT_EQ(peaks, 2);        // activations and dispatch
+      EXPECT_GE(phases, 5 + 4 + 10);  // forward 5, dispatch forward 4, backward of two folded instances
+      EXPECT_EQ(r.max_abs_dloss, 0.0);
+      EXPECT_EQ(r.max_abs_dgrad, 0.0);
+    }
+}
+
+TEST(VerifyLayer, OnePredictedTermRaisedTwoPercentFails) {
+  for (const char* category : {"activations", "dispatch"}) {
+    const PredictionAdjust raise = [category](nlohmann::ordered_json& timeline) {
+      for (auto& phase : timeline["phases"])
+        if (phase["name"].get<std::string>().find("/attn") != std::string::npos || std::string(category) == "dispatch") {
+          const int64_t bytes = phase["device"][category].get<int64_t>();
+          if (bytes > 0) {
+            phase["device"][category] = static_cast<int64_t>(static_cast<double>(bytes) * 1.02);
+            return;
+          }
+        }
+    };
+    const VerifyReport r = verify_layer_of("Qwen3-30B-A3B", "baseline", raise);
+    EXPECT_FALSE(r.pass) << category;
+  }
+}
+
+TEST(VerifyLayer, RefusesWhatTheExecutorDoesNotRun) {
+  const VerifyInputs mla = read_plan_inputs(plan_json("DeepSeek-V3", {{"--gpus", "8"}, {"--context", "4K"}}), "plan.json");
+  try {
+    run_verification(mla, scale_config(mla, std::nullopt, 1), {"layer"}, 0.01);
+    FAIL() << "MLA must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("/inputs/model/attention"), std::string::npos) << e.what();
+  }
+  // Mixtral at EP = 8: one local expert, top-2.
+  const VerifyInputs mixtral = read_plan_inputs(plan_json("Mixtral-8x7B", {{"--gpus", "8"}, {"--context", "4K"}}), "plan.json");
+  EXPECT_THROW(run_verification(mixtral, scale_config(mixtral, std::nullopt, 1), {"layer"}, 0.01), InputError);
+}
+
+}  // namespace
+}  // namespace flatpeak::cli
