@@ -468,10 +468,12 @@ void run_capped(TrackingAllocator& alloc, const Dims& d, LayerData& L, const std
     for (int64_t i = 0; i < d.T * d.H; ++i) res.out[z(i)] = to_f32(f32_to_bf16(rs.comb_acc.data<float>()[i]));
     res.topk_weights.assign(r.topk_w.data<float>(), r.topk_w.data<float>() + d.N);
   }
-  // Recompute. Store: the rounds again, each keeping its expert input, fc1 and act*prob.
-  // Recompute mode: only the routing; each round is recomputed in the backward.
+  // Recompute. Store: the rounds again, each writing its rows of the expert input, fc1 and
+  // act*prob into a store of all R rows allocated once when the recompute starts (R is known from
+  // the counts; no per-round allocation). Recompute mode: only the routing; each round is
+  // recomputed in the backward.
   const std::string q = "bwd/" + c.layer + "/recompute/moe/";
-  std::vector<Tensor> saved_in, saved_fc1, saved_act;
+  Tensor saved_in, saved_fc1, saved_act;  // store: [R, H], [R, 2F], [R, F] bf16
   if (!c.store) alloc.set_phase(q + "route");
   else alloc.set_phase(round(q, 0));
   Routing r(alloc, d);
@@ -481,15 +483,15 @@ void run_capped(TrackingAllocator& alloc, const Dims& d, LayerData& L, const std
     RoundSet rs(alloc, d, C, D, eid);
     Tensor fc2(alloc, DType::BF16, {B, d.H}, kDsp);     // [B, H] bf16
     Tensor unperm(alloc, DType::BF16, {B, d.H}, kDsp);  // [B, H] bf16
+    saved_in = Tensor(alloc, DType::BF16, {d.N, d.H}, kDsp);
+    saved_fc1 = Tensor(alloc, DType::BF16, {d.N, 2 * d.F}, kDsp);
+    saved_act = Tensor(alloc, DType::BF16, {d.N, d.F}, kDsp);
     for (int64_t j = 0; j < rounds; ++j) {
       if (j > 0) alloc.set_phase(round(q, j));
-      const int64_t n = rows_of(j);
-      saved_in.emplace_back(alloc, DType::BF16, std::vector<int64_t>{n, d.H}, kDsp);       // [rows_j, H]
-      saved_fc1.emplace_back(alloc, DType::BF16, std::vector<int64_t>{n, 2 * d.F}, kDsp);  // [rows_j, 2F]
-      saved_act.emplace_back(alloc, DType::BF16, std::vector<int64_t>{n, d.F}, kDsp);      // [rows_j, F]
-      round_dispatch(d, L, r, rs, j, j * C, n, saved_in.back().data<Bf16>(), saved_fc1.back().data<Bf16>(),
-                     saved_act.back().data<Bf16>());
-      round_combine(d, L, r, rs, j, j * C, n, saved_act.back().data<Bf16>(), fc2.data<Bf16>(), unperm.data<Bf16>());
+      const int64_t r0 = j * C, n = rows_of(j);
+      Bf16* act = saved_act.data<Bf16>() + r0 * d.F;
+      round_dispatch(d, L, r, rs, j, r0, n, saved_in.data<Bf16>() + r0 * d.H, saved_fc1.data<Bf16>() + r0 * 2 * d.F, act);
+      round_combine(d, L, r, rs, j, r0, n, act, fc2.data<Bf16>(), unperm.data<Bf16>());
     }
   }
   // Backward, rounds in forward order (so d_x sums in the same order as the forward): the source
@@ -516,9 +518,9 @@ void run_capped(TrackingAllocator& alloc, const Dims& d, LayerData& L, const std
     const int64_t r0 = j * C, n = rows_of(j);
     Bf16 *rin = nullptr, *rfc1 = nullptr, *ract = nullptr;
     if (c.store) {
-      rin = saved_in[z(j)].data<Bf16>();
-      rfc1 = saved_fc1[z(j)].data<Bf16>();
-      ract = saved_act[z(j)].data<Bf16>();
+      rin = saved_in.data<Bf16>() + r0 * d.H;
+      rfc1 = saved_fc1.data<Bf16>() + r0 * 2 * d.F;
+      ract = saved_act.data<Bf16>() + r0 * d.F;
     } else {
       rin = in.data<Bf16>();
       rfc1 = fc1.data<Bf16>();
@@ -546,11 +548,6 @@ void run_capped(TrackingAllocator& alloc, const Dims& d, LayerData& L, const std
     }
     copy_rows(g_back, g_home, n, d.H);
     accumulate_rows(d, sort, r0, n, g_home, d_x.data<float>());
-    if (c.store) {  // this round's saved activations are done
-      saved_in[z(j)].reset();
-      saved_fc1[z(j)].reset();
-      saved_act[z(j)].reset();
-    }
   }
   router_backward(d, L, r, d_x.data<float>());
   res.d_x.assign(d_x.data<float>(), d_x.data<float>() + d_x.numel());
