@@ -390,7 +390,9 @@ CheckpointScheduleResult run_checkpoint_schedule(TrackingAllocator& alloc, const
       kept_ffn[static_cast<size_t>(l)] = std::move(ffn);
       kept_h[static_cast<size_t>(l)] = std::move(h);
     }
-    // The copy has completed by the end of the layer: the device copy goes.
+    // The device copy of an offloaded x_l goes when its layer's forward returns: until then the
+    // caller holds the layer's input (as an eager framework does), and the D2H copy is waited
+    // for there, so a boundary in flight is counted through the whole layer.
     if (b.offloaded(l)) b.device(l).reset();
     b.device(l + 1) = std::move(next);
   }
