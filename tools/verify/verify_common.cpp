@@ -14,14 +14,29 @@ namespace flatpeak::cli {
 
 using nlohmann::ordered_json;
 
-ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra) {
-  const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
+ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s) {
   ModelSpec model = load_model(in.model_name);
   model.hidden_size = s.hidden;
   model.vocab_size = s.vocab;
   model.num_layers = s.layers;
   model.layers.resize(static_cast<size_t>(s.layers));
+  // The dims other components scale (scale_config): experts per rank, the expert FFN width, and
+  // GQA heads; left as on the card where a component did not scale them (0).
+  if (s.num_experts > 0) model.num_experts = s.num_experts;
+  if (s.expert_ffn > 0) model.expert_ffn_width = s.expert_ffn;
+  if (model.attention == AttentionKind::Gqa && s.q_heads > 0) {
+    model.num_heads = s.q_heads;
+    model.num_kv_heads = s.kv_heads;
+    model.head_dim = s.head_dim;
+    model.v_head_dim = s.head_dim;
+  }
+  return model;
+}
+
+ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const ModelSpec model = scaled_model(in, s);
   const HardwareSpec hardware = load_hardware(in.hardware_name);
   FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
   // One rank: EP = 1, so there is nothing for LLEP to balance (its knobs need EP > 1).

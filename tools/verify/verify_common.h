@@ -14,6 +14,7 @@
 
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
+#include "spec/model_spec.h"
 #include "verify_config.h"
 #include "verify_run.h"
 
@@ -31,6 +32,10 @@ struct VerifyContext {
 };
 
 using FlagList = std::vector<std::pair<std::string, std::string>>;
+
+// The plan's model with the scaled dims (H, V, L, E, F, GQA heads): what the planner predicts and the
+// executor sizes.
+ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s);
 
 // The planner's timeline (traces/README.md JSON) for the scaled configuration on one rank, with the
 // plan's vocabulary knobs and `extra` flags (a component's own knobs) on top; `adjust` applied.
@@ -55,6 +60,7 @@ int compare_category(const std::string& component, const std::string& category, 
 
 // One verify component per file.
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report);
+void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report);  // every rank, ctx.comm set
 void verify_dispatch(const VerifyContext& ctx, VerifyReport& report);
 void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report);
 void verify_optimizer(const VerifyContext& ctx, VerifyReport& report);

@@ -164,6 +164,7 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
   }
   scale_checkpoint_knobs(in, s);
   scale_layer_dims(in, s);
+  scale_optimizer_knobs(in, s);
   return s;
 }
 

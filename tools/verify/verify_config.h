@@ -61,6 +61,11 @@ struct ScaledConfig {
   int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
   // Layer (scale_layer_dims): a, g and d shrunk with H, keeping the query heads per kv head.
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  // Optimizer (scale_optimizer_knobs): the plan's placement gpu | serial | stream; for stream,
+  // parameters per bucket scaled with the rank's parameters (the number of buckets is kept)
+  // and buckets in flight.
+  std::string optimizer = "gpu";
+  int64_t bucket_params = 0, bucket_depth = 0;
   std::vector<ScaledValue> values;  // every scaled value, for printing
   // Dispatch (scale_dispatch_knobs): the expert FFN width scaled with H; the plan's LLEP switch,
   // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.
@@ -76,6 +81,11 @@ struct ScaledConfig {
 // factor: --scale FACTOR (divides T, H, V); nullopt: auto (T ≤ 512, H ≤ 64, V ≤ max(1000, V/64)).
 // max_ranks: --max-ranks (≥ 1); InputError naming --max-ranks when it is below N/EP (N/EP is kept).
 ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, int64_t max_ranks = 1);
+
+// Checks /knobs/optimizer, bucket_params and bucket_depth (InputError naming /knobs/<name>/value)
+// and scales bucket_params to the scaled rank's parameters, keeping the number of buckets;
+// appends the scaled values. scale_config calls it (verify_optimizer.cpp).
+void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s);
 
 // Scales the layer's head counts and head dim with H (verify_step.cpp says how); appends the
 // scaled values. scale_config calls it. Leaves them 0 when the plan gives no head counts.

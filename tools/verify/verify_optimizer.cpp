@@ -1,14 +1,127 @@
-// verify --component optimizer: one optimizer step: on the device, serial offload, or OffloadStreamAdamW.
-// Not yet run by this build: verify_components() leaves it out, so --component optimizer is refused
-// with exit 2 before anything runs.
-#include <stdexcept>
+// verify --component optimizer: one AdamW step over the scaled rank's parameters, on the device,
+// with serial offload or with OffloadStreamAdamW (knob `optimizer`), against the planner's opt/
+// phases: device params, grads and optimizer columns, and the host optimizer column.
+//   flatpeak verify plan.json --component optimizer
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
 
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/optimizer_schedule.h"
+#include "spec/errors.h"
+#include "spec/model_loader.h"
 #include "verify_common.h"
 
 namespace flatpeak::cli {
 
-void verify_optimizer(const VerifyContext&, VerifyReport&) {
-  throw std::logic_error("verify: the optimizer component is not implemented yet");
+namespace {
+
+// MTP modules are trained when the model has them: the planner's default, which verify keeps.
+bool trains_mtp(const ModelSpec& model) { return model.mtp_layers > 0; }
+
+// One row per predicted opt/ phase of `space`: the sum of `categories` (the optimizer component's
+// own terms, as in the plan's peaks.optimizer.component_bytes) against the maximum of the
+// measured phases the predicted one folds, then a "peak" row.
+void compare_opt_phases(exec::MemorySpace space, const std::vector<exec::Category>& categories,
+                        const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report) {
+  const std::string space_name = exec::memory_space_name(space);
+  const auto records = alloc.phase_records();
+  int64_t predicted_peak = 0, measured_peak = 0;
+  for (const auto& phase : predicted["phases"]) {
+    const std::string name = phase["name"].get<std::string>();
+    if (name.rfind("opt/", 0) != 0 || !phase.contains(space_name)) continue;
+    int64_t predicted_bytes = 0;
+    for (exec::Category c : categories) predicted_bytes += phase[space_name][exec::category_name(c)].get<int64_t>();
+    int64_t measured_bytes = 0;
+    for (const auto& r : records) {
+      if (r.space != space || !phase_matches(name, phase.contains("folds"), r.phase)) continue;
+      int64_t bytes = 0;
+      for (exec::Category c : categories) bytes += r.bytes_at_peak[static_cast<size_t>(c)];
+      measured_bytes = std::max(measured_bytes, bytes);
+    }
+    report.rows.push_back({"optimizer", space_name, name, predicted_bytes, measured_bytes, relative_error(measured_bytes, predicted_bytes)});
+    predicted_peak = std::max(predicted_peak, predicted_bytes);
+    measured_peak = std::max(measured_peak, measured_bytes);
+  }
+  report.rows.push_back({"optimizer", space_name, "peak", predicted_peak, measured_peak, relative_error(measured_peak, predicted_peak)});
+}
+
+}  // namespace
+
+void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
+  InputErrors errs;
+  const nlohmann::json& knobs = in.knob_values;
+  if (knobs.contains("optimizer")) {
+    const nlohmann::json& v = knobs["optimizer"];
+    if (v.is_string() && (v == "gpu" || v == "serial" || v == "stream"))
+      s.optimizer = v.get<std::string>();
+    else
+      errs.add(Diagnostic{in.file, "/knobs/optimizer/value", "must be gpu, serial or stream (got " + v.dump() + ")", ""});
+  }
+  int64_t plan_bucket_params = 0;
+  if (s.optimizer == "stream") {
+    // hi = 0: no upper bound.
+    auto integer = [&](const char* name, int64_t lo, int64_t hi, int64_t& out) {
+      const std::string pointer = std::string("/knobs/") + name + "/value";
+      if (!knobs.contains(name)) {
+        errs.add(Diagnostic{in.file, pointer, "required field is missing", "the stream optimizer needs it"});
+        return;
+      }
+      const nlohmann::json& v = knobs[name];
+      if (!v.is_number_integer() || v.get<int64_t>() < lo || (hi > 0 && v.get<int64_t>() > hi)) {
+        const std::string range = hi > 0 ? "in " + std::to_string(lo) + ".." + std::to_string(hi) : ">= " + std::to_string(lo);
+        errs.add(Diagnostic{in.file, pointer, "must be an integer " + range + " (got " + v.dump() + ")", ""});
+        return;
+      }
+      out = v.get<int64_t>();
+    };
+    integer("bucket_params", 1, 0, plan_bucket_params);
+    integer("bucket_depth", 1, 8, s.bucket_depth);
+  }
+  errs.throw_if_any();
+  if (s.optimizer != "stream") return;
+  // Keep the number of buckets: the plan's rank holds rank_shard_params(N, EP) parameters, the
+  // scaled one rank_shard_params of the scaled model on one rank.
+  const ModelSpec plan_model = load_model(in.model_name);
+  const int64_t plan_params = exec::rank_shard_params(plan_model, in.gpus, in.ep, trains_mtp(plan_model));
+  const ModelSpec model = scaled_model(in, s);
+  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
+  const int64_t buckets = (plan_params + plan_bucket_params - 1) / plan_bucket_params;
+  s.bucket_params = std::max<int64_t>(1, (params + buckets - 1) / buckets);
+  s.values.push_back({"P (params per rank)", plan_params, params});
+  s.values.push_back({"bucket_params", plan_bucket_params, s.bucket_params});
+  s.values.push_back({"bucket_depth", s.bucket_depth, s.bucket_depth});
+}
+
+void verify_optimizer(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const ModelSpec model = scaled_model(in, s);
+  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
+  FlagList flags{{"--optimizer", s.optimizer}};
+  if (s.optimizer == "stream") {
+    flags.emplace_back("--bucket-params", std::to_string(s.bucket_params));
+    flags.emplace_back("--bucket-depth", std::to_string(s.bucket_depth));
+  }
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, flags);
+
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  exec::OptimizerScheduleConfig c;
+  c.params = params;
+  c.placement = s.optimizer == "gpu"      ? exec::OptimizerPlacement::Device
+                : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
+                                          : exec::OptimizerPlacement::Stream;
+  c.bucket_params = s.bucket_params;
+  c.bucket_depth = s.bucket_depth;
+  c.cpu_threads = 2;
+  c.keep_results = false;  // exactness is the unit tests' job (bitwise against one full-vector step)
+  exec::run_optimizer_schedule(alloc, c);
+
+  compare_opt_phases(exec::MemorySpace::Device, {exec::Category::Params, exec::Category::Grads, exec::Category::Optimizer},
+                     predicted, alloc, report);
+  compare_opt_phases(exec::MemorySpace::Host, {exec::Category::Optimizer}, predicted, alloc, report);
+  report.measured_trace = measured_trace(alloc);
 }
 
 }  // namespace flatpeak::cli
