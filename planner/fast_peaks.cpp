@@ -558,9 +558,12 @@ int64_t FastPeaks::vocab_bytes(Voc kind, int64_t ring_size, RingRotate rotate, i
   const bool in_forward = run_.vocab_backward == VocabBackward::InForward;
   Acc t(al_);
   x_w(s, t);
-  if (kind == Voc::BlockForward) {
+  // R > 1 with gradients in forward: the forward's largest live set is its gradient ring pass's,
+  // the backward's (memory_terms_vocab.cpp).
+  if (kind == Voc::BlockForward && !(in_forward && s.R > 1)) {
     t.add(kVoc, mul(s.Tb, s.Vb), kF32);
-    t.add(kVoc, mul(3, s.R == 1 ? s.Tb : s.T), kF32);
+    if (s.R == 1) t.add(kVoc, mul(3, s.Tb), kF32);
+    else if (rotate == RingRotate::Weights) t.add(kVoc, mul(3, s.T), kF32);  // activations: it travels
     lse_loss(s, t);
     ring(rotate, s, in_forward, t);
     if (in_forward) {

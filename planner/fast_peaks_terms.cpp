@@ -292,8 +292,12 @@ void ring(RingRotate rotate, const VocabShape& s, bool grads, Acc& t) {
   if (s.R <= 1) return;
   if (rotate == RingRotate::Activations) {
     t.add(kVoc, mul(2, s.Tb, s.H), kB16);
-    t.add(kVoc, mul(2, 3, s.Tb), kF32);
-    if (grads) t.add(kVoc, mul(2, s.Tb, s.H), kF32);
+    if (grads) {
+      t.add(kVoc, mul(2, s.Tb), kF32);
+      t.add(kVoc, mul(2, s.Tb, s.H), kF32);
+    } else {
+      t.add(kVoc, mul(2, 3, s.Tb), kF32);
+    }
   } else {
     t.add(kVoc, mul(s.shard, s.H), kB16);
   }
@@ -314,8 +318,9 @@ void dx(const VocabShape& s, Acc& t) {
 }
 
 void dw(RingRotate rotate, const VocabShape& s, Acc& t) {
-  if (s.R > 1 && rotate == RingRotate::Weights) t.add(kVoc, mul(2, s.shard, s.H), kF32);
-  else if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);
+  if (s.R > 1 && rotate == RingRotate::Weights) {
+    t.add(kVoc, mul(s.shard, s.H), kF32, 2);  // two buffers: after the last hop one is released
+  } else if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);
   else t.add(kVoc, mul(s.V, s.H), kF32);
 }
 
@@ -335,7 +340,8 @@ void loss_saved(const Ctx& c, Acc& t) {
   } else if (c.r.vocab_backward == VocabBackward::InForward) {
     // X, W and lse are released; dX, the fp32 dW accumulator and the loss wait for the backward.
     t.add(kVoc, mul(s.T, s.H), s.R == 1 ? kB16 : kF32);
-    dw(c.r.ring_rotate, s, t);
+    if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);  // the dW shard is home: one accumulator
+    else dw(c.r.ring_rotate, s, t);
     t.add(kVoc, s.T, kF32);
   } else {
     t.add(kVoc, mul(s.T, s.H), kB16);

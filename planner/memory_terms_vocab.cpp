@@ -7,6 +7,12 @@
 // fp32 for lse, loss, the online state and every cross-block accumulator. With R = 1 the loop is
 // token-block outer, so the online state and the fp32 dX accumulator cover one token block and dX
 // is written bf16 [T, H]; with R > 1 the ring visits each token block R times, so they cover T.
+// R > 1, what the ring carries: rotating activations, a token block travels with its online state
+// in the forward and with its lse and fp32 dX block in the backward, so no rank keeps a [3, T]
+// state (the block's state comes home complete and becomes lse and loss); rotating weights, a W
+// shard travels with its fp32 dW accumulator and comes home after R hops, when the arriving
+// buffer is released. Gradients in forward at R > 1: lse exists only after a whole ring pass, so
+// the gradients are a second ring pass inside the forward, whose live set is the backward's.
 #include <algorithm>
 #include <string>
 
@@ -37,13 +43,18 @@ void add_x_w(const VocabShape& s, TermList& t) {
 
 bool in_forward(const Context& c) { return c.run.vocab_backward == VocabBackward::InForward; }
 
-// Ring buffers for one direction of rotation; `grads` adds the travelling gradient accumulators.
+// Ring buffers for one direction of rotation (the one in use and the one arriving); `grads`: the
+// gradient pass, where a token block carries its lse (not the forward's online state) and dX.
 void add_ring(const Context& c, const VocabShape& s, bool grads, TermList& t) {
   if (s.R <= 1) return;
   if (c.run.ring_rotate == RingRotate::Activations) {
     t.add("ring X blocks in flight", {{"2", 2}, {"T_blk", s.Tb}, {"H", s.H}}, kBf16, kVoc);
-    t.add("ring online state in flight", {{"2", 2}, {"3", 3}, {"T_blk", s.Tb}}, kFp32, kVoc);
-    if (grads) t.add("ring dX blocks in flight", {{"2", 2}, {"T_blk", s.Tb}, {"H", s.H}}, kFp32, kVoc);
+    if (grads) {
+      t.add("ring lse blocks in flight", {{"2", 2}, {"T_blk", s.Tb}}, kFp32, kVoc);
+      t.add("ring dX blocks in flight", {{"2", 2}, {"T_blk", s.Tb}, {"H", s.H}}, kFp32, kVoc);
+    } else {
+      t.add("ring online state in flight", {{"2", 2}, {"3", 3}, {"T_blk", s.Tb}}, kFp32, kVoc);
+    }
   } else {
     t.add("ring W shard in flight", {{"V/R", s.shard}, {"H", s.H}}, kBf16, kVoc);
   }
@@ -66,22 +77,31 @@ void add_dx(const VocabShape& s, TermList& t) {
 
 void add_dw(const Context& c, const VocabShape& s, TermList& t, const std::string& prefix = "",
             const std::string& suffix = "") {
-  if (s.R > 1 && c.run.ring_rotate == RingRotate::Weights)
-    t.add(prefix + "dW shard accumulators (travelling)" + suffix, {{"2", 2}, {"V/R", s.shard}, {"H", s.H}}, kFp32,
-          kVoc);
-  else if (s.R > 1)
+  if (s.R > 1 && c.run.ring_rotate == RingRotate::Weights) {
+    // Two buffers (in use, arriving), not one [2, V/R, H]: after the last hop one is released.
+    t.add(prefix + "dW shard accumulators (travelling)" + suffix, {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc, 2);
+  } else if (s.R > 1)
     t.add(prefix + "dW shard accumulator" + suffix, {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
   else
     t.add(prefix + "dW accumulator" + suffix, {{"V", s.V}, {"H", s.H}}, kFp32, kVoc);
 }
 
+void add_block_backward(const Context& c, const VocabShape& s, TermList& t);
+
 void add_block_forward(const Context& c, const VocabShape& s, TermList& t) {
+  const bool grads = in_forward(c);
+  if (grads && s.R > 1) {
+    // The gradient ring pass inside the forward holds more than the forward ring pass (dX, dW,
+    // dlogits against the online state, which is released once lse is known).
+    add_block_backward(c, s, t);
+    return;
+  }
   add_x_w(s, t);
   t.add("logits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kFp32, kVoc);
   if (s.R == 1) t.add("online state (max, sum, target logit)", {{"3", 3}, {"T_blk", s.Tb}}, kFp32, kVoc);
-  else t.add("online state (max, sum, target logit)", {{"3", 3}, {"T", s.T}}, kFp32, kVoc);
+  else if (c.run.ring_rotate == RingRotate::Weights)
+    t.add("online state (max, sum, target logit)", {{"3", 3}, {"T", s.T}}, kFp32, kVoc);
   add_lse_loss(s, t);
-  const bool grads = in_forward(c);
   add_ring(c, s, grads, t);
   if (grads) {
     t.add("dlogits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kBf16, kVoc);
@@ -100,8 +120,9 @@ void add_block_backward(const Context& c, const VocabShape& s, TermList& t) {
   add_dw(c, s, t);
 }
 
-std::string block_folds(const VocabShape& s) {
-  const int64_t blocks = ceil_div(s.T, s.Tb) * ceil_div(s.shard, s.Vb) * s.R;
+// `passes`: 2 for the forward of a ring with gradients in forward (the forward and gradient passes).
+std::string block_folds(const VocabShape& s, int64_t passes = 1) {
+  const int64_t blocks = ceil_div(s.T, s.Tb) * ceil_div(s.shard, s.Vb) * s.R * passes;
   return blocks > 1 ? "blk0-blk" + std::to_string(blocks - 1) : "";
 }
 
@@ -119,7 +140,7 @@ std::vector<PhaseTerms> loss_forward_phases(const Context& c) {
     t.add("log-softmax", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
     return out;
   }
-  out.push_back(PhaseTerms{"fwd/blk0", block_folds(s), c.list()});
+  out.push_back(PhaseTerms{"fwd/blk0", block_folds(s, in_forward(c) && s.R > 1 ? 2 : 1), c.list()});
   add_block_forward(c, s, out.back().terms);
   return out;
 }
@@ -157,7 +178,9 @@ void add_loss_saved(const Context& c, const std::string& prefix, TermList& t) {
     // X, W and lse are released; dX, the fp32 dW accumulator and the loss wait for the backward.
     if (s.R == 1) t.add(prefix + "dX (computed in forward)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
     else t.add(prefix + "dX (computed in forward)", {{"T", s.T}, {"H", s.H}}, kFp32, kVoc);
-    add_dw(c, s, t, prefix, " (computed in forward)");
+    // With weights rotating the dW shard came home on the last hop: one accumulator is left.
+    if (s.R > 1) t.add(prefix + "dW shard accumulator (computed in forward)", {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
+    else add_dw(c, s, t, prefix, " (computed in forward)");
     t.add(prefix + "per-token loss (saved)", {{"T", s.T}}, kFp32, kVoc);
   } else {
     t.add(prefix + "X (saved)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);

@@ -212,11 +212,17 @@ TEST(PlannerTiny, RingDtpAlone) {
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/bwd/blk0");
   EXPECT_EQ(vocab.component_bytes, 256 + 256 + 64 + 64 + 1024 + 512 + 256 + 512 + 1024);  // + loss
-  // Rotating activations instead: X blocks in flight 2*16*8*2 = 512, state 2*3*16*4 = 384,
-  // dX blocks 2*16*8*4 = 1024; dW shard accumulator 16*8*4 = 512.
+  // Rotating activations instead: X blocks in flight 2*16*8*2 = 512, lse blocks in flight
+  // 2*16*4 = 128 (the backward's blocks carry lse, not the forward's state), dX blocks
+  // 2*16*8*4 = 1024; dW shard accumulator 16*8*4 = 512.
   const Plan a = plan_of(tiny_moe(), tiny_gpu(), with({{"--ring-dtp", "on"}, {"--ring-rotate", "activations"}}));
   EXPECT_EQ(a.summary.peak(PeakKind::Vocab).component_bytes,
-            256 + 256 + 64 + 64 + 1024 + 512 + 512 + 384 + 1024 + 512 + 512);  // + loss
+            256 + 256 + 64 + 64 + 1024 + 512 + 512 + 128 + 1024 + 512 + 512);  // + loss
+  // Its forward keeps no [3, T] state: each token block's state travels with it, 2*3*16*4 = 384.
+  EXPECT_EQ(phase(a, "loss/fwd/blk0").terms.bytes(Category::Vocab), 256 + 256 + 1024 + 64 + 64 + 512 + 384);
+  // Gradients in forward with weights rotating: after the last hop one dW shard is left, 512.
+  const Plan f = plan_of(tiny_moe(), tiny_gpu(), with({{"--ring-dtp", "on"}, {"--vocab-backward", "in-forward"}}));
+  EXPECT_EQ(phase(f, "loss/bwd").terms.bytes(Category::Vocab), 512 + 512 + 64);  // dX fp32, dW, loss
   // The dispatch peak is the baseline's (at bwd/L0 the head's reduce-scatter is done).
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, p.baseline.peak(PeakKind::Dispatch).component_bytes);
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).bytes, p.baseline.peak(PeakKind::Dispatch).bytes);

@@ -27,7 +27,7 @@ struct Component {
 // Report order: the techniques' components first, then the layer and the whole step.
 const Component kComponents[] = {
     {"dispatch", verify_dispatch, verify_dispatch_ranks, true},
-    {"vocab", verify_vocab, nullptr, true},
+    {"vocab", verify_vocab, verify_vocab_ring, true},
     {"checkpoint", verify_checkpoint, nullptr, true},
     {"optimizer", verify_optimizer, nullptr, true},
     {"layer", verify_layer, nullptr, true},
