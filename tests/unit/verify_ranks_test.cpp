@@ -119,18 +119,53 @@ struct DispatchCase {
 
 class VerifyDispatchRanks : public ::testing::TestWithParam<DispatchCase> {};
 
-TEST_P(VerifyDispatchRanks, FourRanksAgainstThePlannerOnTheRealisedRouting) {
-  const DispatchCase& c = GetParam();
-  const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--schedule", c.schedule}, {"--imbalance", c.imbalance}});
+// What the dispatch comparison shows today (executor/README.md, "Ranks, launcher and
+// --max-ranks"): the executor's fp32 fused exchange does not yet hold the bf16 step's buffers the
+// planner predicts, so the 1 % agreement is not asserted here; what holds is asserted.
+VerifyReport run_dispatch(const char* schedule, const char* imbalance) {
+  const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--schedule", schedule}, {"--imbalance", imbalance}});
   const ScaledConfig s = scale_config(in, std::nullopt, 8);
-  ASSERT_EQ(s.ranks, 4);
-  ASSERT_EQ(s.ep, 4);
-  const VerifyReport r = run_component_on_ranks(verify_dispatch_ranks, in, s, nullptr, 4, nullptr);
+  EXPECT_EQ(s.ranks, 4);  // --scale auto runs the plan's 4 ranks
+  EXPECT_EQ(s.ep, 4);
+  VerifyReport r = run_component_on_ranks(verify_dispatch_ranks, in, s, nullptr, 4, nullptr);
   for (const auto& note : r.notes) std::printf("%s\n", note.c_str());
   for (const auto& row : r.rows)
     std::printf("%s %s rank %d predicted %lld measured %lld rel %+.4f\n", row.component.c_str(), row.phase.c_str(), row.rank,
                 static_cast<long long>(row.predicted_bytes), static_cast<long long>(row.measured_bytes), row.relative_error);
-  ASSERT_FALSE(r.rows.empty());
+  return r;
+}
+
+const VerifyRow& row_named(const VerifyReport& r, const std::string& phase_prefix) {
+  for (const auto& row : r.rows)
+    if (row.phase.rfind(phase_prefix, 0) == 0) return row;
+  static const VerifyRow none{};
+  ADD_FAILURE() << "no row " << phase_prefix;
+  return none;
+}
+
+TEST_P(VerifyDispatchRanks, FourRanksAgainstThePlannerOnTheRealisedRouting) {
+  const DispatchCase& c = GetParam();
+  const VerifyReport r = run_dispatch(c.schedule, c.imbalance);
+  const VerifyRow& peak = row_named(r, "bwd/L");
+  EXPECT_NE(peak.phase.find("/moe/"), std::string::npos);
+  EXPECT_GE(peak.rank, 0);
+  EXPECT_LT(peak.rank, 4);
+  EXPECT_GT(peak.measured_bytes, 0);
+  EXPECT_GT(peak.predicted_bytes, 0);
+  if (std::string(c.schedule) == "flatpeak") {
+    // PipelinedLLEP's measured peak stays under the bound the planner states for the plan.
+    const VerifyRow& bound = row_named(r, "bound");
+    EXPECT_LE(bound.measured_bytes, bound.predicted_bytes);
+    EXPECT_EQ(bound.measured_bytes, peak.measured_bytes);
+  }
+}
+
+TEST(VerifyDispatchRanksEffect, PipelinedLlepMeasuresBelowUncappedAndRhoRaisesTheUncappedPeak) {
+  const int64_t uncapped_rho = row_named(run_dispatch("baseline", "rho=2.5"), "bwd/L").measured_bytes;
+  const int64_t uncapped_hot = row_named(run_dispatch("baseline", "hot-expert=0.5,1"), "bwd/L").measured_bytes;
+  const int64_t pipelined_rho = row_named(run_dispatch("flatpeak", "rho=2.5"), "bwd/L").measured_bytes;
+  EXPECT_GT(uncapped_rho, uncapped_hot);  // realised rho 2.49 against 1.36: receive buffers grow with rho
+  EXPECT_LT(pipelined_rho * 4, uncapped_rho);
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, VerifyDispatchRanks,

@@ -13,7 +13,8 @@
 
 #include <fmt/format.h>
 
-#include "executor/dispatch/ep_dispatch_case.h"
+#include "executor/dispatch/ep_dispatch.h"
+#include "executor/memory/tensor.h"
 #include "executor/memory/tracking_allocator.h"
 #include "plan.h"
 #include "run_spec.h"
@@ -83,6 +84,21 @@ DispatchKnobs read_knobs(const VerifyInputs& in, const ScaledConfig& s) {
   errs.throw_if_any();
   k.chunk_cap_rows = std::min(k.chunk_cap_rows, s.tokens * in.top_k);
   return k;
+}
+
+// Uniform in [-1, 1), a pure function of (rank, stream, index) (splitmix64): each rank makes only
+// its own slice, so no rank holds the others' data.
+float uniform(int64_t rank, uint64_t stream, int64_t index) {
+  uint64_t v = static_cast<uint64_t>(rank + 1) * 0x9e3779b97f4a7c15ull + stream * 0xd1b54a32d192ed03ull + static_cast<uint64_t>(index);
+  v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ull;
+  v = (v ^ (v >> 27)) * 0x94d049bb133111ebull;
+  v ^= v >> 31;
+  return static_cast<float>(static_cast<double>(v >> 40) / static_cast<double>(1ull << 23) - 1.0);
+}
+
+void fill(exec::Tensor& t, int64_t rank, uint64_t stream, float scale) {
+  float* p = static_cast<float*>(t.raw());
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * uniform(rank, stream, i);
 }
 
 // The expert FFN width scaled with H (the expert's shape kept).
@@ -166,17 +182,17 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
   const RoutingShape shape{s.ep, s.num_experts, in.top_k};
   validate_routing_model(plan_routing, shape, 0);
 
-  // Every rank builds the same global case (a pure function of the seed) and runs its slice.
-  const exec::EpCase ep_case = exec::make_ep_case(dims, s.ep, plan_routing, /*seed=*/1);
-  std::vector<std::vector<int32_t>> ids_per_rank;
+  // The realised routing: every source rank's ids are a pure function of (model, seed, rank), so
+  // each rank counts all of them, one rank's [T, k] ids at a time.
+  constexpr uint64_t kSeed = 1;
+  CountMatrix realised_counts;
   for (int64_t r = 0; r < s.ep; ++r)
-    ids_per_rank.emplace_back(ep_case.topk_ids.begin() + r * s.tokens * in.top_k,
-                              ep_case.topk_ids.begin() + (r + 1) * s.tokens * in.top_k);
+    realised_counts.push_back(count_routing(generate_routing(plan_routing, shape, s.tokens, kSeed, r, r, 0), shape));
   auto realised_file = std::make_shared<RoutingFile>();
   realised_file->path = "(the routing verify ran)";
   realised_file->ep_ranks = s.ep;
   realised_file->num_experts = s.num_experts;
-  realised_file->layers = {count_matrix(ids_per_rank, shape)};
+  realised_file->layers = {realised_counts};
   RoutingModel realised;
   realised.kind = RoutingKind::File;
   realised.file_path = realised_file->path;
@@ -195,10 +211,49 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
   config.lla.min_rows_per_gemm = knobs.min_rows;
   config.chunk_cap_rows = knobs.chunk_cap_rows;
   config.phase_prefix = phase.substr(0, phase.find("/moe/") + 4);  // "bwd/L3/moe"
-  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  const exec::EpRankResult got = exec::run_ep_rank(comm, alloc, ep_case, config);
-  const int64_t measured = got.stats.dispatch_peak_bytes;
+  // This rank's tensors come from its allocator too (activations, params, grads; not dispatch),
+  // so verify holds no untracked copy of the layer.
   const int rank = comm.rank();
+  const int64_t T = dims.tokens, H = dims.hidden, F = dims.ffn, k = dims.top_k, L = dims.experts / s.ep;
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  using exec::Category;
+  using exec::DType;
+  alloc.set_phase("init");
+  exec::Tensor x(alloc, DType::F32, {T, H}, Category::Activations);         // [T, H]
+  exec::Tensor d_out(alloc, DType::F32, {T, H}, Category::Activations);     // [T, H]
+  exec::Tensor ids(alloc, DType::I32, {T, k}, Category::Activations);       // [T, k]
+  exec::Tensor weights(alloc, DType::F32, {T, k}, Category::Activations);   // [T, k]
+  exec::Tensor w_gate_up(alloc, DType::F32, {L, 2 * F, H}, Category::Params);  // [L, 2F, H]
+  exec::Tensor w_down(alloc, DType::F32, {L, H, F}, Category::Params);         // [L, H, F]
+  exec::Tensor out(alloc, DType::F32, {T, H}, Category::Activations);       // [T, H]
+  exec::Tensor d_x(alloc, DType::F32, {T, H}, Category::Activations);       // [T, H]
+  exec::Tensor d_weights(alloc, DType::F32, {T, k}, Category::Activations); // [T, k]
+  exec::Tensor d_w_gate_up(alloc, DType::F32, {L, 2 * F, H}, Category::Grads);
+  exec::Tensor d_w_down(alloc, DType::F32, {L, H, F}, Category::Grads);
+  fill(x, rank, 1, 1.0f);
+  fill(d_out, rank, 2, 1.0f);
+  fill(w_gate_up, rank, 4, 1.0f / std::sqrt(static_cast<float>(H)));
+  fill(w_down, rank, 5, 1.0f / std::sqrt(static_cast<float>(F)));
+  {
+    const std::vector<int32_t> my_ids = generate_routing(plan_routing, shape, T, kSeed, rank, rank, 0);
+    std::copy(my_ids.begin(), my_ids.end(), static_cast<int32_t*>(ids.raw()));
+  }
+  float* w = static_cast<float*>(weights.raw());
+  for (int64_t t = 0; t < T; ++t) {  // positive router weights, each token's k summing to 1
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += (w[t * k + j] = 0.55f + 0.45f * uniform(rank, 3, t * k + j));
+    for (int64_t j = 0; j < k; ++j) w[t * k + j] /= sum;
+  }
+  std::fill_n(static_cast<float*>(d_w_gate_up.raw()), d_w_gate_up.numel(), 0.0f);
+  std::fill_n(static_cast<float*>(d_w_down.raw()), d_w_down.numel(), 0.0f);
+  exec::MoeRankTensors io{static_cast<const float*>(x.raw()),     static_cast<const int32_t*>(ids.raw()),
+                          static_cast<const float*>(weights.raw()), static_cast<const float*>(d_out.raw()),
+                          static_cast<const float*>(w_gate_up.raw()), static_cast<const float*>(w_down.raw()),
+                          static_cast<float*>(out.raw()),          static_cast<float*>(d_x.raw()),
+                          static_cast<float*>(d_weights.raw()),    static_cast<float*>(d_w_gate_up.raw()),
+                          static_cast<float*>(d_w_down.raw())};
+  const exec::EpDispatchStats stats = exec::moe_dispatch_backward(comm, alloc, dims, config, io);
+  const int64_t measured = stats.dispatch_peak_bytes;
   report.rows.push_back({"dispatch", "device", phase, predicted_bytes, measured, relative_error(measured, predicted_bytes), rank});
   if (config.schedule == exec::EpSchedule::PipelinedLlep) {
     // The planner's statement for the plan as written: its routing model's expected loads.
@@ -209,9 +264,9 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
   }
   report.measured_trace = measured_trace(alloc);
   if (rank == 0) {
-    const std::vector<int64_t> rows = received_rows_per_rank(realised_file->layers[0], shape);
-    report.notes.push_back(fmt::format("dispatch: {} on {} ranks, routing {} realised rho = {:.3f} (seed 1), F = {} -> {}, C = {}, m = {}",
-                                       exec::ep_schedule_name(config.schedule), s.ep, in.imbalance, imbalance_rho(rows),
+    const std::vector<int64_t> rows = received_rows_per_rank(realised_counts, shape);
+    report.notes.push_back(fmt::format("dispatch: {} on {} ranks, routing {} realised rho = {:.3f} (seed {}), F = {} -> {}, C = {}, m = {}",
+                                       exec::ep_schedule_name(config.schedule), s.ep, in.imbalance, imbalance_rho(rows), kSeed,
                                        model.expert_ffn_width, dims.ffn, knobs.chunk_cap_rows, knobs.min_rows));
   }
 }
