@@ -31,8 +31,6 @@ namespace {
 
 using nlohmann::ordered_json;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The plan's dispatch knobs as verify runs them, scaled with T (DESIGN.md "Verify").
 struct DispatchKnobs {
   bool llep = false;
@@ -48,20 +46,16 @@ const nlohmann::json* knob(const VerifyInputs& in, const char* name) {
   return in.knob_values.contains(name) ? &in.knob_values[name] : nullptr;
 }
 
+// The LLEP switch, C, m, mode and depth as scale_config checked and scaled them
+// (scale_dispatch_knobs); α, λ and striping as the plan wrote them (InputError names the knob).
 DispatchKnobs read_knobs(const VerifyInputs& in, const ScaledConfig& s) {
   DispatchKnobs k;
+  k.llep = s.llep;
+  k.chunk_cap_rows = s.llep ? s.chunk_cap_rows : 0;
+  k.min_rows = s.llep_min_rows;
+  k.mode = s.dispatch_store ? "store" : "recompute";
+  k.depth = s.dispatch_depth;
   InputErrors errs;
-  auto integer = [&](const char* name, int64_t min_value, int64_t& out) {
-    const nlohmann::json* v = knob(in, name);
-    if (!v) return false;
-    if (!v->is_number_integer() || v->get<int64_t>() < min_value) {
-      errs.add(Diagnostic{in.file, std::string("/knobs/") + name + "/value",
-                          "must be an integer >= " + std::to_string(min_value) + " (got " + v->dump() + ")", ""});
-      return false;
-    }
-    out = v->get<int64_t>();
-    return true;
-  };
   auto number = [&](const char* name, double& out) {
     const nlohmann::json* v = knob(in, name);
     if (!v) return;
@@ -71,18 +65,13 @@ DispatchKnobs read_knobs(const VerifyInputs& in, const ScaledConfig& s) {
     }
     out = v->get<double>();
   };
-  if (const nlohmann::json* v = knob(in, "llep")) k.llep = v->is_boolean() && v->get<bool>();
-  if (const nlohmann::json* v = knob(in, "striping")) k.striping = !v->is_boolean() || v->get<bool>();
-  if (const nlohmann::json* v = knob(in, "dispatch_mode"); v && v->is_string()) k.mode = v->get<std::string>();
   number("llep_alpha", k.alpha);
   number("llep_lambda", k.lambda);
-  integer("dispatch_depth", 1, k.depth);
-  int64_t cap = 0, m = 0;
-  // Cap and m scale with T: the same number of rounds and the same share of a rank's rows.
-  if (integer("chunk_cap_rows", 0, cap) && cap > 0) k.chunk_cap_rows = std::max<int64_t>(1, ceil_div(cap * s.tokens, in.tokens_per_gpu));
-  if (integer("llep_min_rows", 0, m)) k.min_rows = ceil_div(m * s.tokens, in.tokens_per_gpu);
+  if (const nlohmann::json* v = knob(in, "striping")) {
+    if (!v->is_boolean()) errs.add(Diagnostic{in.file, "/knobs/striping/value", "must be true or false (got " + v->dump() + ")", ""});
+    else k.striping = v->get<bool>();
+  }
   errs.throw_if_any();
-  k.chunk_cap_rows = std::min(k.chunk_cap_rows, s.tokens * in.top_k);
   return k;
 }
 
@@ -101,15 +90,10 @@ void fill(exec::Tensor& t, int64_t rank, uint64_t stream, float scale) {
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * uniform(rank, stream, i);
 }
 
-// The expert FFN width scaled with H (the expert's shape kept).
-int64_t scaled_ffn(const ModelSpec& model, const VerifyInputs& in, const ScaledConfig& s) {
-  return std::max<int64_t>(1, ceil_div(model.expert_ffn_width * s.hidden, in.hidden));
-}
-
 // The planner's plan of the scaled configuration on the EP ranks, routed by `routing`.
 planner::Plan predict(const VerifyInputs& in, const ScaledConfig& s, const DispatchKnobs& k, const RoutingModel& routing) {
   ModelSpec model = load_model(in.model_name);
-  const int64_t ffn = scaled_ffn(model, in, s);
+  const int64_t ffn = s.expert_ffn;
   model.hidden_size = s.hidden;
   model.vocab_size = s.vocab;
   model.num_layers = s.layers;
@@ -178,7 +162,7 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
   const DispatchKnobs knobs = read_knobs(in, s);
   const RoutingModel plan_routing = parse_routing_model(in.imbalance);
   const ModelSpec model = load_model(in.model_name);
-  exec::MoeDims dims{s.tokens, s.hidden, scaled_ffn(model, in, s), s.num_experts, in.top_k};
+  exec::MoeDims dims{s.tokens, s.hidden, s.expert_ffn, s.num_experts, in.top_k};
   const RoutingShape shape{s.ep, s.num_experts, in.top_k};
   validate_routing_model(plan_routing, shape, 0);
 
