@@ -51,7 +51,7 @@ class ByteBuffer {
 
 void check(const LayerScheduleConfig& c) {
   if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 ||
-      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0)
+      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0 || c.shared_ffn < 0)
     throw std::invalid_argument("layer schedule: every dimension must be positive");
   if (c.q_heads % c.kv_heads != 0)
     throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
@@ -65,7 +65,7 @@ class LayerRun {
  public:
   LayerRun(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in)
       : a_(alloc), c_(c), in_(in), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
-        D_(c.head_dim), E_(c.experts), K_(c.top_k), F_(c.expert_ffn), TK_(T_ * K_) {}
+        D_(c.head_dim), E_(c.experts), K_(c.top_k), F_(c.expert_ffn), FS_(c.shared_ffn), TK_(T_ * K_) {}
 
   LayerScheduleResult run() {
     LayerScheduleResult result;
@@ -109,6 +109,10 @@ class LayerRun {
     wr_ = input_tensor("router", {E_, H_}, w);
     wgu_ = input_tensor("w_gate_up", {E_, 2 * F_, H_}, w);
     wd_ = input_tensor("w_down", {E_, H_, F_}, w);
+    if (FS_ > 0) {
+      wsgu_ = input_tensor("shared_gate_up", {2 * FS_, H_}, w);
+      wsd_ = input_tensor("shared_down", {H_, FS_}, w);
+    }
   }
 
   std::vector<float> widen(const Tensor& t) const {
@@ -273,12 +277,17 @@ class LayerRun {
     std::copy(pp, pp + TK_, rprobs_.data<float>());
   }
 
-  // Expert input [R, H] (received rows sorted by local expert: the same order on one rank),
-  // fc1 [R, 2F] = [gate | up], act·prob [R, F] = silu(gate) ⊙ up · prob.
-  void experts_fc1() {
+  // The dispatcher's last step: expert input [R, H] = the received rows sorted by local expert
+  // (the same order on one rank); the receive buffer is freed once it is copied. Both are live
+  // for the copy, at the end of the dispatch phase (send buffer and received probs already freed).
+  void sort_to_expert_input() {
     ein_ = dsp({TK_, H_});
     std::copy(recv_.data<S>(), recv_.data<S>() + TK_ * H_, ein_.data<S>());
     recv_.reset();
+  }
+
+  // fc1 [R, 2F] = [gate | up], act·prob [R, F] = silu(gate) ⊙ up · prob.
+  void experts_fc1() {
     fc1_ = dsp({TK_, 2 * F_});
     actp_ = dsp({TK_, F_});
     for (int64_t e = 0; e < E_; ++e) {
@@ -325,6 +334,25 @@ class LayerRun {
     });
   }
 
+  // Shared experts (one SwiGLU MLP of width F_s over every token): gate,up [T, 2F_s] and act*up
+  // [T, F_s] (activations), from the norm-2 output.
+  void shared_forward() {
+    sgu_ = act({T_, 2 * FS_});
+    sact_ = act({T_, FS_});
+    gemm_cpu(false, true, T_, 2 * FS_, H_, 1.0f, n2_.data<S>(), H_, wsgu_.data<S>(), H_, false, sgu_.data<S>(), 2 * FS_);
+    const S* gu = sgu_.data<S>();
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t f = 0; f < FS_; ++f)
+        store_f32(sact_.data<S>() + t * FS_ + f, silu_f32(to_f32(gu[t * 2 * FS_ + f])) * to_f32(gu[t * 2 * FS_ + FS_ + f]));
+  }
+
+  // target += act*up · W_downᵀ (the shared experts' output, a short-lived [T, H]).
+  void add_shared_output(Tensor& target) {
+    Tensor out = act({T_, H_});
+    gemm_cpu(false, true, T_, H_, FS_, 1.0f, sact_.data<S>(), FS_, wsd_.data<S>(), FS_, false, out.data<S>(), H_);
+    for (int64_t i = 0; i < T_ * H_; ++i) store_f32(target.data<S>() + i, to_f32(target.data<S>()[i]) + to_f32(out.data<S>()[i]));
+  }
+
   void free_routing() {
     logits_.reset(), scores_.reset(), scattered_.reset(), topw_.reset(), topid_.reset();
     map_.reset();
@@ -352,11 +380,17 @@ class LayerRun {
     a_.set_phase(p + "moe/dispatch");  // + sort indices, permuted probs, send, receive, received probs
     dispatch();
     send_.reset(), rprobs_.reset();
-    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob
+    sort_to_expert_input();
+    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob; shared experts' gate,up and act*up
+    if (FS_ > 0) shared_forward();
     experts_fc1();
-    ein_.reset(), fc1_.reset();
+    ein_.reset(), fc1_.reset(), sgu_.reset();
     experts_fc2();
     actp_.reset();
+    if (FS_ > 0) {
+      add_shared_output(h1_);  // y = (h1 + shared) + routed, in this order on every path
+      sact_.reset();
+    }
     a_.set_phase(p + "moe/combine");  // + fc2, unpermuted rows, combine receive buffer, MoE output
     combine();
     fc2_.reset(), unp_.reset(), crecv_.reset();
@@ -386,9 +420,11 @@ class LayerRun {
     attention_residual();
     n2_ = act({T_, H_});
     rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
+    if (FS_ > 0) shared_forward();  // saved for backward
     route();
     dispatch();
     send_.reset(), rprobs_.reset();
+    sort_to_expert_input();
     a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob (saved), fc2
     experts_fc1();
     experts_fc2();
@@ -397,7 +433,9 @@ class LayerRun {
     Tensor y;
     if (!c_.checkpointed) {
       y = Tensor(a_, c_.dtype, {T_, H_}, Category::Boundaries);
-      add(h1_, moe_out_, y);
+      std::copy(h1_.data<S>(), h1_.data<S>() + T_ * H_, y.data<S>());
+      if (FS_ > 0) add_shared_output(y);
+      add(y, moe_out_, y);
     }
     fc2_.reset(), unp_.reset(), crecv_.reset(), moe_out_.reset();
     return y;
@@ -427,6 +465,8 @@ class LayerRun {
     start_grad_stream();
     Tensor g_norm1 = grad_of(norm1_), g_wq = grad_of(wq_), g_wk = grad_of(wk_), g_wv = grad_of(wv_), g_wo = grad_of(wo_);
     Tensor g_norm2 = grad_of(norm2_), g_wr = grad_of(wr_), g_wgu = grad_of(wgu_), g_wd = grad_of(wd_);
+    Tensor g_wsgu, g_wsd;
+    if (FS_ > 0) g_wsgu = grad_of(wsgu_), g_wsd = grad_of(wsd_);
     const S* dy = dy_.data<S>();
     Tensor dcrow = dsp({TK_, H_});
     for_each_copy([&](int64_t t, int64_t, int64_t row) {
@@ -459,6 +499,23 @@ class LayerRun {
         store_f32(dfc1.data<S>() + r * 2 * F_ + f, dap * u * silu_grad_f32(g));
         store_f32(dfc1.data<S>() + r * 2 * F_ + F_ + f, dap * silu_f32(g));
       }
+    // Shared experts' backward at the same time: d act*up [T, F_s], d gate,up [T, 2F_s].
+    Tensor dsgu;
+    if (FS_ > 0) {
+      Tensor dsact = act({T_, FS_});
+      dsgu = act({T_, 2 * FS_});
+      gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_.data<S>(), FS_, false, dsact.data<S>(), FS_);
+      gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_wsd.data<S>(), FS_);
+      const S* sg = sgu_.data<S>();
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t f = 0; f < FS_; ++f) {
+          const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
+          const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
+        }
+      gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_wsgu.data<S>(), H_);
+    }
     dfc2.reset();
     // d prob of each row (fp32), then the expert input's gradient and dW_gate_up.
     Tensor dprob = f32({TK_}, kDsp);
@@ -500,6 +557,10 @@ class LayerRun {
       gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_.data<S>(), H_, false, dn2acc.data<float>(), H_);
       gemm_cpu(true, false, E_, H_, T_, 1.0f, static_cast<const float*>(dz), E_, n2_.data<S>(), H_, true, g_wr.data<S>(), H_);
     }
+    if (FS_ > 0) {  // the shared experts' part of d norm-2 output
+      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_.data<S>(), H_, true, dn2acc.data<float>(), H_);
+      dsgu.reset();
+    }
 
     a_.set_phase(p + "moe/dispatch");  // peak: d expert input, d dispatch rows, d norm-2 output accumulator
     {
@@ -523,7 +584,7 @@ class LayerRun {
       rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, g_norm2);
       accumulate_residual(dh1);
     }
-    h1_.reset(), n2_.reset();
+    h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
 
     a_.set_phase(p + "attn");  // peak: saved attention set, grad stream, d o, dq, dk, dv, dq accumulator, delta, d norm-1 output
     Tensor d_o = act({T_, A_ * D_});
@@ -568,6 +629,10 @@ class LayerRun {
     grads_out_["router"] = widen(g_wr);
     grads_out_["w_gate_up"] = widen(g_wgu);
     grads_out_["w_down"] = widen(g_wd);
+    if (FS_ > 0) {
+      grads_out_["shared_gate_up"] = widen(g_wsgu);
+      grads_out_["shared_down"] = widen(g_wsd);
+    }
   }
 
   void rmsnorm_backward(const Tensor& x, const Tensor& w, float* rstd, const Tensor& d_out, Tensor& d_x, Tensor& d_w) {
@@ -661,10 +726,10 @@ class LayerRun {
   TrackingAllocator& a_;
   const LayerScheduleConfig& c_;
   const LayerInputs& in_;
-  const int64_t T_, H_, A_, G_, D_, E_, K_, F_, TK_;
-  Tensor norm1_, wq_, wk_, wv_, wo_, norm2_, wr_, wgu_, wd_;
+  const int64_t T_, H_, A_, G_, D_, E_, K_, F_, FS_, TK_;
+  Tensor norm1_, wq_, wk_, wv_, wo_, norm2_, wr_, wgu_, wd_, wsgu_, wsd_;
   Tensor x_, dy_, res_acc_;
-  Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_;
+  Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_, sgu_, sact_;
   Tensor logits_, scores_, scattered_, topw_, topid_;
   std::unique_ptr<ByteBuffer> map_;
   std::vector<int64_t> counts_, offsets_;
@@ -697,6 +762,10 @@ LayerInputs make_layer_inputs(const LayerScheduleConfig& c) {
   make("router", E * H, inv_h, 0.0f);
   make("w_gate_up", E * 2 * F * H, inv_h, 0.0f);
   make("w_down", E * H * F, 1.0f / std::sqrt(static_cast<float>(F)), 0.0f);
+  if (c.shared_ffn > 0) {
+    make("shared_gate_up", 2 * c.shared_ffn * H, inv_h, 0.0f);
+    make("shared_down", H * c.shared_ffn, 1.0f / std::sqrt(static_cast<float>(c.shared_ffn)), 0.0f);
+  }
   return in;
 }
 

@@ -1,4 +1,4 @@
-// One decoder layer (GQA attention + MoE with top-k routing) on one rank, as a component run:
+// One decoder layer (GQA attention + MoE with top-k routing and optional shared experts) on one rank, as a component run:
 // the no-grad forward from the layer's boundary, then the backward with full recompute
 // (recompute attention and MoE keeping what backward needs, then back-propagate), every buffer
 // from the TrackingAllocator under the traces/ categories and the shared phase names.
@@ -26,6 +26,7 @@ struct LayerScheduleConfig {
   int64_t experts = 0;     // local experts (E/EP; every expert at EP = 1)
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
+  int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
   int64_t layer_index = 0;  // phase names use L<layer_index>
   // true: the checkpointed step (no-grad forward, recompute + backward); false: the naive
   // reference that keeps every activation from one forward with grad (phases fwd/...).
@@ -41,7 +42,8 @@ struct LayerInputs {
 };
 
 // Weights: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d], norm2 [H],
-// router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F].
+// router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F]; with shared experts shared_gate_up
+// [2F_s, H], shared_down [H, F_s].
 LayerInputs make_layer_inputs(const LayerScheduleConfig& config);
 
 struct LayerScheduleResult {

@@ -1,4 +1,4 @@
-// The layer component run: the checkpointed schedule (no-grad forward, recompute + backward) gives
+// The layer component run (with and without shared experts): the checkpointed schedule (no-grad forward, recompute + backward) gives
 // the same loss, output and every gradient, bit for bit, as the naive run that keeps every
 // activation; the gradients agree with central finite differences of the loss proxy (fp32
 // storage, the loss summed in fp64) on a tiny shape; the measured bytes of a phase are the
@@ -26,8 +26,10 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
-  for (DType dtype : {DType::BF16, DType::F32}) {
+  for (DType dtype : {DType::BF16, DType::F32})
+  for (int64_t shared : {0, 12}) {
     LayerScheduleConfig c = small(dtype);
+    c.shared_ffn = shared;
     const LayerInputs in = make_layer_inputs(c);
     TrackingAllocator a1({512}), a2({512});
     const LayerScheduleResult ckpt = run_layer_schedule(a1, c, in);
@@ -35,7 +37,7 @@ TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
     const LayerScheduleResult naive = run_layer_schedule(a2, c, in);
     EXPECT_EQ(ckpt.loss, naive.loss);
     EXPECT_TRUE(same_bits(ckpt.y, naive.y));
-    ASSERT_EQ(ckpt.grads.size(), 10u);
+    ASSERT_EQ(ckpt.grads.size(), shared > 0 ? 12u : 10u);
     for (const auto& [name, g] : ckpt.grads) {
       EXPECT_TRUE(same_bits(g, naive.grads.at(name))) << name;
       double norm = 0.0;
@@ -55,7 +57,7 @@ double loss_of(const LayerScheduleConfig& c, const LayerInputs& in) {
 TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
   LayerScheduleConfig c;
   c.tokens = 7; c.hidden = 8; c.q_heads = 4; c.kv_heads = 2; c.head_dim = 3;
-  c.experts = 4; c.top_k = 2; c.expert_ffn = 5; c.dtype = DType::F32; c.seed = 3;
+  c.experts = 4; c.top_k = 2; c.expert_ffn = 5; c.shared_ffn = 3; c.dtype = DType::F32; c.seed = 3;
   const LayerInputs in = make_layer_inputs(c);
   TrackingAllocator a({1});
   const LayerScheduleResult got = run_layer_schedule(a, c, in);

@@ -24,8 +24,14 @@ namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A width scaled with H (rounded up; 0 stays 0).
+int64_t scaled_with_h(const VerifyInputs& in, const ScaledConfig& s, int64_t width) {
+  return width > 0 ? std::max<int64_t>(1, ceil_div(width * s.hidden, in.hidden)) : 0;
+}
+
 // The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
-// routed MoE block without shared experts. Anything else is refused before anything runs.
+// routed MoE block (with shared experts where the card has them). Anything else is refused
+// before anything runs.
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s) {
   InputErrors errs;
   if (in.attention != "gqa")
@@ -33,9 +39,6 @@ void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s) {
                         "the layer component runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
   if (in.num_experts <= 0 || in.top_k <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_experts", "the layer component runs a MoE layer (got a dense model)", ""});
-  if (in.shared_expert_ffn > 0)
-    errs.add(Diagnostic{in.file, "/inputs/model/shared_expert_ffn_width",
-                        "the layer component does not run shared experts yet (got " + std::to_string(in.shared_expert_ffn) + ")", ""});
   if (in.cp != 1)
     errs.add(Diagnostic{in.file, "/inputs/run/cp", "the layer component runs CP = 1 only (ring attention is not in the executor; got " +
                                                        std::to_string(in.cp) + ")", ""});
@@ -66,6 +69,8 @@ nlohmann::ordered_json predict_layer(const VerifyContext& ctx, int64_t local_exp
   model.v_head_dim = s.head_dim;
   model.num_experts = local_experts;
   model.expert_ffn_width = s.expert_ffn;
+  model.shared_expert_ffn_width = scaled_with_h(in, s, in.shared_expert_ffn);
+  model.dense_ffn_width = scaled_with_h(in, s, model.dense_ffn_width);
   const HardwareSpec hardware = load_hardware(in.hardware_name);
   FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
   if (in.schedule == "flatpeak") flags.emplace_back("--llep", "off");  // EP = 1: nothing to balance
@@ -86,7 +91,10 @@ nlohmann::ordered_json predict_layer(const VerifyContext& ctx, int64_t local_exp
   return timeline;
 }
 
-bool is_layer_phase(const std::string& name) { return name.rfind("fwd/L", 0) == 0 || name.rfind("bwd/L", 0) == 0; }
+// The MoE layer's phases; dense-FFN layers' FFN phases (fwd/Ll/ffn, ...) are not run.
+bool is_layer_phase(const std::string& name) {
+  return (name.rfind("fwd/L", 0) == 0 || name.rfind("bwd/L", 0) == 0) && name.find("/ffn") == std::string::npos;
+}
 
 }  // namespace
 
@@ -101,6 +109,7 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
   s.values.push_back({"a (query heads)", in.num_heads, s.q_heads});
   s.values.push_back({"g (kv heads)", in.num_kv_heads, s.kv_heads});
   s.values.push_back({"d (head dim)", in.head_dim, s.head_dim});
+  if (in.shared_expert_ffn > 0) s.values.push_back({"F_s (shared expert width)", in.shared_expert_ffn, scaled_with_h(in, s, in.shared_expert_ffn)});
 }
 
 void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
@@ -109,7 +118,15 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   check_layer_supported(in, s);
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
   const nlohmann::ordered_json predicted = predict_layer(ctx, local_experts);
+  // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
+  // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
+  const ModelSpec card = load_model(in.model_name);
+  int64_t moe_layer = 0;
+  while (moe_layer + 1 < s.layers && moe_layer < static_cast<int64_t>(card.layers.size()) &&
+         card.layers[static_cast<size_t>(moe_layer)].ffn != FfnKind::Moe)
+    ++moe_layer;
   exec::LayerScheduleConfig c;
+  c.layer_index = moe_layer;
   c.tokens = s.tokens;
   c.hidden = s.hidden;
   c.q_heads = s.q_heads;
@@ -117,7 +134,8 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   c.head_dim = s.head_dim;
   c.experts = local_experts;
   c.top_k = in.top_k;
-  c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : std::max<int64_t>(1, ceil_div(in.expert_ffn_width * s.hidden, in.hidden));
+  c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : scaled_with_h(in, s, in.expert_ffn_width);
+  c.shared_ffn = scaled_with_h(in, s, in.shared_expert_ffn);
   const exec::LayerInputs inputs = exec::make_layer_inputs(c);
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, inputs);
