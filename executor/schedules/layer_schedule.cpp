@@ -8,6 +8,7 @@
 // [T, a·d], the row delta Σ dO ⊙ O precomputed as [a, T] fp32.
 // Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
 // backward) off the phase's peak; which buffers are live at each peak is listed per phase below.
+//   LayerScheduleResult r = run_layer_schedule(alloc, config, make_layer_inputs(config));  // layer_schedule.h
 #include "executor/schedules/layer_schedule.h"
 
 #include <algorithm>

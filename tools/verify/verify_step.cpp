@@ -5,6 +5,8 @@
 // query heads keep their number per kv head, and the head dim is chosen so that a·d shrinks by f
 // too (rounded up); the expert FFN width F scales with H (scale_dispatch_knobs); the local
 // experts E/EP and k are kept.
+//   flatpeak plan --model Qwen3-30B-A3B --gpu H200 --gpus 8 --context 64K --format json > p.json
+//   flatpeak verify p.json --component layer        # rows layer.activations, layer.dispatch
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
