@@ -60,17 +60,8 @@ void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s) {
 nlohmann::ordered_json predict_layer(const VerifyContext& ctx, int64_t local_experts) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  ModelSpec model = load_model(in.model_name);
-  model.hidden_size = s.hidden;
-  model.vocab_size = s.vocab;
-  model.num_layers = s.layers;
-  model.layers.resize(static_cast<size_t>(s.layers));
-  model.num_heads = s.q_heads;
-  model.num_kv_heads = s.kv_heads;
-  model.head_dim = s.head_dim;
-  model.v_head_dim = s.head_dim;
+  ModelSpec model = scaled_model(in, s);  // H, V, L, the GQA heads and the expert FFN width
   model.num_experts = local_experts;
-  model.expert_ffn_width = s.expert_ffn;
   model.shared_expert_ffn_width = scaled_with_h(in, s, in.shared_expert_ffn);
   model.dense_ffn_width = scaled_with_h(in, s, model.dense_ffn_width);
   const HardwareSpec hardware = load_hardware(in.hardware_name);
