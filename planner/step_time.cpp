@@ -23,6 +23,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -415,21 +416,35 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
     const double bwd = in_forward ? 0 : head_pass_seconds(T_, shard * R, 3, tb, vb, blocks, false);
     total = d(losses_) * (fwd + bwd);
     if (R > 1) {
-      const double hops = d(R - 1);
+      // Each pass goes R hops around the ring, as the executor runs it (ring_dtp_schedule.cpp):
+      // with rotating weights every hop moves a W shard (bf16; and its travelling fp32 dW
+      // accumulator when gradients are made), the last one bringing the rank's own shard home;
+      // with rotating activations R − 1 hops move the token blocks (X bf16, targets i32, and the
+      // online state, or lse and the fp32 dX block in backward) and the last hop brings only the
+      // state (forward) or the finished dX (backward) home.
       const bool weights = rotate == RingRotate::Weights;
       const double shard_bytes = d(shard) * H;
-      // Bytes per hop: a W shard (bf16), or the tokens' X blocks + online state; with gradients,
-      // the travelling fp32 dW shard or dX blocks (+ lse in backward).
-      const double fwd_hop = weights ? shard_bytes * (in_forward ? 2 + 4 : 2)
-                                     : T * H * 2 + 3 * T * 4 + (in_forward ? T * H * 4 : 0);
-      const double bwd_hop = weights ? shard_bytes * (2 + 4) : T * H * (2 + 4) + T * 4;
-      const double visits[2][2] = {{fwd_hop, fwd}, {bwd_hop, bwd}};
-      for (const auto& v : visits) {
-        if (v[1] <= 0) continue;
-        const double hop_s = link_seconds(v[0], R, true);
-        out.ring_busy_s += d(losses_) * hops * hop_s;
-        out.ring_bytes += d(losses_) * hops * v[0];
-        out.ring_exposed_s += d(losses_) * hops * (std::max(0.0, hop_s - v[1] / d(R)) + eff_.hop_latency_s);
+      const double state_bytes = 3 * T * 4, targets_bytes = T * 4, dx_bytes = T * H * 4;
+      struct Pass {
+        double full_hop_bytes;  // R − 1 hops
+        double last_hop_bytes;  // 1 hop
+        double compute_s;
+      };
+      const Pass passes[2] = {
+          weights ? Pass{shard_bytes * (in_forward ? 2 + 4 : 2), shard_bytes * (in_forward ? 2 + 4 : 2), fwd}
+                  : Pass{T * H * 2 + targets_bytes + state_bytes + (in_forward ? dx_bytes : 0),
+                         state_bytes + (in_forward ? dx_bytes : 0), fwd},
+          weights ? Pass{shard_bytes * (2 + 4), shard_bytes * (2 + 4), bwd}
+                  : Pass{T * H * 2 + targets_bytes + T * 4 + dx_bytes, dx_bytes, bwd}};
+      for (const Pass& p : passes) {
+        if (p.compute_s <= 0) continue;
+        const double hidden_s = p.compute_s / d(R);  // one shard's blocks hide one hop
+        for (const auto& [hops, bytes] : {std::pair<double, double>{d(R - 1), p.full_hop_bytes}, {1.0, p.last_hop_bytes}}) {
+          const double hop_s = link_seconds(bytes, R, true);
+          out.ring_busy_s += d(losses_) * hops * hop_s;
+          out.ring_bytes += d(losses_) * hops * bytes;
+          out.ring_exposed_s += d(losses_) * hops * (std::max(0.0, hop_s - hidden_s) + eff_.hop_latency_s);
+        }
       }
     }
   }

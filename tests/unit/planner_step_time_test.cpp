@@ -91,6 +91,20 @@ TEST(PlannerStepTime, FlopsOfTheTinyModelByHand) {
   EXPECT_DOUBLE_EQ(q.time.model_flops_per_gpu, p.time.model_flops_per_gpu);
 }
 
+// Ring-DTP bytes per step by hand (tiny: T = 16, H = 8, V = 32, R = 2, one loss): each pass goes R
+// hops around the ring as the executor runs it (ring_dtp_schedule.cpp), the last hop of rotating
+// activations carrying only the state home (forward) or the finished dX (backward).
+TEST(PlannerStepTime, RingDtpHopsAsTheExecutorRunsThem) {
+  const Plan p = plan_of(tiny_moe(), timed_gpu(), {{"--gpus", "2"}, {"--context", "16"}, {"--schedule", "flatpeak"},
+                                                   {"--ring-dtp", "on"}, {"--ring-size", "2"}, {"--vocab-backward", "recompute"}});
+  const TimeModel model(p.model, p.hardware, p.run, p.work, Efficiency{});
+  // Activations, forward: X 16·8·2 + targets 16·4 + state 3·16·4 = 512 on the first hop, the
+  // state (192) on the last; backward: X 256 + targets 64 + lse 64 + dX 16·8·4 = 896, then dX 512.
+  EXPECT_DOUBLE_EQ(model.vocab(2, RingRotate::Activations, 16, 16).ring_bytes, (512.0 + 192) + (896.0 + 512));
+  // Weights: a [16, 8] bf16 shard per hop, R = 2 hops forward; with its fp32 dW in backward.
+  EXPECT_DOUBLE_EQ(model.vocab(2, RingRotate::Weights, 16, 16).ring_bytes, 2 * 128.0 * 2 + 2 * 128.0 * 6);
+}
+
 TEST(PlannerStepTime, MtpAddsItsLayerAndHead) {
   ModelSpec m = tiny_moe();
   m.mtp_layers = 1;
