@@ -71,12 +71,21 @@ void print_table(const VerifyReport& r, const ScaledConfig& s) {
   const std::string ranks = r.ranks == 1 ? "1 rank" : fmt::format("{} ranks as {}", r.ranks, r.launcher == "mpi" ? "MPI processes" : "threads");
   std::cout << fmt::format("flatpeak verify: {} at scale {:.4g} (CPU backend, {})\n", r.plan_file, s.factor, ranks);
   std::cout << "scaled values:\n";
-  for (const auto& v : s.values) std::cout << fmt::format("  {:<20} {:>12} -> {}\n", v.name, v.original, v.scaled);
+  size_t name_width = 20;  // columns as wide as their longest entry
+  for (const auto& v : s.values) name_width = std::max(name_width, v.name.size());
+  for (const auto& v : s.values) std::cout << fmt::format("  {:<{}} {:>12} -> {}\n", v.name, name_width, v.original, v.scaled);
   for (const auto& note : r.notes) std::cout << "note: " << note << "\n";
-  std::cout << fmt::format("\n{:<10} {:<7} {:<18} {:>4} {:>14} {:>14} {:>10}\n", "component", "space", "phase", "rank", "predicted", "measured", "rel.error");
+  size_t component_width = 10, phase_width = 18;
+  for (const auto& row : r.rows) {
+    component_width = std::max(component_width, row.component.size());
+    phase_width = std::max(phase_width, row.phase.size());
+  }
+  std::cout << fmt::format("\n{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}\n", "component", component_width, "space", "phase",
+                           phase_width, "rank", "predicted", "measured", "rel.error");
   for (const auto& row : r.rows)
-    std::cout << fmt::format("{:<10} {:<7} {:<18} {:>4} {:>14} {:>14} {:>10}\n", row.component, row.space, row.phase, row.rank,
-                             row.predicted_bytes, row.measured_bytes, signed_percent(row.relative_error));
+    std::cout << fmt::format("{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}\n", row.component, component_width, row.space,
+                             row.phase, phase_width, row.rank, row.predicted_bytes, row.measured_bytes,
+                             signed_percent(row.relative_error));
   std::cout << fmt::format("\nmax |dloss| vs naive: {:.3g}   max |dgrad| vs naive: {:.3g}\n", r.max_abs_dloss, r.max_abs_dgrad);
   std::cout << fmt::format("verdict: {} (tolerance {:.3g}%)\n", r.pass ? "pass" : "fail", 100.0 * r.tolerance);
 }
