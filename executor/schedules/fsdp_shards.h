@@ -1,0 +1,86 @@
+// FSDP-style sharding of a rank's model state: each unit's sharded part (dense weights, and the
+// experts when every rank holds every expert) is split over the N ranks; its local part (this
+// rank's experts at EP = N, which no other rank holds) stays whole on the rank. A unit is
+// all-gathered into a bf16 compute copy before use and its unsharded gradient reduce-scattered
+// into the rank's gradient shard after its backward; the optimizer then steps each shard alone.
+//   std::vector<FsdpUnitShape> units = {{"embedding", V * H, 0}, {"L0", attn, experts}, ...};
+//   FsdpShards state(alloc, comm, units, ShardPrecision::Fp32Master);   // comm: nullptr on one rank
+//   Tensor w = state.gather(1);                 // [U] bf16, category fsdp
+//   ...backward of unit 1 into g [U] bf16...
+//   state.reduce_scatter(1, g);                 // grad shard += Σ_ranks g (rank order, fp32)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "executor/comm/communicator.h"
+#include "executor/memory/tensor.h"
+#include "executor/memory/tracking_allocator.h"
+
+namespace flatpeak::exec {
+
+// One FSDP unit as one rank sees it: U = sharded_params + local_params.
+struct FsdpUnitShape {
+  std::string name;
+  int64_t sharded_params = 0;  // split over all N ranks: rank r holds [r·S, min((r+1)·S, sharded)), S = ceil(sharded / N)
+  int64_t local_params = 0;    // held whole by this rank (its experts at EP = N)
+};
+
+// The shards' storage, as the planner lays out model state (planner/memory_terms_state.cpp):
+// optimizer on the device keeps fp32 master param shards and fp32 grad shards; with the optimizer
+// offloaded the device keeps bf16 param and grad shards (master, m and v live on the host).
+enum class ShardPrecision { Fp32Master, Bf16 };
+
+class FsdpShards {
+ public:
+  // Allocates the rank's param shard [P] and grad shard [P] (categories params and grads, zeroed)
+  // where P = Σ over units of (its slice of the sharded part + its local part). `comm` may be
+  // nullptr for one rank. Throws std::invalid_argument for a negative size.
+  FsdpShards(TrackingAllocator& alloc, Communicator* comm, std::vector<FsdpUnitShape> units, ShardPrecision precision);
+
+  int ranks() const { return ranks_; }
+  int rank() const { return rank_; }
+  size_t units() const { return units_.size(); }
+  const FsdpUnitShape& unit(size_t i) const { return units_.at(i); }
+  int64_t gathered_params(size_t i) const { return units_.at(i).sharded_params + units_.at(i).local_params; }
+  // S: the slice size of unit i's sharded part (every rank's slice is S long but the last ones' may be short).
+  int64_t slice_stride(size_t i) const;
+  // Elements of unit i's sharded part that rank r holds.
+  int64_t slice_length(size_t i, int r) const;
+  // This rank's elements of unit i in the shard vectors, and where they start.
+  int64_t shard_length(size_t i) const { return slice_length(i, rank_) + units_.at(i).local_params; }
+  int64_t shard_offset(size_t i) const { return offsets_.at(i); }
+  int64_t shard_params() const { return params_.numel(); }  // P
+
+  // [P] fp32 (Fp32Master) or bf16: unit i's slice at shard_offset(i), its local part after the slice.
+  Tensor& params() { return params_; }
+  Tensor& grads() { return grads_; }
+  const Tensor& params() const { return params_; }
+  const Tensor& grads() const { return grads_; }
+
+  // Unit i's parameters, whole, as a bf16 compute copy [U] (category fsdp): the sharded part in
+  // rank order, then this rank's local part. One all-to-allv with exact counts, so the buffer is U
+  // long, not N·S; the rank's own slice is sent from a bf16 copy (category workspace, freed here).
+  Tensor gather(size_t i);
+
+  // Adds unit i's gradient summed over the ranks into this rank's grad shard. `unsharded_grad` is
+  // [U] bf16 (this rank's contribution, laid out as gather() lays out params). The sharded part is
+  // widened into an fp32 reduce-scatter input [N·S] (category fsdp, zero padded) and summed in rank
+  // order (the Communicator contract), the local part added as is; the shard then adds the sum in
+  // fp32 (rounded once to bf16 for Bf16 shards). Transients are freed before returning.
+  void reduce_scatter(size_t i, const Tensor& unsharded_grad);
+
+ private:
+  TrackingAllocator& alloc_;
+  Communicator* comm_;
+  std::vector<FsdpUnitShape> units_;
+  ShardPrecision precision_;
+  int ranks_ = 1;
+  int rank_ = 0;
+  std::vector<int64_t> offsets_;  // [units] start of each unit in the shard vectors
+  Tensor params_;                 // [P]
+  Tensor grads_;                  // [P]
+};
+
+}  // namespace flatpeak::exec
