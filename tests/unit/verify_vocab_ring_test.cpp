@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -23,14 +24,14 @@
 namespace flatpeak::cli {
 namespace {
 
-VerifyInputs ring_plan(const std::string& rotate, const std::string& backward) {
+VerifyInputs ring_plan(const std::string& rotate, const std::string& backward, const std::string& ring_size = "4") {
   const ModelSpec model = load_model("gpt-oss-120b");
   const HardwareSpec hardware = load_hardware("H200");
   InputErrors errs;
   const planner::RunSpec spec = planner::parse_run_flags({{"--gpus", "4"},
                                                           {"--context", "64K"},
                                                           {"--schedule", "flatpeak"},
-                                                          {"--ring-size", "4"},
+                                                          {"--ring-size", ring_size},
                                                           {"--ring-rotate", rotate},
                                                           {"--vocab-backward", backward}},
                                                          errs);
@@ -82,6 +83,24 @@ TEST(VerifyVocabRing, WeightsRecomputeWithinOnePercentOnEveryRank) { expect_with
 TEST(VerifyVocabRing, WeightsInForwardWithinOnePercentOnEveryRank) { expect_within_1_percent("weights", "in-forward"); }
 TEST(VerifyVocabRing, ActivationsRecomputeWithinOnePercentOnEveryRank) { expect_within_1_percent("activations", "recompute"); }
 TEST(VerifyVocabRing, ActivationsInForwardWithinOnePercentOnEveryRank) { expect_within_1_percent("activations", "in-forward"); }
+
+// Rings of one rank (the default gpt-oss-120b plan at 64 GPUs picks R = 1) are the blocked loss:
+// every rank runs the one-rank component, within 1 % of the planner on every rank (here within one
+// 512 B alignment unit: the executor's block workspace is one buffer, the planner aligns each term).
+TEST(VerifyVocabRing, RingsOfOneRankAreTheBlockedLossOnEveryRank) {
+  const VerifyInputs in = ring_plan("weights", "recompute", "1");
+  ASSERT_EQ(in.vocab_mode, "ring-dtp");
+  ASSERT_EQ(in.ring_size, 1);
+  const ScaledConfig s = scale_config(in, std::nullopt, 4);
+  const auto reports = run_on_4_ranks(in, s, nullptr);
+  for (int rank = 0; rank < 4; ++rank) {
+    ASSERT_FALSE(reports[static_cast<size_t>(rank)].rows.empty());
+    for (const VerifyRow& row : reports[static_cast<size_t>(rank)].rows) {
+      EXPECT_EQ(row.rank, rank);
+      EXPECT_LE(std::abs(row.measured_bytes - row.predicted_bytes), 512) << "rank " << rank << " " << row.phase;
+    }
+  }
+}
 
 // A vocab term of the backward predicted 2 % too high must fail the 1 % tolerance on every rank.
 TEST(VerifyVocabRing, CatchesAPredictionTwoPercentTooHigh) {

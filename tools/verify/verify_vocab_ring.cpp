@@ -1,6 +1,7 @@
 // verify --component vocab on more than one rank: Ring-DTP across a ring of R ranks (every rank
 // runs it with its own TrackingAllocator), each rank's measured vocab column against the planner's
-// for the same configuration at R ranks. Without Ring-DTP every rank runs the one-rank component.
+// for the same configuration at R ranks. Without Ring-DTP, or with rings of one rank (R = 1 is the
+// blocked loss), every rank runs the one-rank component.
 //   run_component_on_ranks(verify_vocab_ring, in, scaled, nullptr, 4, nullptr);   // verify_ranks.h
 #include <algorithm>
 #include <cmath>
@@ -71,8 +72,9 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   exec::Communicator& comm = *ctx.comm;
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  if (in.vocab_mode != "ring-dtp") {
-    // Materialised or blocked: the loss needs no other rank; each rank runs it on its own tokens.
+  if (in.vocab_mode != "ring-dtp" || in.ring_size == 1) {
+    // Materialised, blocked, or Ring-DTP on rings of one rank (which is the blocked loss): the
+    // loss needs no other rank; each rank runs it on its own tokens.
     const VerifyContext one_rank{ctx.in, ctx.scaled, ctx.adjust, nullptr};
     const size_t first = report.rows.size();
     verify_vocab(one_rank, report);
