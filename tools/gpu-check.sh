@@ -2,7 +2,10 @@
 # The one GPU check (issue 7, item 5): on a machine with one NVIDIA GPU and the CUDA toolkit but
 # without Debian's packages or network, build the CUDA backend and its CPU-vs-CUDA tests for
 # sm_90 only, run them, and print one summary table with the device and the date. Budget: under
-# 5 minutes, so that a second run fits in the same lease.
+# 5 minutes, so that a second run fits in the same lease. Then the technique benchmark
+# (tools/bench/cuda_techniques.cu: vocab, dispatch, offload figures of issue 7) under its own time
+# limit (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s; FLATPEAK_TECHNIQUES_ARGS passes flags), its
+# figures as rows of the same table.
 #
 # Needs: bash, a C++17 host compiler (g++ or $CXX), the CUDA toolkit (nvcc, cudart, cuBLAS) under
 # $CUDA_HOME (default /usr/local/cuda); cuBLAS may instead come from a Python package
@@ -102,7 +105,7 @@ note "building for $arch with $("$nvcc" --version | tail -1), $jobs jobs; Eigen:
 lib_sources=(executor/memory/tensor.cpp executor/memory/tracking_allocator.cpp executor/cuda/*.cpp executor/cuda/*.cu
              executor/comm/communicator.cpp executor/comm/threads_comm.cpp planner/spec/errors.cpp)
 if [ ${#nccl_flags[@]} -gt 0 ]; then lib_sources+=(executor/cuda/nccl/nccl_comm.cpp); fi
-if [ -n "$eigen_dir" ]; then lib_sources+=(executor/cpu/*.cpp); fi
+if [ -n "$eigen_dir" ]; then lib_sources+=(executor/cpu/*.cpp executor/schedules/vocab_schedule.cpp); fi
 for src in "${lib_sources[@]}"; do compile "$src"; done
 test_sources=()
 for src in tests/cuda/*_test.cu; do
@@ -115,6 +118,10 @@ lib_objects=("${objects[@]}")
 objects=()
 for src in "${test_sources[@]}"; do compile "$src"; done
 test_objects=("${objects[@]}")
+# The technique benchmark calls the CPU twins (workspace sizes, the CPU AdamW): only with Eigen.
+objects=()
+[ -n "$eigen_dir" ] && compile tools/bench/cuda_techniques.cu
+bench_objects=("${objects[@]}")
 if ! wait_compiles; then
   note "build failed after $(elapsed) s"
   exit 1
@@ -124,7 +131,7 @@ build_s=$(elapsed)
 summary+=("build ($arch)|ok|$build_s|${#lib_sources[@]} library sources, ${#test_sources[@]} tests")
 
 # ---- run -------------------------------------------------------------------------------------
-needs_cpu_ops() { grep -q 'executor/cuda/ops_cuda.h' "$1"; }
+needs_cpu_ops() { grep -q -e 'executor/cuda/ops_cuda.h' -e 'executor/schedules/' "$1"; }
 failures=0
 for i in "${!test_sources[@]}"; do
   src="${test_sources[$i]}"
@@ -188,7 +195,32 @@ else
 fi
 
 summary+=("verify (fixed plans)|not yet available|0|flatpeak verify has no CUDA backend yet, and the CLI needs nlohmann-json, fmt and CLI11")
-summary+=("technique benchmarks|not yet available|0|Ring-DTP and PipelinedLLEP have no CUDA schedules yet; OffloadStreamAdamW stage times are in offload_adamw_cuda_test's log")
+# ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
+# Its own time limit keeps the script under 5 minutes; rows printed before a timeout are kept.
+t0=$(date +%s)
+tech_limit="${FLATPEAK_TECHNIQUES_TIMEOUT:-150}"
+tech_log="$out_dir/logs/cuda_techniques.log"
+if [ ${#bench_objects[@]} -eq 0 ]; then
+  summary+=("technique benchmarks|skipped|0|Eigen not found: the CPU twins the schedules call cannot be built")
+elif ! "$nvcc" -arch="$arch" "${bench_objects[0]}" "$out_dir/libflatpeak_gpu_check.a" "${cublas_flags[@]}" \
+        -lpthread -o "$out_dir/bin/cuda_techniques" >"$out_dir/logs/cuda_techniques.link.log" 2>&1; then
+  summary+=("technique benchmarks|FAIL|0|link failed: $out_dir/logs/cuda_techniques.link.log")
+  failures=$((failures + 1))
+else
+  # FLATPEAK_TECHNIQUES_ARGS: extra flags, e.g. "--only vocab --big 262144".
+  # shellcheck disable=SC2086
+  timeout "$tech_limit" "$out_dir/bin/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:-} >"$tech_log" 2>&1
+  rc=$?
+  seconds=$(( $(date +%s) - t0 ))
+  while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$tech_log")
+  case $rc in
+    0) summary+=("technique benchmarks|ok|$seconds|figures above; full output: $tech_log") ;;
+    77) summary+=("technique benchmarks|skipped|$seconds|$(head -1 "$tech_log")") ;;
+    124) summary+=("technique benchmarks|FAIL|$seconds|timed out after $tech_limit s (rows above: the figures printed before)"); failures=$((failures + 1)) ;;
+    *) summary+=("technique benchmarks|FAIL|$seconds|exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)"); failures=$((failures + 1)) ;;
+  esac
+  grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
+fi
 
 # ---- summary ---------------------------------------------------------------------------------
 device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)

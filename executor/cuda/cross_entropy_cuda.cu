@@ -86,15 +86,17 @@ __global__ void finish_rows_kernel(const float* row_max, const float* row_sum,
   }
 }
 
-// dz = g · (e^(z − lse) − onehot), 0 for ignored tokens, rounded once to the compute dtype.
+// dz = g · (e^(z − lse) − onehot), 0 for ignored tokens, rounded once to the compute dtype. One
+// block per row of the block: no 64-bit division per element.
 template <class T>
-__global__ void dlogits_kernel(const float* logits, T* dz, int64_t tb, int64_t vb, int64_t v0,
+__global__ void dlogits_kernel(const float* logits, T* dz, int64_t vb, int64_t v0,
                                const int32_t* targets, const float* lse, float g) {
-  for (int64_t i = global_thread(); i < tb * vb; i += grid_threads()) {
-    const int64_t r = i / vb;
-    const int64_t c = i % vb;
-    const int64_t y = targets[r];
-    store_f32(&dz[i], y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], lse[r], v0 + c == y, g));
+  const int64_t r = blockIdx.x;
+  const int64_t y = targets[r];
+  const float l = lse[r];
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) {
+    const int64_t i = r * vb + c;
+    store_f32(&dz[i], y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], l, v0 + c == y, g));
   }
 }
 
@@ -140,8 +142,8 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::
                     false, DType::F32, ws.logits, vb);
     dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
       using T = decltype(tag);
-      dlogits_kernel<<<grid_for(tb * vb), kThreads, 0, stream>>>(
-          ws.logits, static_cast<T*>(ws.dlogits), tb, vb, v0, a.targets + t0, a.lse + t0,
+      dlogits_kernel<<<static_cast<unsigned>(tb), kThreads, 0, stream>>>(
+          ws.logits, static_cast<T*>(ws.dlogits), vb, v0, a.targets + t0, a.lse + t0,
           a.grad_scale);
     });
     FLATPEAK_CUDA_CHECK_LAUNCH();
@@ -181,7 +183,89 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
   }
 }
 
+// ---- materialised (the naive baseline) ----
+
+// One block per token row: max and Σ e^(z − max) over the stored logits, then the fp32 log-probs.
+template <class T>
+__global__ void log_softmax_rows_kernel(const T* logits, float* log_probs, const int32_t* targets,
+                                        float* lse, float* loss, int64_t V) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  const T* z = logits + t * V;
+  float* lp = log_probs + t * V;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f32(z[j]));
+  const float row_max = block_max(m, scratch);
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f32(z[j]) - row_max);
+  const float l = row_max + logf(block_sum(s, scratch));
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) lp[j] = to_f32(z[j]) - l;
+  if (threadIdx.x == 0) {
+    lse[t] = l;
+    const int64_t y = targets[t];
+    loss[t] = (y >= 0 && y < V) ? -lp[y] : 0.0f;
+  }
+}
+
+// d_logits = g · (e^lp − onehot) in fp32, and its compute-dtype rounding into dz (the GEMM
+// operand). One block per token row: no 64-bit division per element over T·V elements.
+template <class T>
+__global__ void materialized_dlogits_kernel(const float* log_probs, float* d_logits, T* dz,
+                                            const int32_t* targets, int64_t V, float g) {
+  const int64_t t = blockIdx.x;
+  const int64_t y = targets[t];
+  const int64_t base = t * V;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float d = y < 0 ? 0.0f : g * (expf(log_probs[base + j]) - (j == y ? 1.0f : 0.0f));
+    d_logits[base + j] = d;
+    store_f32(&dz[base + j], d);
+  }
+}
+
+void check_materialized(const MaterializedCrossEntropyArgs& a) {
+  require(a.tokens >= 0 && a.vocab > 0 && a.hidden > 0, "cross_entropy",
+          "need tokens >= 0 and vocab, hidden > 0");
+  require(a.tokens <= 0x7fffffff, "cross_entropy", "materialised tokens must be < 2^31");
+  require(a.x && a.w && a.targets && a.logits && a.log_probs && a.lse && a.loss, "cross_entropy",
+          "materialised needs x, w, targets, logits, log_probs, lse and loss");
+  dispatch_compute(a.dtype, "cross_entropy", [](auto) {});
+}
+
 }  // namespace
+
+void materialized_cross_entropy_forward_cuda(const MaterializedCrossEntropyArgs& a,
+                                             const cuda::CublasContext& blas) {
+  check_materialized(a);
+  if (a.tokens == 0) return;
+  cuda::gemm_cuda(blas, false, true, a.tokens, a.vocab, a.hidden, 1.0f, a.dtype, a.x, a.hidden,
+                  a.dtype, a.w, a.hidden, false, a.dtype, a.logits, a.vocab);
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    log_softmax_rows_kernel<<<static_cast<unsigned>(a.tokens), kThreads, 0, blas.stream()>>>(
+        static_cast<const T*>(a.logits), a.log_probs, a.targets, a.lse, a.loss, a.vocab);
+  });
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs& a,
+                                              const cuda::CublasContext& blas) {
+  check_materialized(a);
+  require(a.d_logits && a.d_x && a.d_w, "cross_entropy",
+          "materialised backward needs d_logits, d_x and d_w");
+  const int64_t T = a.tokens, V = a.vocab, H = a.hidden;
+  if (T == 0) return;
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using Tc = decltype(tag);
+    materialized_dlogits_kernel<<<static_cast<unsigned>(T), kThreads, 0, blas.stream()>>>(
+        a.log_probs, a.d_logits, static_cast<Tc*>(a.logits), a.targets, V, a.grad_scale);
+  });
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+  // dX = dz · W (over all V), dW = dzᵀ · X (one GEMM over all T), both written in the compute dtype.
+  cuda::gemm_cuda(blas, false, false, T, H, V, 1.0f, a.dtype, a.logits, V, a.dtype, a.w, H, false,
+                  a.dtype, a.d_x, H);
+  cuda::gemm_cuda(blas, true, false, V, H, T, 1.0f, a.dtype, a.logits, V, a.dtype, a.x, H, false,
+                  a.dtype, a.d_w, H);
+}
 
 int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& a) {
   return blocked_cross_entropy_workspace_bytes(a);  // the CPU's layout, byte for byte

@@ -65,6 +65,16 @@ int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& args)
 void blocked_cross_entropy_forward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
 void blocked_cross_entropy_backward_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
 void blocked_cross_entropy_fused_cuda(const CrossEntropyArgs& args, const cuda::CublasContext& blas);
+// The naive materialised cross-entropy (logits [T, V] in the compute dtype, fp32 log-softmax and
+// fp32 d_logits [T, V]), the baseline the blocked version is measured against. One difference
+// from the CPU twin: cuBLAS has no fp32 × bf16 GEMM, so the backward rounds dz once into the
+// `logits` buffer (dead after the forward: log_probs is what the backward reads) and runs the dX
+// and dW GEMMs on that compute-dtype copy; the CPU multiplies the fp32 d_logits directly. Same
+// buffers, so the same bytes; dX and dW agree to the compute dtype's rounding of dz.
+void materialized_cross_entropy_forward_cuda(const MaterializedCrossEntropyArgs& args,
+                                             const cuda::CublasContext& blas);
+void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs& args,
+                                              const cuda::CublasContext& blas);
 
 // SwiGLU expert FFN: per expert, cuBLAS over its rows, every GEMM on fp32 operands (bf16 blocks
 // widened into the workspace: expert_ffn_workspace_bytes_cuda()). expert_counts is read on the

@@ -1,0 +1,74 @@
+// Deterministic inputs for the CUDA schedules, filled on the device (internal): the same
+// (seed, index) → value functions as executor/schedules/schedule_util.h, so a CUDA schedule and
+// its CPU twin see the same X, W and targets without generating gigabytes on the host.
+//   fill_bf16_cuda(x, n, seed, 1.0f, stream);   fill_targets_cuda(y, T, V, seed, stream);
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/kernel_util.cuh"
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec::cuda_detail {
+
+// schedule_util.h's mix64 and uniform_pm1, for the device.
+__device__ inline uint64_t mix64_device(uint64_t seed, uint64_t index) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL + index + 0x632BE59BD9B4E019ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+__device__ inline float uniform_pm1_device(uint64_t seed, uint64_t index) {
+  return static_cast<float>(static_cast<double>(mix64_device(seed, index) >> 11) * 0x1.0p-52 - 1.0);
+}
+
+// Templates so that a header kernel is defined once per program however many files include it.
+template <class T>
+__global__ void fill_bf16_kernel(T* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads())
+    p[i] = f32_to_bf16(scale * uniform_pm1_device(seed, static_cast<uint64_t>(i)));
+}
+
+template <class I>
+__global__ void fill_targets_kernel(I* p, int64_t n, int64_t vocab, uint64_t seed) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads())
+    p[i] = static_cast<I>(mix64_device(seed, static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
+}
+
+inline void fill_bf16_cuda(Bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n <= 0) return;
+  fill_bf16_kernel<Bf16><<<grid_for(n), kThreads, 0, stream>>>(p, n, seed, scale);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+inline void fill_targets_cuda(int32_t* p, int64_t n, int64_t vocab, uint64_t seed, cudaStream_t stream) {
+  if (n <= 0) return;
+  fill_targets_kernel<int32_t><<<grid_for(n), kThreads, 0, stream>>>(p, n, vocab, seed);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+// Seconds between two events recorded on the device (both complete).
+inline double event_seconds(cudaEvent_t start, cudaEvent_t stop) {
+  float ms = 0.0f;
+  FLATPEAK_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  return static_cast<double>(ms) / 1000.0;
+}
+
+// A CUDA event owned by scope.
+class ScopedEvent {
+ public:
+  ScopedEvent() { FLATPEAK_CUDA_CHECK(cudaEventCreate(&event_)); }
+  ~ScopedEvent() { (void)cudaEventDestroy(event_); }
+  ScopedEvent(const ScopedEvent&) = delete;
+  ScopedEvent& operator=(const ScopedEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+  void record(cudaStream_t stream) { FLATPEAK_CUDA_CHECK(cudaEventRecord(event_, stream)); }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace flatpeak::exec::cuda_detail

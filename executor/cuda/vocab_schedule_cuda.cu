@@ -1,0 +1,210 @@
+// The vocab component run on the GPU (vocab_schedule_cuda.h): run_vocab_schedule's order of
+// allocations, releases and phases, with the CUDA ops. Blocked: one op call per token block, each
+// its own phase with its own workspace (stream-ordered pool blocks, so a block's workspace is
+// reused by the next once the stream reaches it); dW accumulates (+=) across the calls.
+#include "executor/cuda/vocab_schedule_cuda.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/ops_cuda.h"
+#include "executor/cuda/schedule_util_cuda.cuh"
+#include "executor/ops/cross_entropy.h"
+
+namespace flatpeak::cuda {
+
+namespace {
+
+using exec::Bf16;
+using exec::Category;
+using exec::DType;
+using exec::VocabScheduleConfig;
+using exec::cuda_detail::ScopedEvent;
+using exec::cuda_detail::event_seconds;
+
+constexpr Category kVocab = Category::Vocab;
+
+void check(const VocabScheduleConfig& c) {
+  if (c.tokens <= 0 || c.hidden <= 0 || c.vocab <= 0)
+    throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
+  if (c.mode == exec::VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
+    throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
+  if (c.vocab > 0x7fffffff) throw std::invalid_argument("vocab schedule: vocab must be < 2^31 (int32 targets)");
+}
+
+int64_t aligned(int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; }
+
+// The op's arguments for one token block (run_vocab_schedule's args_for), without pointers.
+exec::CrossEntropyArgs block_shape(const VocabScheduleConfig& c, int64_t rows) {
+  exec::CrossEntropyArgs a;
+  a.dtype = DType::BF16;
+  a.tokens = rows;
+  a.vocab = c.vocab;
+  a.hidden = c.hidden;
+  a.token_block_rows = std::min(c.token_block_rows, c.tokens);
+  a.vocab_block_rows = std::min(c.vocab_block_rows, c.vocab);
+  return a;
+}
+
+// X [T, H] bf16, W [V, H] bf16 (vocab), targets [T] i32 (workspace), filled from the seed.
+struct LossData {
+  DeviceBuffer x, w, targets;
+  LossData(DeviceAllocator& alloc, const VocabScheduleConfig& c, cudaStream_t s)
+      : x(alloc, c.tokens * c.hidden * 2, kVocab, s),
+        w(alloc, c.vocab * c.hidden * 2, kVocab, s),
+        targets(alloc, c.tokens * 4, Category::Workspace, s) {
+    exec::cuda_detail::fill_bf16_cuda(x.as<Bf16>(), c.tokens * c.hidden, c.seed * 3 + 1, 1.0f, s);
+    exec::cuda_detail::fill_bf16_cuda(w.as<Bf16>(), c.vocab * c.hidden, c.seed * 3 + 2, 0.5f, s);
+    exec::cuda_detail::fill_targets_cuda(targets.as<int32_t>(), c.tokens, c.vocab, c.seed * 3 + 3, s);
+  }
+};
+
+double mean_loss_of(const DeviceBuffer& loss, int64_t tokens, cudaStream_t s) {
+  std::vector<float> host(static_cast<size_t>(tokens));
+  FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(host.data(), loss.raw(), static_cast<size_t>(tokens) * 4,
+                                      cudaMemcpyDeviceToHost, s));
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));
+  double sum = 0.0;
+  for (float v : host) sum += static_cast<double>(v);
+  return sum / static_cast<double>(tokens);
+}
+
+VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext& blas,
+                                    const VocabScheduleConfig& c) {
+  cudaStream_t s = blas.stream();
+  VocabScheduleCudaResult result;
+  LossData in(alloc, c, s);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, Tb = std::min(c.token_block_rows, c.tokens);
+  const int64_t blocks = (T + Tb - 1) / Tb;
+  ScopedEvent start, mid, stop;
+  start.record(s);
+  DeviceBuffer lse(alloc, T * 4, kVocab, s);   // [T] fp32
+  DeviceBuffer loss(alloc, T * 4, kVocab, s);  // [T] fp32 per token
+  DeviceBuffer dx, dw;
+  auto args_for = [&](int64_t block) {
+    const int64_t t0 = block * Tb, rows = std::min(Tb, T - t0);
+    exec::CrossEntropyArgs a = block_shape(c, rows);
+    a.x = in.x.as<Bf16>() + t0 * H;
+    a.w = in.w.raw();
+    a.targets = in.targets.as<int32_t>() + t0;
+    a.lse = lse.as<float>() + t0;
+    a.loss = loss.as<float>() + t0;
+    a.grad_scale = 1.0f / static_cast<float>(T);
+    a.d_x = dx.raw() == nullptr ? nullptr : static_cast<void*>(dx.as<Bf16>() + t0 * H);
+    a.d_w = dw.as<float>();
+    return a;
+  };
+  auto make_grads = [&]() {
+    dx = DeviceBuffer(alloc, T * H * 2, kVocab, s);  // [T, H] bf16
+    dw = DeviceBuffer(alloc, V * H * 4, kVocab, s);  // [V, H] fp32, +=
+    FLATPEAK_CUDA_CHECK(cudaMemsetAsync(dw.raw(), 0, static_cast<size_t>(V * H) * 4, s));
+  };
+  if (c.gradients_in_forward) make_grads();
+  for (int64_t b = 0; b < blocks; ++b) {
+    alloc.set_phase("loss/fwd/blk" + std::to_string(b));
+    exec::CrossEntropyArgs a = args_for(b);
+    const int64_t ws_bytes = c.gradients_in_forward ? exec::blocked_cross_entropy_workspace_bytes(a)
+                                                    : exec::blocked_cross_entropy_forward_workspace_bytes(a);
+    DeviceBuffer ws(alloc, ws_bytes, kVocab, s);
+    a.workspace = ws.as<float>();
+    if (c.gradients_in_forward) exec::blocked_cross_entropy_fused_cuda(a, blas);
+    else exec::blocked_cross_entropy_forward_cuda(a, blas);
+  }
+  mid.record(s);
+  if (c.gradients_in_forward) {
+    // Nothing left to compute: X, W and lse go; dX and dW wait for the layers' backward.
+    in.x.reset();
+    in.w.reset();
+    lse.reset();
+    alloc.set_phase("loss/bwd");
+  } else {
+    for (int64_t b = 0; b < blocks; ++b) {
+      alloc.set_phase("loss/bwd/blk" + std::to_string(b));
+      if (b == 0) make_grads();
+      exec::CrossEntropyArgs a = args_for(b);
+      DeviceBuffer ws(alloc, exec::blocked_cross_entropy_workspace_bytes(a), kVocab, s);
+      a.workspace = ws.as<float>();
+      exec::blocked_cross_entropy_backward_cuda(a, blas);
+    }
+  }
+  stop.record(s);
+  FLATPEAK_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+  result.seconds = event_seconds(start.get(), stop.get());
+  result.forward_s = event_seconds(start.get(), mid.get());
+  result.backward_s = event_seconds(mid.get(), stop.get());
+  result.mean_loss = mean_loss_of(loss, T, s);
+  return result;
+}
+
+VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasContext& blas,
+                                         const VocabScheduleConfig& c) {
+  cudaStream_t s = blas.stream();
+  VocabScheduleCudaResult result;
+  LossData in(alloc, c, s);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
+  ScopedEvent start, mid, stop;
+  start.record(s);
+  alloc.set_phase("loss/fwd");
+  DeviceBuffer lse(alloc, T * 4, kVocab, s);             // [T] fp32
+  DeviceBuffer loss(alloc, T * 4, kVocab, s);            // [T] fp32
+  DeviceBuffer logits(alloc, T * V * 2, kVocab, s);      // [T, V] bf16 (dz in the backward)
+  DeviceBuffer log_probs(alloc, T * V * 4, kVocab, s);   // [T, V] fp32
+  exec::MaterializedCrossEntropyArgs m;
+  m.dtype = DType::BF16;
+  m.x = in.x.raw();
+  m.w = in.w.raw();
+  m.targets = in.targets.as<int32_t>();
+  m.logits = logits.raw();
+  m.log_probs = log_probs.as<float>();
+  m.lse = lse.as<float>();
+  m.loss = loss.as<float>();
+  m.grad_scale = 1.0f / static_cast<float>(T);
+  m.tokens = T;
+  m.vocab = V;
+  m.hidden = H;
+  exec::materialized_cross_entropy_forward_cuda(m, blas);
+  mid.record(s);
+  alloc.set_phase("loss/bwd");
+  DeviceBuffer dlogits(alloc, T * V * 4, kVocab, s);  // [T, V] fp32
+  DeviceBuffer dx(alloc, T * H * 2, kVocab, s);       // [T, H] bf16
+  DeviceBuffer dw(alloc, V * H * 2, kVocab, s);       // [V, H] bf16: one GEMM over T
+  m.d_logits = dlogits.as<float>();
+  m.d_x = dx.raw();
+  m.d_w = dw.raw();
+  exec::materialized_cross_entropy_backward_cuda(m, blas);
+  stop.record(s);
+  FLATPEAK_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+  result.seconds = event_seconds(start.get(), stop.get());
+  result.forward_s = event_seconds(start.get(), mid.get());
+  result.backward_s = event_seconds(mid.get(), stop.get());
+  result.mean_loss = mean_loss_of(loss, T, s);
+  return result;
+}
+
+}  // namespace
+
+int64_t vocab_schedule_cuda_peak_bytes(const VocabScheduleConfig& c, int64_t al) {
+  check(c);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
+  const int64_t inputs = aligned(T * H * 2, al) + aligned(V * H * 2, al) + aligned(T * 4, al);
+  const int64_t rows = 2 * aligned(T * 4, al);  // lse, loss
+  if (c.mode == exec::VocabScheduleMode::Materialized) {
+    return inputs + rows + aligned(T * V * 2, al) + 2 * aligned(T * V * 4, al) + aligned(T * H * 2, al) +
+           aligned(V * H * 2, al);
+  }
+  const exec::CrossEntropyArgs a = block_shape(c, std::min(c.token_block_rows, c.tokens));
+  return inputs + rows + aligned(T * H * 2, al) + aligned(V * H * 4, al) +
+         aligned(exec::blocked_cross_entropy_workspace_bytes(a), al);
+}
+
+VocabScheduleCudaResult run_vocab_schedule_cuda(DeviceAllocator& alloc, const CublasContext& blas,
+                                                const VocabScheduleConfig& config) {
+  check(config);
+  return config.mode == exec::VocabScheduleMode::Materialized ? run_materialized(alloc, blas, config)
+                                                              : run_blocked(alloc, blas, config);
+}
+
+}  // namespace flatpeak::cuda
