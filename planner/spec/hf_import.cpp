@@ -701,7 +701,15 @@ std::optional<std::string> detect_family(const json& config, Collector& out) {
 }  // namespace
 
 bool looks_like_hf_config(const nlohmann::json& document) {
-  return document.is_object() && (document.contains("model_type") || document.contains("architectures"));
+  if (!document.is_object() || !(document.contains("model_type") || document.contains("architectures"))) return false;
+  // Keys only our card schema has (no HF config uses them): a card that also carries
+  // `architectures` or `model_type` (a typo for `architecture`, a pasted key) is still a card, so
+  // the card parser names the stray key with a did-you-mean instead of the HF importer
+  // complaining about an architecture it does not know.
+  for (const char* key : {"architecture", "aliases", "attention_type", "qk_norm", "attention_sinks", "o_proj_bias",
+                          "dense_layers", "params_total_official", "params_active_official", "params_official_statement"})
+    if (document.contains(key)) return false;
+  return true;
 }
 
 std::vector<std::string> supported_hf_architectures() { return architecture_names(); }

@@ -15,7 +15,7 @@
 namespace flatpeak {
 
 // True when the document looks like an HF config (has model_type or architectures) rather than
-// one of our cards.
+// one of our cards (it has none of the keys only a card has: architecture, attention_type, ...).
 bool looks_like_hf_config(const nlohmann::json& document);
 
 std::vector<std::string> supported_hf_architectures();

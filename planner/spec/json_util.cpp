@@ -1,5 +1,6 @@
 #include "json_util.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -18,13 +19,46 @@ std::string read_text_file(const std::string& path) {
   return buffer.str();
 }
 
+namespace {
+
+bool json_delimiter(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '{' || c == '}' || c == '[' || c == ']' || c == ',' || c == ':';
+}
+
+// The start of the JSON token that holds byte `at`, found by lexing from the start of the text
+// (a string with its escapes, a number or literal up to the next delimiter, or one punctuation
+// character); `at` itself when it lies in whitespace or past the text.
+size_t token_start(const std::string& text, size_t at) {
+  size_t i = 0;
+  while (i < text.size() && i <= at) {
+    const char c = text[i];
+    if (c == ' ' || c == '\t' || c == '\n' || c == '\r') {
+      ++i;
+      continue;
+    }
+    size_t end = i + 1;
+    if (c == '"') {
+      while (end < text.size() && text[end] != '"') end += text[end] == '\\' ? size_t{2} : size_t{1};
+      end = std::min(end + 1, text.size());  // past the closing quote
+    } else if (!json_delimiter(c)) {
+      while (end < text.size() && !json_delimiter(text[end]) && text[end] != '"') ++end;
+    }
+    if (at < end) return i;
+    i = end;
+  }
+  return at;
+}
+
+}  // namespace
+
 nlohmann::json parse_json_text(const std::string& text, const std::string& file) {
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {
-    // e.byte is 1-based and points at the character where the parser stopped (the end of the
-    // offending token); turn it into line:column.
-    const size_t end = std::min(e.byte == 0 ? size_t{0} : e.byte - 1, text.size());
+    // e.byte is 1-based and points at the last character the parser read, the end of the
+    // offending token; the position reported is that token's first character, as line:column.
+    const size_t last = std::min(e.byte == 0 ? size_t{0} : e.byte - 1, text.size());
+    const size_t end = token_start(text, last);
     size_t line = 1, column = 1;
     for (size_t i = 0; i < end; ++i) {
       if (text[i] == '\n') {

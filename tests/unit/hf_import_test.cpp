@@ -429,6 +429,9 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   EXPECT_TRUE(looks_like_hf_config(json{{"architectures", {"X"}}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "gpt-oss-120b"}}));
   EXPECT_FALSE(looks_like_hf_config(json::array()));
+  // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
+  EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
+  EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
   EXPECT_EQ(supported_hf_architectures().size(), 9u);
 }
 

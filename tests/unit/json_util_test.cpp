@@ -22,12 +22,20 @@ Diagnostic parse_failure(const std::string& text) {
 TEST(ParseJsonText, LineAndColumnOfTheError) {
   const Diagnostic missing_comma = parse_failure("{\n  \"a\": 1\n  \"b\": 2\n}\n");
   EXPECT_EQ(missing_comma.file, "card.json");
-  EXPECT_EQ(missing_comma.pointer, "3:5");  // where the parser stopped: the end of "b"
+  EXPECT_EQ(missing_comma.pointer, "3:3");  // the start of "b", the token the parser did not expect
   EXPECT_EQ(missing_comma.message.rfind("malformed JSON: syntax error", 0), 0u) << missing_comma.message;
 
   const Diagnostic truncated = parse_failure("{\"a\": [1, 2");
   EXPECT_EQ(truncated.pointer, "1:12");
   EXPECT_EQ(parse_failure("").pointer, "1:1");
+}
+
+// The column is the first character of the offending token, not the last one the parser read.
+TEST(ParseJsonText, ColumnIsTheStartOfTheToken) {
+  EXPECT_EQ(parse_failure("{\"a\": 1 \"long_key\": 2}").pointer, "1:9");
+  EXPECT_EQ(parse_failure("{\"a\": 1,\n \"b\\\"q\" 2}").pointer, "2:9");  // after a string with an escaped quote
+  EXPECT_EQ(parse_failure("{\"a\": 12345 6789}").pointer, "1:13");
+  EXPECT_EQ(parse_failure("{\"a\": [1, 2,, 3]}").pointer, "1:13");  // a one-character token
 }
 
 TEST(ParseJsonText, NumberTooLargeForAnyType) {
