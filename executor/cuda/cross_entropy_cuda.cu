@@ -203,7 +203,9 @@ __global__ void log_softmax_rows_kernel(const T* logits, float* log_probs, const
   if (threadIdx.x == 0) {
     lse[t] = l;
     const int64_t y = targets[t];
-    loss[t] = (y >= 0 && y < V) ? -lp[y] : 0.0f;
+    // l − z_y, not −lp[y]: lp[y] may have been written by another thread (no barrier since), and
+    // fl(l − z) = −fl(z − l), so this is the CPU's −lp[y] bit for bit.
+    loss[t] = (y >= 0 && y < V) ? l - to_f32(z[y]) : 0.0f;
   }
 }
 

@@ -177,9 +177,9 @@ Routing route(DeviceAllocator& a, const CublasContext& blas, const Dims& d, cons
   FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));  // the counts decide the GEMM shapes
   int64_t total = 0;
   for (int64_t c : r.host_counts) total += c;
-  if (total != d.N)
-    throw std::invalid_argument("dispatch schedule: topk_ids hold ids outside 0..E-1 (" + std::to_string(total) +
-                                " of " + std::to_string(d.N) + " copies routed)");
+  if (total != d.N)  // the ids were checked: a short count is a device-side failure
+    throw std::runtime_error("dispatch schedule: the routing plan counted " + std::to_string(total) + " of " +
+                             std::to_string(d.N) + " copies");
   return r;
 }
 
@@ -268,6 +268,10 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
   const Dims d = dims_of(c);
   if (static_cast<int64_t>(topk_ids.size()) != d.N)
     throw std::invalid_argument("dispatch schedule: topk_ids needs T·k = " + std::to_string(d.N) + " ids");
+  for (size_t i = 0; i < topk_ids.size(); ++i)  // the kernels index [T, E] rows with them
+    if (topk_ids[i] < 0 || topk_ids[i] >= d.E)
+      throw std::invalid_argument("dispatch schedule: topk_ids[" + std::to_string(i) + "] = " +
+                                  std::to_string(topk_ids[i]) + " is outside 0.." + std::to_string(d.E - 1));
   cudaStream_t s = blas.stream();
   const int64_t C = c.chunk_cap_rows == 0 ? d.N : std::min(c.chunk_cap_rows, d.N);
   const int64_t rounds = (d.N + C - 1) / C;

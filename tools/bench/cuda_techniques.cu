@@ -30,6 +30,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "executor/cuda/cublas_context.h"
@@ -129,7 +130,10 @@ std::string gib(int64_t bytes) {
   return buf;
 }
 
-void summary(const std::string& check, const std::string& result, const std::string& detail) {
+// One row for tools/gpu-check.sh's table: '|' and line breaks in the text would split it.
+void summary(const std::string& check, const std::string& result, std::string detail) {
+  for (char& ch : detail)
+    if (ch == '|' || ch == '\n' || ch == '\r') ch = ch == '|' ? '/' : ' ';
   std::printf("summary|%s|%s|%s\n", check.c_str(), result.c_str(), detail.c_str());
   std::fflush(stdout);
 }
@@ -246,31 +250,33 @@ void vocab_section(const Options& o) {
                     static_cast<long long>(c.tokens), gib(mat.vocab_peak).c_str(), gib(gif.vocab_peak).c_str(),
                     red_gif, gib(rec.vocab_peak).c_str(), red_rec, gif.seconds / mat.seconds,
                     rec.seconds / mat.seconds);
-      summary("vocab 64K (Ring-DTP R=1)", "measured", detail);
+      summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "measured", detail);
       std::snprintf(detail, sizeof detail,
                     "materialised: tracked %s, pool used high %s, reserved high %s; blocked gif: tracked %s, pool used high %s",
                     gib(mat.tracked_high).c_str(), gib(mat.view.pool_used_high_bytes).c_str(),
                     gib(mat.view.pool_reserved_high_bytes).c_str(), gib(gif.tracked_high).c_str(),
                     gib(gif.view.pool_used_high_bytes).c_str());
-      summary("vocab 64K device view", "measured", detail);
+      summary("vocab T=" + std::to_string(c.tokens) + " device view", "measured", detail);
     } else {
-      summary("vocab 64K (Ring-DTP R=1)", "skipped",
+      summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "skipped",
               (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
                   (gif.ran ? std::string() : "blocked " + gif.skipped));
     }
     for (int64_t tokens : o.big) {
       c.tokens = tokens;
       std::string line;
+      bool any_ran = false;
       for (bool g : {true, false}) {
         c.gradients_in_forward = g;
         const VocabRun r = run_vocab(alloc, blas, c, false);
+        any_ran = any_ran || r.ran;
         print_vocab(g ? "blocked grads-in-fwd" : "blocked recompute", c, r);
         char secs[32];
         std::snprintf(secs, sizeof secs, "%.3f s", r.seconds);
         line += std::string(line.empty() ? "" : "; ") + (g ? "gif: " : "recompute: ") +
                 (r.ran ? gib(r.vocab_peak) + " vocab peak, " + secs : r.skipped);
       }
-      summary("vocab blocked T=" + std::to_string(tokens), "measured", line);
+      summary("vocab blocked T=" + std::to_string(tokens), any_ran ? "measured" : "skipped", line);
     }
   }
   FLATPEAK_CUDA_CHECK(cudaStreamDestroy(s));
@@ -493,7 +499,7 @@ void offload_section(const Options& o) {
                   "exposed after bwd: stream %.3f s, serial %.3f s (%.2fx, paper 2.05x)",
                   static_cast<long long>(n), t.total_s, t.total_s / (slowest + fill), serial_alone.t.total_s,
                   stream_bwd.exposed_s, serial_bwd.exposed_s, ratio);
-    summary("OffloadStreamAdamW 1B", "measured", detail);
+    summary("OffloadStreamAdamW " + std::to_string(n), "measured", detail);
     std::snprintf(detail, sizeof detail, "%.1f GB/s vs STREAM copy %.1f GB/s (%.1f%%), %d threads", adamw_gbps,
                   stream_gbps, 100.0 * adamw_gbps / stream_gbps, o.threads);
     summary("CPU AdamW vs STREAM", "measured", detail);
@@ -527,12 +533,25 @@ int main(int argc, char** argv) {
     std::strftime(date, sizeof date, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
     std::printf("cuda_techniques on %s (sm_%d%d, %s), %s\n", prop.name, prop.major, prop.minor,
                 gib(static_cast<int64_t>(prop.totalGlobalMem)).c_str(), date);
-    if (wanted(o, "vocab")) vocab_section(o);
-    if (wanted(o, "dispatch")) dispatch_section(o);
-    if (wanted(o, "offload")) offload_section(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cuda_techniques: error: %s\n", e.what());
     return 1;
   }
-  return 0;
+  // A failing section is reported and the next one still runs (a sticky CUDA error will fail
+  // them too, each with its own message).
+  int failed = 0;
+  const std::pair<const char*, void (*)(const Options&)> sections[] = {
+      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"offload", offload_section}};
+  for (const auto& [name, run] : sections) {
+    if (!wanted(o, name)) continue;
+    try {
+      run(o);
+    } catch (const std::exception& e) {
+      ++failed;
+      std::fprintf(stderr, "cuda_techniques: error in %s: %s\n", name, e.what());
+      std::fflush(stderr);
+      summary(std::string(name) + " section", "FAIL", e.what());
+    }
+  }
+  return failed == 0 ? 0 : 1;
 }
