@@ -13,7 +13,9 @@
 # third_party/eigen, third_party/eigen3, $EIGEN_INCLUDE_DIR or /usr/include/eigen3; without it
 # the op tests are reported as skipped (the allocator and device tests still run).
 # Does NOT need CMake, nlohmann-json, fmt, CLI11 or GoogleTest: it compiles only executor/memory,
-# executor/cpu, executor/cuda and tests/cuda, which include none of them.
+# executor/cpu, executor/cuda, executor/schedules/vocab_schedule.cpp (the CPU twin
+# schedules_cuda_test compares with), tests/cuda and tools/bench/cuda_techniques.cu, which
+# include none of them.
 #
 # Usage: tools/gpu-check.sh [OUT_DIR]   (default build/gpu-check; logs and summary.txt there)
 set -uo pipefail
