@@ -274,10 +274,12 @@ Tensor attention_backward(TrackingAllocator& alloc, const Dims& d, const LayerWe
   return d_x;
 }
 
-void widen_into(const Tensor& t, std::vector<float>& out) {
+void append_bits(const Tensor& t, std::vector<uint16_t>& out) {
   const Bf16* p = t.data<Bf16>();
-  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(to_f32(p[i]));
+  for (int64_t i = 0; i < t.numel(); ++i) out.push_back(p[i].bits);
 }
+
+int64_t ffn_width(const CheckpointScheduleConfig& c) { return c.ffn > 0 ? c.ffn : 2 * c.hidden; }
 
 void check(const CheckpointScheduleConfig& c, const Dims& d) {
   if (c.tokens <= 0 || c.hidden <= 0 || c.layers <= 0)
@@ -336,11 +338,18 @@ std::string layer_phase(const char* pass, int64_t l, const char* part) {
 
 }  // namespace
 
+float bf16_value(uint16_t bits) { return to_f32(Bf16{bits}); }
+
+int64_t checkpoint_weight_gradient_elements(const CheckpointScheduleConfig& c) {
+  const int64_t H = c.hidden, F = ffn_width(c);
+  return c.layers * (2 * H + 4 * H * H + 3 * F * H) + H;
+}
+
 CheckpointScheduleResult run_checkpoint_schedule(TrackingAllocator& alloc, const CheckpointScheduleConfig& c) {
   Dims d;
   d.T = c.tokens;
   d.H = c.hidden;
-  d.F = c.ffn > 0 ? c.ffn : 2 * c.hidden;
+  d.F = ffn_width(c);
   d.heads = c.heads > 0 ? c.heads : (c.hidden % 4 == 0 ? 4 : (c.hidden % 2 == 0 ? 2 : 1));
   check(c, d);
   const int64_t T = d.T, H = d.H, L = c.layers;
@@ -459,11 +468,13 @@ CheckpointScheduleResult run_checkpoint_schedule(TrackingAllocator& alloc, const
     b.device(l).reset();  // x_l: its layer's backward is done
   }
 
+  // Reserved at their exact sizes: growth by doubling would hold two copies at once.
   result.d_input.reserve(static_cast<size_t>(T * H));
-  widen_into(dy, result.d_input);
+  append_bits(dy, result.d_input);
+  result.d_weights.reserve(static_cast<size_t>(checkpoint_weight_gradient_elements(c)));
   for (auto& g : grads)
-    for (Tensor* t : g.all()) widen_into(*t, result.d_weights);
-  widen_into(d_final_norm, result.d_weights);
+    for (Tensor* t : g.all()) append_bits(*t, result.d_weights);
+  append_bits(d_final_norm, result.d_weights);
   return result;
 }
 

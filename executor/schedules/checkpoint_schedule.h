@@ -27,12 +27,21 @@ struct CheckpointScheduleConfig {
   uint64_t seed = 1;       // inputs, weights and the loss target are a pure function of the seed
 };
 
-// Results copied out of the tracked buffers (after they are released).
+// Results copied out of the tracked buffers (after they are released), as the bf16 bit patterns
+// the buffers held: exact, and half the untracked heap of widened fp32 copies (verify keeps two
+// results, a technique's and the naive one's, beside the run). bf16_value() widens one.
 struct CheckpointScheduleResult {
   double loss = 0.0;
-  std::vector<float> d_input;    // [T, H] gradient of the stack's input (bf16 values widened)
-  std::vector<float> d_weights;  // every weight gradient, layer by layer, then the final norm (bf16 widened)
+  std::vector<uint16_t> d_input;    // [T, H] gradient of the stack's input (bf16 bits)
+  std::vector<uint16_t> d_weights;  // every weight gradient, layer by layer, then the final norm (bf16 bits)
 };
+
+// The value of a bf16 bit pattern of a CheckpointScheduleResult.
+float bf16_value(uint16_t bits);
+
+// Elements of CheckpointScheduleResult::d_weights for `config`: per layer the norms (2H), q, k, v
+// and o (4H²), gate/up (2FH) and down (FH), then the final norm (H).
+int64_t checkpoint_weight_gradient_elements(const CheckpointScheduleConfig& config);
 
 // Runs forward, a loss and backward with every buffer from `alloc`, setting the phase names
 // fwd/LI/attn, fwd/LI/ffn, loss/fwd, loss/bwd, bwd/LI/recompute/attn, bwd/LI/recompute/ffn

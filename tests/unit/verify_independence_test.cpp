@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "executor/schedules/checkpoint_schedule.h"
 #include "plan.h"
 #include "run_spec.h"
 #include "spec/errors.h"
@@ -230,9 +231,17 @@ int64_t measured_peak(const VerifyReport& r) {
 }
 
 // The copies of the outputs verify keeps to compare a technique with its naive reference
-// (VocabScheduleResult: d_x [T, H] and d_w [V, H] fp32, of both runs; per rank) are verify's own
-// data, not the schedule's working memory; they are allowed on top of the limit, and printed.
+// (VocabScheduleResult: d_x [T, H] and d_w [V, H] fp32, of both runs; per rank;
+// CheckpointScheduleResult: d_input [T, H] and every weight gradient as bf16 bits, of both runs)
+// are verify's own data, not the schedule's working memory; they are allowed on top of the limit,
+// and printed.
 int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs& in, const ScaledConfig& s) {
+  if (component == "checkpoint") {
+    exec::CheckpointScheduleConfig c;
+    c.hidden = s.hidden;
+    c.layers = s.layers;
+    return 2 * 2 * (s.tokens * s.hidden + exec::checkpoint_weight_gradient_elements(c));
+  }
   if (component != "vocab" || in.vocab_mode == "materialized") return 0;
   return 2 * 4 * (s.tokens * s.hidden + s.vocab * s.hidden);
 }
@@ -246,10 +255,11 @@ int64_t ranks_in_process(const VerifyReport& r, const std::string& component) {
   return r.ranks;
 }
 
-// The components whose untracked heap is checked. checkpoint and layer keep more than the limit
-// outside the TrackingAllocator today (printed below; executor/README.md lists the figures).
+// The components whose untracked heap is checked. layer keeps more than the limit outside the
+// TrackingAllocator today (printed below; executor/README.md lists the figures): its fp32 input
+// map (x, r and every weight) lives through both runs beside two fp32 gradient maps.
 bool heap_checked(const std::string& component) {
-  return component == "vocab" || component == "dispatch" || component == "optimizer";
+  return component == "vocab" || component == "dispatch" || component == "optimizer" || component == "checkpoint";
 }
 
 TEST(VerifyIndependence, UntrackedHeapStaysSmall) {

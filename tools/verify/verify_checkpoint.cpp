@@ -113,10 +113,13 @@ void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report) {
   exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
   const exec::CheckpointScheduleResult ref = exec::run_checkpoint_schedule(naive_alloc, naive);
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
-  for (size_t i = 0; i < got.d_input.size(); ++i)
-    report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_input[i] - ref.d_input[i])));
-  for (size_t i = 0; i < got.d_weights.size(); ++i)
-    report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_weights[i] - ref.d_weights[i])));
+  auto dgrad = [&](const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+    for (size_t i = 0; i < a.size(); ++i)
+      report.max_abs_dgrad =
+          std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(exec::bf16_value(a[i]) - exec::bf16_value(b[i]))));
+  };
+  dgrad(got.d_input, ref.d_input);
+  dgrad(got.d_weights, ref.d_weights);
 
   compare_boundaries(exec::MemorySpace::Device, predicted, alloc, report);
   compare_boundaries(exec::MemorySpace::Host, predicted, alloc, report);
