@@ -728,6 +728,10 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
       }
     }
   }
+  // The model state alone does not fit the GPU: it runs out first (summarize() in plan.cpp).
+  constexpr size_t kOptimizer = static_cast<size_t>(PeakKind::Optimizer);
+  if (s.component_bytes[kOptimizer] > 0 && required_bytes(s.component_bytes[kOptimizer]) > device_budget_)
+    s.binding = PeakKind::Optimizer;
   s.required_bytes = required_bytes(s.gpu_peak_bytes);
   s.budget_bytes = device_budget_;
   s.host_budget_bytes = host_budget_;

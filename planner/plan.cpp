@@ -106,6 +106,13 @@ PlanSummary summarize(const Timeline& timeline, const ResolvedRun& run, const Ha
       s.binding = kind;
     }
   }
+  // The model state (params + grads + optimizer on the device, the optimizer peak's component)
+  // does not shrink with the context: when it alone needs more than the GPU, it is what runs out
+  // first, whatever is largest at the peak phase.
+  const int64_t state = s.peak(PeakKind::Optimizer).component_bytes;
+  if (state > 0 && checked_add(checked_add(state, run.overhead_bytes),
+                               static_cast<int64_t>(std::ceil(run.fragmentation * static_cast<double>(state)))) > hardware.device_memory_bytes)
+    s.binding = PeakKind::Optimizer;
   s.overhead_bytes = run.overhead_bytes;
   s.fragmentation_bytes = static_cast<int64_t>(std::ceil(run.fragmentation * static_cast<double>(s.gpu_peak_bytes)));
   s.required_bytes = checked_add(checked_add(s.gpu_peak_bytes, s.overhead_bytes), s.fragmentation_bytes);

@@ -63,9 +63,14 @@ ScheduleRun run_schedule(const ModelSpec& model, const HardwareSpec& hardware, c
       return out;
     }
     SearchResult s = try_search(model, hardware, serial, eff, cache, first_fit);
-    // Neither fits: the one that fits the GPU (its binding is then the host), else the GPU's.
+    // Neither fits: the one that fits the GPU (its binding is then the host), else the GPU's,
+    // unless the GPU placement runs out on the optimizer (its model state alone overflows) and
+    // serial offload does not: then serial gets further and its binding is what stops the tuned
+    // baseline.
     const bool take_serial = (s.found && !g.found) || (s.found && g.found && faster(s, g)) ||
-                             (!s.found && !g.found && s.summary.gpu_fits && !g.summary.gpu_fits);
+                             (!s.found && !g.found && s.summary.gpu_fits && !g.summary.gpu_fits) ||
+                             (!s.found && !g.found && !s.summary.gpu_fits && !g.summary.gpu_fits &&
+                              g.summary.binding == PeakKind::Optimizer && s.summary.binding != PeakKind::Optimizer);
     out.search = take_serial ? std::move(s) : std::move(g);
     out.optimizer = take_serial ? OptimizerPlacement::Serial : OptimizerPlacement::Gpu;
   } else {

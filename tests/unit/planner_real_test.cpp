@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <map>
 
 #include "planner_test_util.h"
@@ -35,8 +36,33 @@ TEST(PlannerReal, GptOss120bBaselineVocabLiveSet) {
   EXPECT_EQ(vocab.component_bytes, sum);
   EXPECT_EQ(sum, T * V * 10 + 2 * T * H * 2 + 2 * V * H * 2 + 2 * T * 4);
   EXPECT_FALSE(p.summary.fits());
-  EXPECT_EQ(p.summary.binding, PeakKind::Vocab);
+  // On 8 GPUs the model state alone (234 GB a GPU) does not fit the H200 either, at any context:
+  // it runs out first (BindingIsTheModelStateWhenItAloneOverflows).
+  EXPECT_EQ(p.summary.binding, PeakKind::Optimizer);
   ASSERT_EQ(p.warnings.size(), 1u);  // S above max_position_embeddings (131072) is a warning
+}
+
+// `binding` names the peak that runs out first: the model state (params + grads + optimizer, the
+// optimizer peak's component) when it alone needs more than the GPU, whichever phase is largest;
+// otherwise the largest component at the GPU's peak phase.
+TEST(PlannerReal, BindingIsTheModelStateWhenItAloneOverflows) {
+  const ModelSpec m = load_model("gpt-oss-120b");
+  const HardwareSpec h200 = load_hardware("H200");
+  auto required = [&](const Plan& p, int64_t bytes) {
+    return bytes + p.summary.overhead_bytes + static_cast<int64_t>(std::ceil(p.run.fragmentation * static_cast<double>(bytes)));
+  };
+  for (const char* context : {"4K", "1M"}) {
+    const Plan p = plan_of(m, h200, {{"--gpus", "8"}, {"--context", context}});
+    const int64_t state = p.summary.peak(PeakKind::Optimizer).component_bytes;
+    EXPECT_GT(required(p, state), p.summary.budget_bytes) << context;
+    EXPECT_NE(p.summary.gpu_peak_phase.rfind("opt/", 0), 0u) << context;  // the largest phase is another peak's home
+    EXPECT_EQ(p.summary.binding, PeakKind::Optimizer) << context;
+  }
+  // Sharded over 64 GPUs the state fits (29 GB a GPU); the 1M-token loss does not.
+  const Plan wide = plan_of(m, h200, {{"--gpus", "64"}, {"--context", "1M"}});
+  EXPECT_LE(required(wide, wide.summary.peak(PeakKind::Optimizer).component_bytes), wide.summary.budget_bytes);
+  EXPECT_FALSE(wide.summary.gpu_fits);
+  EXPECT_EQ(wide.summary.binding, PeakKind::Vocab);
 }
 
 TEST(PlannerReal, FlatpeakFitsWhereTheBaselineDoesNot) {
