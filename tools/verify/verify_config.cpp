@@ -133,6 +133,10 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
   s.ep = std::min(in.ep, max_ranks / replicas);
   s.ranks = s.ep * replicas;
   s.num_experts = in.num_experts / in.ep * s.ep;
+  // Fewer ranks keep E/EP experts each, which can leave fewer experts than top_k (Mixtral, 8
+  // experts top-2 at EP = 8, verified on one rank: E = 1): no token could pick k distinct
+  // experts. Each rank then holds ceil(k / EP') experts, the fewest that route (printed as E).
+  if (in.top_k > 0 && s.num_experts < in.top_k) s.num_experts = ceil_div(in.top_k, s.ep) * s.ep;
   const int64_t T = in.tokens_per_gpu;
   if (factor) {
     s.tokens = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(T) / *factor)));
