@@ -84,9 +84,11 @@ TEST(VerifyLayer, RefusesWhatTheExecutorDoesNotRun) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("/inputs/model/attention"), std::string::npos) << e.what();
   }
-  // Mixtral at EP = 8: one local expert, top-2.
+  // Mixtral at EP = 8 kept on 8 ranks: one local expert, top-2. (On one rank verify gives each
+  // rank ceil(k/EP') = 2 experts, so that routing works, and the layer runs.)
   const VerifyInputs mixtral = read_plan_inputs(plan_json("Mixtral-8x7B", {{"--gpus", "8"}, {"--context", "4K"}}), "plan.json");
-  EXPECT_THROW(run_verification(mixtral, scale_config(mixtral, std::nullopt, 1), {"layer"}, 0.01), InputError);
+  EXPECT_THROW(run_verification(mixtral, scale_config(mixtral, std::nullopt, 8), {"layer"}, 0.01), InputError);
+  EXPECT_EQ(scale_config(mixtral, std::nullopt, 1).num_experts, 2);
 }
 
 }  // namespace
