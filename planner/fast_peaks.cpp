@@ -64,6 +64,8 @@ const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run,
   load.recv_rows_ep = *std::max_element(received.begin(), received.end());
   load.rho_ep = imbalance_rho(received);
   load.clamp_note = expected->clamp_note;
+  std::vector<RankLoad> per_rank;
+  for (int64_t r : received) per_rank.push_back(RankLoad{r, 0, 0});
   if (run.llep) {
     LlaKnobs knobs;
     knobs.llep_alpha = run.llep_alpha;
@@ -75,25 +77,21 @@ const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run,
     load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
     for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
     for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
+    if (lla.triggered)
+      for (size_t p = 0; p < per_rank.size(); ++p)
+        per_rank[p] = RankLoad{lla.rank_rows[p], lla.foreign_experts_per_rank[p], lla.lent_weights_per_rank[p]};
     b->send = lla.triggered ? lla_send_rows(lla, expected->copies) : ep_send_rows(expected->copies, shape);
   }
+  load.ranks = candidate_ranks(per_rank);
   auto& slot = entries_[key];
   slot = std::move(b);
   return *slot;
 }
 
-MoeLoad load_with_cap(const MoeBasis& basis, const ResolvedRun& run, int64_t chunk_cap_rows) {
+MoeLoad load_with_cap(const MoeBasis& basis, const ModelSpec& model, const ResolvedRun& run, int64_t chunk_cap_rows) {
   MoeLoad load = basis.load;
   if (!run.llep || chunk_cap_rows <= 0) return load;
-  const int64_t C = std::min(chunk_cap_rows, load.send_rows);
-  int64_t buffer = run.striping ? round_receive_bound_rows(C, run.ep, std::max(1.0, load.rho_llep)) : checked_mul(run.ep, C);
-  buffer = std::min(buffer, load.recv_rows_llep);
-  int64_t cap = C;
-  if (run.striping && round_receive_bound_rows(basis.send, C) > buffer)
-    cap = std::max<int64_t>(1, shrink_chunk_cap(basis.send, C, buffer));
-  load.chunk_cap_rows = cap;
-  load.round_recv_rows = buffer;
-  load.rounds = ceil_div(load.send_rows, cap);
+  apply_chunk_cap(load, model, run, basis.send, chunk_cap_rows);
   return load;
 }
 
@@ -155,7 +153,7 @@ Workload fast_workload(const ModelSpec& model, const ResolvedRun& run, LoadCache
     const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file && run.imbalance.file->layers.size() > 1;
     const int64_t distinct = per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
     for (int64_t m = 0; m < distinct; ++m)
-      w.moe_loads.push_back(load_with_cap(cache.basis(model, run, w.tokens, m), run, run.chunk_cap_rows));
+      w.moe_loads.push_back(load_with_cap(cache.basis(model, run, w.tokens, m), model, run, run.chunk_cap_rows));
   }
   return w;
 }
@@ -328,14 +326,14 @@ class Builder {
     };
     const bool mtp = l >= L_;
     const bool moe = moe_layer(l);
-    const MoeShape s = moe ? moe_shape(c_, c_.w.load_of(c_.w.moe_index[static_cast<size_t>(l)])) : MoeShape{};
+    const std::vector<MoeShape> shapes = moe ? moe_shapes(c_, c_.w.load_of(c_.w.moe_index[static_cast<size_t>(l)])) : std::vector<MoeShape>{};
     // Forward (base 0).
     Acc attn = c_.acc();
     if (mtp) attn.add(kAct, mul(c_.T, 2 * c_.H), kB16);
     attention_forward(c_, l, attn);
     add(layer_home(false), attn, FP::Disp::None, 0);
     if (moe) {
-      for (auto& p : pipelined(c_) ? pipelined_forward(c_, s, false) : ep_phases(c_, s, false)) {
+      for (auto& p : worst_rank(shapes, [&](const MoeShape& s) { return pipelined(c_) ? pipelined_forward(c_, s, false) : ep_phases(c_, s, false); })) {
         Acc t = c_.acc();
         ffn_block_inputs(c_, t);
         if (p.kind == MoePhase::Experts || p.kind == MoePhase::Round) ffn_pair(c_, c_.m.shared_expert_ffn_width, t);
@@ -362,7 +360,7 @@ class Builder {
     layer_grad_stream(c_, block);
     if (moe) {
       const int64_t Fs = c_.m.shared_expert_ffn_width;
-      for (auto& p : pipelined(c_) ? pipelined_forward(c_, s, true) : ep_phases(c_, s, true)) {
+      for (auto& p : worst_rank(shapes, [&](const MoeShape& s) { return pipelined(c_) ? pipelined_forward(c_, s, true) : ep_phases(c_, s, true); })) {
         Acc t = block;
         ffn_pair(c_, Fs, t);
         if (p.disp == FP::Disp::None) t.append(p.terms);
@@ -370,7 +368,7 @@ class Builder {
       }
       std::vector<MoeTerms> back;
       if (pipelined(c_)) back.push_back(MoeTerms{MoePhase::Round, FP::Disp::BackwardRound, c_.acc()});
-      else back = ep_backward(c_, s);
+      else back = worst_rank(shapes, [&](const MoeShape& s) { return ep_backward(c_, s); });
       for (auto& p : back) {
         Acc t = block;
         ffn_pair(c_, Fs, t);
@@ -548,8 +546,9 @@ int64_t FastPeaks::boundary_count(Bnd rule, int64_t l, int64_t n, int64_t prefet
 
 int64_t FastPeaks::dispatch_bytes(Disp kind, const MoeLoad& load) const {
   const Ctx c{model_, run_, stub_, T_, model_.hidden_size, al_};
-  const MoeShape s = moe_shape(c, load);
-  return round_phase(c, s, kind).c[cat(Category::Dispatch)];
+  int64_t most = 0;  // the candidate ranks' largest
+  for (const MoeShape& s : moe_shapes(c, load)) most = std::max(most, round_phase(c, s, kind).c[cat(Category::Dispatch)]);
+  return most;
 }
 
 int64_t FastPeaks::vocab_bytes(Voc kind, int64_t ring_size, RingRotate rotate, int64_t token_block, int64_t vocab_block) const {

@@ -47,7 +47,7 @@ Workload fast_workload(const ModelSpec& model, const ResolvedRun& run, LoadCache
 
 // A load with the chunk cap in effect: the cap clamped to T·k, the round buffer B sized at launch,
 // the cap shrunk when known loads would overflow it, and the rounds (workload.cpp's rule).
-MoeLoad load_with_cap(const MoeBasis& basis, const ResolvedRun& run, int64_t chunk_cap_rows);
+MoeLoad load_with_cap(const MoeBasis& basis, const ModelSpec& model, const ResolvedRun& run, int64_t chunk_cap_rows);
 
 // The knob values FastPeaks varies.
 struct PeakKnobs {

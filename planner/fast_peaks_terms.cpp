@@ -93,9 +93,16 @@ void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t) {
 
 // ---- dispatch
 
-MoeShape moe_shape(const Ctx& c, const MoeLoad& load) {
-  const int64_t R = c.r.llep ? load.recv_rows_llep : load.recv_rows_ep;
-  return MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, R, &load};
+std::vector<MoeShape> moe_shapes(const Ctx& c, const MoeLoad& load) {
+  std::vector<MoeShape> out;
+  for (const RankLoad& r : load.ranks)
+    out.push_back(MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, r.recv_rows,
+                           c.r.llep ? r.foreign_experts : 0, c.r.llep ? r.lent_experts : 0, c.r.ep > 1, &load});
+  return out;
+}
+
+void received_probs(const MoeShape& s, Acc& t) {
+  if (s.regroup) t.add(kDsp, s.recv, kF32);
 }
 
 void route(const MoeShape& s, Acc& t) {
@@ -114,13 +121,13 @@ void meta(const MoeShape& s, Acc& t) {
 
 void foreign(const Ctx& c, const MoeShape& s, Acc& t) {
   if (!c.r.llep) return;
-  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
+  t.add(kDsp, mul(s.foreign, c.w.expert_params_each), kB16);
 }
 
-void foreign_grads(const Ctx& c, const MoeShape& s, Acc& t) {
+void foreign_grads(const Ctx& c, const MoeShape& s, Acc& t) {  // fp32 (memory_terms_dispatch.cpp)
   if (!c.r.llep) return;
-  t.add(kDsp, mul(s.load->foreign_experts, c.w.expert_params_each), kB16);
-  t.add(kDsp, mul(s.load->lent_experts, c.w.expert_params_each), kB16);
+  t.add(kDsp, mul(s.foreign, c.w.expert_params_each), kF32);
+  t.add(kDsp, mul(s.lent, c.w.expert_params_each), kF32);
 }
 
 void saved_experts(const MoeShape& s, int64_t rows, Acc& t) {
@@ -153,6 +160,9 @@ void combine_buffers(const MoeShape& s, Acc& t) {
 
 // where the shared expert's terms go.
 
+// The larger of two moments of a phase (the first on ties).
+Acc larger(const Acc& a, const Acc& b) { return b.c[cat(kDsp)] > a.c[cat(kDsp)] ? b : a; }
+
 std::vector<MoeTerms> ep_phases(const Ctx& c, const MoeShape& s, bool recompute) {
   using D = FastPeaks::Disp;
   std::vector<MoeTerms> out;
@@ -161,24 +171,41 @@ std::vector<MoeTerms> ep_phases(const Ctx& c, const MoeShape& s, bool recompute)
     route(s, out.back().terms);
     return out.back().terms;
   };
+  auto common = [&](Acc& t) {
+    route(s, t);
+    meta(s, t);
+    foreign(c, s, t);
+  };
   if (!recompute) phase(MoePhase::Route);
   {
-    Acc& t = phase(MoePhase::Dispatch);
-    meta(s, t);
-    dispatch_buffers(c, s, t);
-    foreign(c, s, t);
+    Acc a = c.acc();
+    common(a);
+    dispatch_buffers(c, s, a);
+    if (s.regroup) {
+      Acc b = c.acc();
+      common(b);
+      b.add(kDsp, mul(s.recv, s.H), kB16);
+      b.add(kDsp, s.recv, kF32);
+      b.add(kDsp, mul(s.recv, s.H), kB16);
+      a = larger(a, b);
+    }
+    out.push_back(MoeTerms{MoePhase::Dispatch, D::None, a});
   }
   {
     Acc& t = phase(MoePhase::Experts);
     meta(s, t);
     saved_experts(s, s.recv, t);
     if (recompute) t.add(kDsp, mul(s.recv, s.H), kB16);
+    received_probs(s, t);
     foreign(c, s, t);
   }
   {
     Acc& t = phase(MoePhase::Combine);
     meta(s, t);
-    if (recompute) saved_experts(s, s.recv, t);
+    if (recompute) {
+      saved_experts(s, s.recv, t);
+      received_probs(s, t);
+    }
     combine_buffers(s, t);
     foreign(c, s, t);
   }
@@ -188,32 +215,54 @@ std::vector<MoeTerms> ep_phases(const Ctx& c, const MoeShape& s, bool recompute)
 std::vector<MoeTerms> ep_backward(const Ctx& c, const MoeShape& s) {
   using D = FastPeaks::Disp;
   std::vector<MoeTerms> out;
-  auto phase = [&](MoePhase k) -> Acc& {
-    out.push_back(MoeTerms{k, D::None, c.acc()});
-    Acc& t = out.back().terms;
+  auto common = [&](Acc& t) {
     route(s, t);
     meta(s, t);
     foreign(c, s, t);
-    return t;
   };
   {
-    Acc& t = phase(MoePhase::Combine);
-    saved_experts(s, s.recv, t);
-    t.add(kDsp, mul(s.sent, s.H), kB16);
-    t.add(kDsp, mul(s.recv, s.H), kB16);
+    Acc a = c.acc();
+    common(a);
+    saved_experts(s, s.recv, a);
+    received_probs(s, a);
+    a.add(kDsp, mul(s.sent, s.H), kB16);
+    a.add(kDsp, mul(s.recv, s.H), kB16);
+    if (s.regroup) {
+      Acc b = c.acc();
+      common(b);
+      saved_experts(s, s.recv, b);
+      received_probs(s, b);
+      b.add(kDsp, mul(s.recv, s.H), kB16);
+      b.add(kDsp, mul(s.recv, s.H), kB16);
+      a = larger(a, b);
+    }
+    out.push_back(MoeTerms{MoePhase::Combine, D::None, a});
   }
   {
-    Acc& t = phase(MoePhase::Experts);
+    out.push_back(MoeTerms{MoePhase::Experts, D::None, c.acc()});
+    Acc& t = out.back().terms;
+    common(t);
     saved_experts(s, s.recv, t);
+    received_probs(s, t);
     expert_grads(s, s.recv, t);
     foreign_grads(c, s, t);
   }
   {
-    Acc& t = phase(MoePhase::Dispatch);
-    t.add(kDsp, mul(s.recv, s.H), kB16);
-    t.add(kDsp, mul(s.sent, s.H), kB16);
-    t.add(kDsp, mul(s.T, s.H), kF32);
-    foreign_grads(c, s, t);
+    Acc b = c.acc();
+    common(b);
+    b.add(kDsp, mul(s.recv, s.H), kB16);
+    b.add(kDsp, mul(s.sent, s.H), kB16);
+    b.add(kDsp, mul(s.T, s.H), kF32);
+    foreign_grads(c, s, b);
+    if (s.regroup) {
+      Acc a = c.acc();
+      common(a);
+      a.add(kDsp, mul(s.recv, s.H), kB16);
+      a.add(kDsp, mul(s.recv, s.H), kB16);
+      foreign_grads(c, s, a);
+      b = larger(a, b);
+    }
+    out.push_back(MoeTerms{MoePhase::Dispatch, D::None, b});
   }
   return out;
 }
@@ -233,7 +282,7 @@ void round_buffers(const MoeShape& s, int64_t C, int64_t B, int64_t D, Acc& t) {
 
 Acc round_phase(const Ctx& c, const MoeShape& s, FastPeaks::Disp kind) {
   using D = FastPeaks::Disp;
-  const int64_t C = s.load->chunk_cap_rows, B = s.load->round_recv_rows, Dp = c.r.dispatch_depth;
+  const int64_t C = s.load->launch_chunk_cap_rows, B = s.load->round_recv_rows, Dp = c.r.dispatch_depth;
   const bool store = c.r.dispatch_mode == DispatchMode::Store;
   Acc t = c.acc();
   route(s, t);

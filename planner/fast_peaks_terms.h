@@ -83,10 +83,15 @@ void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t);
 
 struct MoeShape {
   int64_t T, H, E, k, F, sent, recv;
+  int64_t foreign, lent;  // the rank's S_p and S_sent (0 without LLEP)
+  bool regroup;           // EP > 1
   const MoeLoad* load;
 };
 
-MoeShape moe_shape(const Ctx& c, const MoeLoad& load);
+// One shape per candidate rank of the load (workload.h, candidate_ranks).
+std::vector<MoeShape> moe_shapes(const Ctx& c, const MoeLoad& load);
+
+void received_probs(const MoeShape& s, Acc& t);
 
 void route(const MoeShape& s, Acc& t);
 
@@ -124,6 +129,23 @@ void round_buffers(const MoeShape& s, int64_t C, int64_t B, int64_t D, Acc& t);
 Acc round_phase(const Ctx& c, const MoeShape& s, FastPeaks::Disp kind);
 
 std::vector<MoeTerms> pipelined_forward(const Ctx& c, const MoeShape& s, bool recompute);
+
+// A MoE block's phases over the candidate ranks: each phase the largest (dispatch bytes, the
+// first on ties), as memory_terms_dispatch.cpp's worst_rank.
+template <class Build>
+std::vector<MoeTerms> worst_rank(const std::vector<MoeShape>& shapes, Build build) {
+  std::vector<MoeTerms> out;
+  for (const MoeShape& s : shapes) {
+    std::vector<MoeTerms> mine = build(s);
+    if (out.empty()) {
+      out = std::move(mine);
+      continue;
+    }
+    for (size_t i = 0; i < out.size() && i < mine.size(); ++i)
+      if (mine[i].terms.c[cat(Category::Dispatch)] > out[i].terms.c[cat(Category::Dispatch)]) out[i] = std::move(mine[i]);
+  }
+  return out;
+}
 
 bool pipelined(const Ctx& c);
 

@@ -582,7 +582,7 @@ class Structure {
     for (int64_t cap : grid) {
       CapCand c;
       c.cap = cap;
-      for (const MoeBasis* b : bases) c.loads.push_back(load_with_cap(*b, run_, cap));
+      for (const MoeBasis* b : bases) c.loads.push_back(load_with_cap(*b, model_, run_, cap));
       c.disp.assign(c.loads.size(), {0, 0, 0, 0});
       if (pipelined)
         for (size_t i = 0; i < c.loads.size(); ++i)

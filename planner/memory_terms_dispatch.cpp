@@ -1,7 +1,13 @@
 // The dispatch working set of one MoE layer on the worst rank (reference/dispatch.md §3–§5):
 // routing tensors, dispatch/combine buffers, expert activations and their gradients, LLEP's
 // foreign expert weights. Standard EP (and LLEP without a cap) sizes receive buffers by the
-// layer's received rows R; PipelinedLLEP sizes per-round buffers once by the cap C.
+// layer's received rows R; PipelinedLLEP sizes per-round buffers once at launch by the cap C.
+// Each phase is the largest over the candidate ranks (workload.h, candidate_ranks) of that
+// rank's live set, with its own R_p, S_p and S_sent: the rank that receives the most rows lends
+// weights and borrows none, its helpers the other way round, so no one rank holds every maximum.
+// At EP > 1 the received rows are source-major and are regrouped into the expert input (a copy:
+// the receive buffer and the expert input are live together), and the experts read the probs as
+// received, which stay until the backward has used them (planner/README.md, "Dispatch").
 // Symbols: T*k rows sent, R rows received, C cap, B rows received per round, D rounds in flight,
 // F expert FFN width, p_e parameters of one expert. bf16 unless stated.
 #include <string>
@@ -16,16 +22,40 @@ constexpr Category kDsp = Category::Dispatch;
 
 struct MoeShape {
   int64_t T, H, E, k, F, rows_sent, rows_recv;
+  int64_t foreign, lent;  // this rank's S_p and S_sent (0 without LLEP)
+  bool regroup;           // EP > 1: received rows are copied into expert order
   const MoeLoad* load;
 };
 
-MoeShape shape_of(const Context& c, int64_t layer) {
+// The shape of one candidate rank of the layer's load.
+MoeShape shape_of(const Context& c, const MoeLoad& load, const RankLoad& r) {
+  const Workload& w = c.work;
+  const bool llep = c.run.llep;
+  return MoeShape{w.tokens, c.model.hidden_size, c.model.num_experts, c.model.top_k, c.model.expert_ffn_width, load.send_rows,
+                  r.recv_rows, llep ? r.foreign_experts : 0, llep ? r.lent_experts : 0, c.run.ep > 1, &load};
+}
+
+// The phase lists of every candidate rank, merged phase by phase into the largest (the first
+// candidate on ties); every candidate has the same phases.
+template <class Build>
+std::vector<PhaseTerms> worst_rank(const Context& c, int64_t layer, Build build) {
   const Workload& w = c.work;
   const MoeLoad& load = w.load_of(w.moe_index[static_cast<size_t>(layer)]);
-  const int64_t R = c.run.llep ? load.recv_rows_llep : load.recv_rows_ep;
-  return MoeShape{w.tokens, c.model.hidden_size, c.model.num_experts, c.model.top_k,
-                  c.model.expert_ffn_width, load.send_rows, R, &load};
+  std::vector<PhaseTerms> out;
+  for (const RankLoad& r : load.ranks) {
+    std::vector<PhaseTerms> mine = build(shape_of(c, load, r));
+    if (out.empty()) {
+      out = std::move(mine);
+      continue;
+    }
+    for (size_t i = 0; i < out.size() && i < mine.size(); ++i)
+      if (mine[i].terms.bytes(kDsp) > out[i].terms.bytes(kDsp)) out[i] = std::move(mine[i]);
+  }
+  return out;
 }
+
+// The larger of two moments of one phase (the first on ties).
+TermList larger(TermList a, TermList b) { return b.bytes(kDsp) > a.bytes(kDsp) ? b : a; }
 
 void add_route(const MoeShape& s, TermList& t) {
   t.add("router logits", {{"T", s.T}, {"E", s.E}}, kFp32, kDsp);
@@ -43,13 +73,22 @@ void add_meta(const MoeShape& s, TermList& t) {
 
 void add_foreign_weights(const Context& c, const MoeShape& s, TermList& t) {
   if (!c.run.llep) return;
-  t.add("LLEP foreign expert weights", {{"S_p", s.load->foreign_experts}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
+  t.add("LLEP foreign expert weights", {{"S_p", s.foreign}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
 }
 
+// fp32: a borrowed expert's gradient is an accumulator (over PipelinedLLEP's rounds, then into the
+// native rank's fp32 accumulator), and DESIGN.md keeps every cross-block accumulator in fp32; in
+// bf16 where LLA puts an expert's rows would change its gradient (by bf16 rounding of each part).
 void add_foreign_weight_grads(const Context& c, const MoeShape& s, TermList& t) {
   if (!c.run.llep) return;
-  t.add("LLEP foreign weight grads", {{"S_p", s.load->foreign_experts}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
-  t.add("LLEP lent weight grads received", {{"S_sent", s.load->lent_experts}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
+  t.add("LLEP foreign weight grads", {{"S_p", s.foreign}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
+  t.add("LLEP lent weight grads received", {{"S_sent", s.lent}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
+}
+
+// EP > 1: the probs as received [R] (fp32), read by the experts (act*prob) and, saved by the
+// recompute, by their backward, which writes d prob over them for the way home.
+void add_received_probs(const MoeShape& s, TermList& t) {
+  if (s.regroup) t.add("received probs", {{"R", s.rows_recv}}, kFp32, kDsp);
 }
 
 void add_saved_experts(const MoeShape& s, int64_t rows, const char* rsym, TermList& t, const std::string& tag) {
@@ -66,13 +105,6 @@ void add_expert_grads(const MoeShape& s, int64_t rows, const char* rsym, TermLis
 
 // ---- standard EP, and LLEP without a cap (one dispatch of all rows).
 
-void add_dispatch_buffers(const Context& c, const MoeShape& s, TermList& t) {
-  t.add("dispatch send buffer", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
-  if (c.run.llep) t.add("LLEP repeated tokens", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
-  t.add("dispatch receive buffer", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
-  t.add("received probs", {{"R", s.rows_recv}}, kFp32, kDsp);
-}
-
 void add_combine_buffers(const MoeShape& s, TermList& t) {
   t.add("expert fc2 out", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
   t.add("unpermuted rows", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
@@ -88,24 +120,47 @@ std::vector<PhaseTerms> ep_phases(const Context& c, const MoeShape& s, bool reco
     add_route(s, t);
     return t;
   };
+  auto common = [&](TermList& t) {
+    add_route(s, t);
+    add_meta(s, t);
+    add_foreign_weights(c, s, t);
+  };
   if (!recompute) phase("moe/route");
   {
-    TermList& t = phase("moe/dispatch");
-    add_meta(s, t);
-    add_dispatch_buffers(c, s, t);
-    add_foreign_weights(c, s, t);
+    // The all-to-all: send buffer (LLEP: and the reference's repeated tokens) beside the receive
+    // buffers. EP > 1: then the send side is freed and the received rows are regrouped into the
+    // expert input, beside the receive buffer.
+    TermList a = c.list();
+    common(a);
+    a.add("dispatch send buffer", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
+    if (c.run.llep) a.add("LLEP repeated tokens", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
+    a.add("dispatch receive buffer", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+    a.add("received probs", {{"R", s.rows_recv}}, kFp32, kDsp);
+    if (s.regroup) {
+      TermList b = c.list();
+      common(b);
+      b.add("dispatch receive buffer", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      b.add("received probs", {{"R", s.rows_recv}}, kFp32, kDsp);
+      b.add("expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      a = larger(std::move(a), std::move(b));
+    }
+    out.push_back(PhaseTerms{"moe/dispatch", "", std::move(a)});
   }
   {
     TermList& t = phase("moe/experts");
     add_meta(s, t);
     add_saved_experts(s, s.rows_recv, "R", t, recompute ? " (saved)" : "");
     if (recompute) t.add("expert fc2 out", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+    add_received_probs(s, t);
     add_foreign_weights(c, s, t);
   }
   {
     TermList& t = phase("moe/combine");
     add_meta(s, t);
-    if (recompute) add_saved_experts(s, s.rows_recv, "R", t, " (saved)");
+    if (recompute) {
+      add_saved_experts(s, s.rows_recv, "R", t, " (saved)");
+      add_received_probs(s, t);
+    }
     add_combine_buffers(s, t);
     add_foreign_weights(c, s, t);
   }
@@ -114,32 +169,58 @@ std::vector<PhaseTerms> ep_phases(const Context& c, const MoeShape& s, bool reco
 
 std::vector<PhaseTerms> ep_backward(const Context& c, const MoeShape& s) {
   std::vector<PhaseTerms> out;
-  auto phase = [&](const char* suffix) -> TermList& {
-    out.push_back(PhaseTerms{suffix, "", c.list()});
-    TermList& t = out.back().terms;
+  auto common = [&](TermList& t) {
     add_route(s, t);
     add_meta(s, t);
     add_foreign_weights(c, s, t);
-    return t;
   };
   {
-    TermList& t = phase("moe/combine");
-    add_saved_experts(s, s.rows_recv, "R", t, " (saved)");
-    t.add("d combine rows", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
-    t.add("d received rows", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+    // The reversed combine: d combine rows beside what arrives; EP > 1: then regrouped into the
+    // experts' d fc2 out, beside the received rows.
+    TermList a = c.list();
+    common(a);
+    add_saved_experts(s, s.rows_recv, "R", a, " (saved)");
+    add_received_probs(s, a);
+    a.add("d combine rows", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
+    a.add("d received rows", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+    if (s.regroup) {
+      TermList b = c.list();
+      common(b);
+      add_saved_experts(s, s.rows_recv, "R", b, " (saved)");
+      add_received_probs(s, b);
+      b.add("d received rows", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      b.add("d expert fc2 out", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      a = larger(std::move(a), std::move(b));
+    }
+    out.push_back(PhaseTerms{"moe/combine", "", std::move(a)});
   }
   {
-    TermList& t = phase("moe/experts");
+    out.push_back(PhaseTerms{"moe/experts", "", c.list()});
+    TermList& t = out.back().terms;
+    common(t);
     add_saved_experts(s, s.rows_recv, "R", t, " (saved)");
+    add_received_probs(s, t);
     add_expert_grads(s, s.rows_recv, "R", t);
     add_foreign_weight_grads(c, s, t);
   }
   {
-    TermList& t = phase("moe/dispatch");
-    t.add("d expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
-    t.add("d dispatch rows", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
-    t.add("d norm-2 output accumulator", {{"T", s.T}, {"H", s.H}}, kFp32, kDsp);
-    add_foreign_weight_grads(c, s, t);
+    // EP > 1: d expert input back to source-major order (both copies live), then the reversed
+    // all-to-all into the d dispatch rows and the fp32 accumulator.
+    TermList b = c.list();
+    common(b);
+    b.add(s.regroup ? "d expert input (send order)" : "d expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+    b.add("d dispatch rows", {{"T*k", s.rows_sent}, {"H", s.H}}, kBf16, kDsp);
+    b.add("d norm-2 output accumulator", {{"T", s.T}, {"H", s.H}}, kFp32, kDsp);
+    add_foreign_weight_grads(c, s, b);
+    if (s.regroup) {
+      TermList a = c.list();
+      common(a);
+      a.add("d expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      a.add("d expert input (send order)", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      add_foreign_weight_grads(c, s, a);
+      b = larger(std::move(a), std::move(b));
+    }
+    out.push_back(PhaseTerms{"moe/dispatch", "", std::move(b)});
   }
   return out;
 }
@@ -150,8 +231,9 @@ struct Rounds {
   int64_t C, B, D, n;
 };
 
+// C: the cap the buffers were sized for at launch (the cap in effect may be smaller: more rounds).
 Rounds rounds_of(const Context& c, const MoeShape& s) {
-  return Rounds{s.load->chunk_cap_rows, s.load->round_recv_rows, c.run.dispatch_depth, s.load->rounds};
+  return Rounds{s.load->launch_chunk_cap_rows, s.load->round_recv_rows, c.run.dispatch_depth, s.load->rounds};
 }
 
 void add_round_buffers(const MoeShape& s, const Rounds& r, TermList& t) {
@@ -224,18 +306,15 @@ bool pipelined(const Context& c) { return c.run.llep && c.run.chunk_cap_rows > 0
 }  // namespace
 
 std::vector<PhaseTerms> moe_forward_phases(const Context& c, int64_t layer) {
-  const MoeShape s = shape_of(c, layer);
-  return pipelined(c) ? pipelined_forward(c, s, false) : ep_phases(c, s, false);
+  return worst_rank(c, layer, [&](const MoeShape& s) { return pipelined(c) ? pipelined_forward(c, s, false) : ep_phases(c, s, false); });
 }
 
 std::vector<PhaseTerms> moe_recompute_phases(const Context& c, int64_t layer) {
-  const MoeShape s = shape_of(c, layer);
-  return pipelined(c) ? pipelined_forward(c, s, true) : ep_phases(c, s, true);
+  return worst_rank(c, layer, [&](const MoeShape& s) { return pipelined(c) ? pipelined_forward(c, s, true) : ep_phases(c, s, true); });
 }
 
 std::vector<PhaseTerms> moe_backward_phases(const Context& c, int64_t layer) {
-  const MoeShape s = shape_of(c, layer);
-  return pipelined(c) ? pipelined_backward(c, s) : ep_backward(c, s);
+  return worst_rank(c, layer, [&](const MoeShape& s) { return pipelined(c) ? pipelined_backward(c, s) : ep_backward(c, s); });
 }
 
 }  // namespace flatpeak::planner

@@ -29,6 +29,8 @@ MoeLoad moe_load(const ModelSpec& model, const ResolvedRun& run, int64_t tokens,
   load.recv_rows_ep = *std::max_element(received.begin(), received.end());
   load.rho_ep = imbalance_rho(received);
   load.clamp_note = expected.clamp_note;
+  std::vector<RankLoad> per_rank;
+  for (int64_t r : received) per_rank.push_back(RankLoad{r, 0, 0});
   if (run.llep) {
     LlaKnobs knobs;
     knobs.llep_alpha = run.llep_alpha;
@@ -40,25 +42,59 @@ MoeLoad moe_load(const ModelSpec& model, const ResolvedRun& run, int64_t tokens,
     load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
     for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
     for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
+    if (lla.triggered)
+      for (size_t p = 0; p < per_rank.size(); ++p)
+        per_rank[p] = RankLoad{lla.rank_rows[p], lla.foreign_experts_per_rank[p], lla.lent_weights_per_rank[p]};
+    load.ranks = candidate_ranks(per_rank);
     if (run.chunk_cap_rows > 0) {
-      // Round buffers are sized at launch from the cap, EP and ρ_L (striping) or EP·C (none);
-      // known loads that would overflow them shrink the cap instead (more rounds, same memory).
       const CountMatrix send = lla.triggered ? lla_send_rows(lla, expected.copies) : ep_send_rows(expected.copies, shape);
-      const int64_t C = std::min(run.chunk_cap_rows, load.send_rows);
-      int64_t buffer = run.striping ? round_receive_bound_rows(C, run.ep, std::max(1.0, load.rho_llep))
-                                    : checked_mul(run.ep, C);
-      buffer = std::min(buffer, load.recv_rows_llep);
-      int64_t cap = C;
-      if (run.striping && round_receive_bound_rows(send, C) > buffer) cap = std::max<int64_t>(1, shrink_chunk_cap(send, C, buffer));
-      load.chunk_cap_rows = cap;
-      load.round_recv_rows = buffer;
-      load.rounds = ceil_div(load.send_rows, cap);
+      apply_chunk_cap(load, model, run, send, run.chunk_cap_rows);
     }
+  } else {
+    load.ranks = candidate_ranks(per_rank);
   }
   return load;
 }
 
 }  // namespace
+
+std::vector<RankLoad> candidate_ranks(const std::vector<RankLoad>& per_rank) {
+  std::vector<RankLoad> out;
+  for (size_t p = 0; p < per_rank.size(); ++p) {
+    const RankLoad& a = per_rank[p];
+    bool dominated = false;
+    for (size_t q = 0; q < per_rank.size() && !dominated; ++q) {
+      const RankLoad& b = per_rank[q];
+      if (q == p || b.recv_rows < a.recv_rows || b.foreign_experts < a.foreign_experts || b.lent_experts < a.lent_experts) continue;
+      const bool equal = b.recv_rows == a.recv_rows && b.foreign_experts == a.foreign_experts && b.lent_experts == a.lent_experts;
+      dominated = !equal || q < p;
+    }
+    if (!dominated) out.push_back(a);
+  }
+  return out;
+}
+
+void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& send, int64_t chunk_cap_rows) {
+  const int64_t C = std::min(chunk_cap_rows, load.send_rows);
+  int64_t buffer = checked_mul(run.ep, C);
+  if (run.striping) {
+    LlaKnobs knobs;
+    knobs.llep_alpha = run.llep_alpha;
+    knobs.min_rows_per_gemm = run.llep_min_rows;
+    knobs.imbalance_trigger = run.llep_lambda;
+    const double rho = std::max({1.0, run.llep_lambda, run.llep_alpha}) +
+                       static_cast<double>(lla_slack_rows(knobs, run.ep, load.send_rows)) / static_cast<double>(load.send_rows);
+    const int64_t tokens = load.send_rows / model.top_k;
+    const int64_t most = checked_mul(run.ep, checked_mul(tokens, std::min(model.top_k, model.num_experts / run.ep)));
+    buffer = std::min(round_receive_bound_rows(C, run.ep, rho), most);
+  }
+  int64_t cap = C;
+  if (run.striping && round_receive_bound_rows(send, C) > buffer) cap = std::max<int64_t>(1, shrink_chunk_cap(send, C, buffer));
+  load.launch_chunk_cap_rows = C;
+  load.chunk_cap_rows = cap;
+  load.round_recv_rows = buffer;
+  load.rounds = ceil_div(load.send_rows, cap);
+}
 
 Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
   Workload w;

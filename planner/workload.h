@@ -11,6 +11,7 @@
 #include "run_spec.h"
 #include "spec/model_spec.h"
 #include "spec/param_count.h"
+#include "spec/routing.h"
 
 namespace flatpeak::planner {
 
@@ -23,7 +24,21 @@ struct FsdpUnit {
   int64_t shard_params = 0;     // this GPU's shard
 };
 
-// Expected dispatch loads of one MoE layer on the worst (most loaded) rank.
+// What one rank holds of a MoE layer's dispatch: the rows it computes (R_p), the experts whose
+// weights it borrows (S_p) and the (expert, helper) pairs it lends (S_sent).
+struct RankLoad {
+  int64_t recv_rows = 0;
+  int64_t foreign_experts = 0;
+  int64_t lent_experts = 0;
+};
+
+// The ranks whose dispatch working set can be the largest in some phase: every rank's load not
+// dominated by another's (≤ in all three, ties: the lowest rank kept), in rank order. Every
+// dispatch term grows with R_p, S_p or S_sent, so a dominated rank never holds the most; the
+// worst rank of a phase is one of these (memory_terms_dispatch.cpp takes each phase's maximum).
+std::vector<RankLoad> candidate_ranks(const std::vector<RankLoad>& per_rank);
+
+// Expected dispatch loads of one MoE layer: the worst (most loaded) rank's, and the candidates.
 struct MoeLoad {
   int64_t send_rows = 0;          // T·k token copies this rank sends
   int64_t recv_rows_ep = 0;       // rows received under standard EP (max over ranks)
@@ -34,12 +49,25 @@ struct MoeLoad {
   double rho_llep = 1.0;          // ρ_L = recv_rows_llep / mean
   int64_t foreign_experts = 0;    // S_p: experts whose weights this rank receives
   int64_t lent_experts = 0;       // S_sent: weight copies this rank sends to helpers
-  // PipelinedLLEP (cap > 0): the cap in effect, rows per round's receive buffer B, rounds n.
+  std::vector<RankLoad> ranks;    // candidate_ranks of every rank's (R_p, S_p, S_sent): LLA's
+                                  // when it ran, else standard EP's received rows and no weights
+  // PipelinedLLEP (cap > 0): the cap the round buffers are sized for at launch (min(C, T·k)), the
+  // cap in effect (smaller when the loads would overflow the buffers), rows per round's receive
+  // buffer B, rounds n.
+  int64_t launch_chunk_cap_rows = 0;
   int64_t chunk_cap_rows = 0;
   int64_t round_recv_rows = 0;
   int64_t rounds = 1;
   std::string clamp_note;         // routing model clamped (see routing.h)
 };
+
+// PipelinedLLEP's rounds for a cap (workload.cpp and the knob search's fast path): B sized at
+// launch, before any routing is known, from C = min(cap, T·k), EP and the LLA bound
+// ρ_B = max(1, λ, α) + δ/N (reference/dispatch.md §2.7, δ = lla_slack_rows):
+// B = min(ceil((C + EP)·ρ_B) + EP, EP·C, EP·T·min(k, E/EP)) with striping, EP·C without; then the
+// cap shrinks while the known loads (`send`, [EP][EP] rows) would overflow B (§5.5).
+void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& send,
+                     int64_t chunk_cap_rows);
 
 struct Workload {
   int64_t gpus = 0, cp = 1, dp = 1, ep = 1;

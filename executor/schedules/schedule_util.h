@@ -20,8 +20,9 @@ inline uint64_t mix64(uint64_t seed, uint64_t index) {
 inline float uniform_pm1(uint64_t seed, uint64_t index) {
   return static_cast<float>(static_cast<double>(mix64(seed, index) >> 11) * 0x1.0p-52 - 1.0);
 }
-inline void fill_bf16(Bf16* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(scale * uniform_pm1(seed, static_cast<uint64_t>(i)));
+// Values at indices first .. first + n − 1 (a rank's slice of a global tensor).
+inline void fill_bf16(Bf16* p, int64_t n, uint64_t seed, float scale, int64_t first = 0) {
+  for (int64_t i = 0; i < n; ++i) p[i] = f32_to_bf16(scale * uniform_pm1(seed, static_cast<uint64_t>(first + i)));
 }
 inline void fill_f32(float* p, int64_t n, uint64_t seed, float scale) {
   for (int64_t i = 0; i < n; ++i) p[i] = scale * uniform_pm1(seed, static_cast<uint64_t>(i));

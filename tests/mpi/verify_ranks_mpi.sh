@@ -1,36 +1,54 @@
 #!/usr/bin/env bash
 # `flatpeak verify` under mpirun: 4 processes give the same report (rank 0 prints one JSON document)
-# and the same exit code as 4 thread ranks; a job whose process count differs from the plan's
-# ranks ends with exit 2 and says so, within the timeout.
+# and the same exit code as 4 thread ranks, for the dispatch component and for a default verify
+# (every component, --scale auto), both of which pass (exit 0); a job whose process count differs
+# from the plan's ranks ends with exit 2 and says so. Every step runs under its own timeout (then
+# SIGKILL 10 s later) and is announced first, so a hang names the step and the script always ends,
+# with a message, before CTest's limit.
 #   verify_ranks_mpi.sh FLATPEAK MPIRUN NP_FLAG [MPIRUN OPTIONS...]   (CTest mpi.verify_ranks)
 set -u
 flatpeak=$1 mpirun=$2 np_flag=$3
 shift 3
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-fail() { echo "verify_ranks_mpi: $*"; exit 1; }
+fail() { echo "verify_ranks_mpi: FAILED: $*"; exit 1; }
+step() { echo "verify_ranks_mpi: $(date +%T) $*"; }
+limit() { timeout --kill-after=10 "$@"; }  # limit SECONDS CMD...
 
-"$flatpeak" plan --model Qwen3-30B-A3B --gpus 4 --ep 4 --context 64K --gpu H200 --schedule flatpeak \
-  --imbalance rho=2.5 --format json >"$dir/plan.json"
+step "plan: Qwen3-30B-A3B, --gpus 4 --ep 4, flatpeak, rho=2.5"
+limit 20 "$flatpeak" plan --model Qwen3-30B-A3B --gpus 4 --ep 4 --context 64K --gpu H200 --schedule flatpeak \
+  --imbalance rho=2.5 --format json >"$dir/plan.json" 2>"$dir/plan.err"
 rc=$?
-[ $rc = 0 ] || [ $rc = 3 ] || fail "plan exited $rc"
+[ $rc = 0 ] || [ $rc = 3 ] || fail "plan exited $rc: $(cat "$dir/plan.err")"
 
-"$flatpeak" verify "$dir/plan.json" --component dispatch --format json >"$dir/threads.json" 2>"$dir/threads.err"
-threads_rc=$?
-timeout 60 "$mpirun" "$np_flag" 4 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch --format json \
-  >"$dir/mpi.json" 2>"$dir/mpi.err"
-mpi_rc=$?
-[ $threads_rc = 0 ] || [ $threads_rc = 5 ] || fail "threads run exited $threads_rc: $(cat "$dir/threads.err")"
-[ $mpi_rc = $threads_rc ] || fail "mpirun -np 4 exited $mpi_rc, threads $threads_rc: $(cat "$dir/mpi.err")"
-[ "$(grep -c '"plan":' "$dir/mpi.json")" = 1 ] || fail "expected one JSON document (rank 0 only)"
-grep -q '"ranks": 4' "$dir/mpi.json" || fail "expected \"ranks\": 4"
-grep -q '"launcher": "mpi"' "$dir/mpi.json" || fail "expected \"launcher\": \"mpi\""
-sed 's/"launcher": "mpi"/"launcher": "threads"/' "$dir/mpi.json" | diff -u "$dir/threads.json" - ||
-  fail "the MPI report differs from the threads report (above)"
+# verify_both NAME LIMIT_S [VERIFY OPTIONS...]: threads, then mpirun -np 4; both exit 0 with the same report.
+verify_both() {
+  local name=$1 seconds=$2
+  shift 2
+  step "$name: 4 thread ranks"
+  limit "$seconds" "$flatpeak" verify "$dir/plan.json" --scale auto --format json "$@" >"$dir/$name.threads.json" 2>"$dir/$name.threads.err"
+  local threads_rc=$?
+  [ $threads_rc = 0 ] || fail "$name: threads run exited $threads_rc (expected 0): $(cat "$dir/$name.threads.err") $(grep -B2 -A6 '"relative_error"' "$dir/$name.threads.json" | head -40)"
+  step "$name: mpirun $np_flag 4"
+  limit "$seconds" "$mpirun" "$np_flag" 4 "${mpirun_options[@]}" "$flatpeak" verify "$dir/plan.json" --scale auto --format json "$@" \
+    >"$dir/$name.mpi.json" 2>"$dir/$name.mpi.err"
+  local mpi_rc=$?
+  [ $mpi_rc = 0 ] || fail "$name: mpirun $np_flag 4 exited $mpi_rc (expected 0; 124/137: timed out): $(cat "$dir/$name.mpi.err")"
+  [ "$(grep -c '"plan":' "$dir/$name.mpi.json")" = 1 ] ||
+    fail "$name: expected one JSON document (rank 0 only), got $(grep -c '"plan":' "$dir/$name.mpi.json"); stderr: $(cat "$dir/$name.mpi.err")"
+  grep -q '"ranks": 4' "$dir/$name.mpi.json" || fail "$name: expected \"ranks\": 4"
+  grep -q '"launcher": "mpi"' "$dir/$name.mpi.json" || fail "$name: expected \"launcher\": \"mpi\""
+  sed 's/"launcher": "mpi"/"launcher": "threads"/' "$dir/$name.mpi.json" | diff -u "$dir/$name.threads.json" - ||
+    fail "$name: the MPI report differs from the threads report (above)"
+}
+mpirun_options=("$@")
+verify_both dispatch 30 --component dispatch
+verify_both default 45
 
-timeout 60 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
+step "mpirun $np_flag 2 on the 4-rank plan"
+limit 20 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
 np2_rc=$?
-[ $np2_rc = 2 ] || fail "mpirun -np 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
+[ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
-echo "verify_ranks_mpi: threads and mpirun -np 4 agree (exit $mpi_rc); -np 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify); $np_flag 2 exits 2"

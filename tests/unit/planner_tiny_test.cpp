@@ -17,6 +17,12 @@
 namespace flatpeak::planner::test {
 namespace {
 
+bool has_term(const Phase& ph, const std::string& name) {
+  for (const auto& t : ph.terms.terms())
+    if (t.name == name) return true;
+  return false;
+}
+
 constexpr int64_t kShard = 884;
 const std::vector<std::pair<std::string, std::string>> kBase = {{"--gpus", "2"}, {"--context", "16"}};
 
@@ -78,11 +84,17 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
   const int64_t rec_base = bwd_state + 864 + 512 + 1728 + 256;
   const int64_t block = 1280 + 512 + 768;
   // recompute/moe/combine: route + meta 384 + saved expert input 512, fc1 32*8*2 = 512, act*prob
-  // 256 + fc2 out 512 + unpermuted 512 + combine receive 512 + MoE output 256.
-  const int64_t combine = route + 384 + 1280 + 512 + 512 + 512 + 256;
+  // 256 + received probs 32*4 = 128 (EP = 2: the experts' probs came from the other rank's tokens
+  // too, and their backward reads them) + fc2 out 512 + unpermuted 512 + combine receive 512 + MoE
+  // output 256.
+  const int64_t combine = route + 384 + 1280 + 128 + 512 + 512 + 512 + 256;
   EXPECT_EQ(phase(p, "bwd/L0/recompute/moe/combine").device_bytes(), rec_base + block + combine);
-  // bwd/L0/moe/experts adds unsharded L1 grads 864: route + meta + saved 1280 + grads 1280.
-  EXPECT_EQ(phase(p, "bwd/L0/moe/experts").device_bytes(), rec_base + 864 + block + route + 384 + 1280 + 1280);
+  // bwd/L0/moe/experts adds unsharded L1 grads 864: route + meta + saved 1280 + received probs 128
+  // + grads 1280.
+  EXPECT_EQ(phase(p, "bwd/L0/moe/experts").device_bytes(), rec_base + 864 + block + route + 384 + 1280 + 128 + 1280);
+  // At EP = 2 the dispatch phase's two moments tie (send 512 + receive 512, then receive 512 +
+  // expert input 512): the first is kept.
+  EXPECT_NE(term_bytes(phase(p, "fwd/L1/moe/dispatch"), "dispatch send buffer"), 0);
   const Peak& dispatch = p.summary.peak(PeakKind::Dispatch);
   EXPECT_EQ(dispatch.phase, "bwd/L0/recompute/moe/combine");
   EXPECT_EQ(dispatch.component_bytes, combine);
@@ -102,7 +114,7 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
   EXPECT_EQ(opt.bytes, 16 * kShard);
   // GPU: the expert backward of L1 is the largest phase here (its dispatch share 4160 is the
   // largest component there), although the dispatch component peaks at the recompute combine.
-  const int64_t top = rec_base + 864 + block + route + 384 + 1280 + 1280;
+  const int64_t top = rec_base + 864 + block + route + 384 + 1280 + 128 + 1280;
   EXPECT_EQ(p.summary.gpu_peak_bytes, top);
   EXPECT_EQ(p.summary.gpu_peak_phase, "bwd/L0/moe/experts");
   EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
@@ -110,9 +122,9 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
   // the instance with most boundaries, beside L0, the worst); the largest total with 2 is
   // bwd/L1/moe/experts: only the head's grads reduced (528), gathered L1 864, prefetched L0 864,
   // head reduce-scatter 1056, boundaries 512, L1 unsharded grads 864, block, routing, meta,
-  // saved experts 1280 and their grads 1280.
+  // saved experts 1280, received probs 128 and their grads 1280.
   EXPECT_EQ(ckpt.phase, "bwd/L1/moe/experts");
-  EXPECT_EQ(ckpt.bytes, state + 528 + 864 + 864 + 1056 + 512 + 864 + block + route + 384 + 1280 + 1280);
+  EXPECT_EQ(ckpt.bytes, state + 528 + 864 + 864 + 1056 + 512 + 864 + block + route + 384 + 1280 + 128 + 1280);
   EXPECT_EQ(p.summary.required_bytes, top + 1000 + (top * 5 + 99) / 100);
   EXPECT_TRUE(p.summary.fits());
   // Host: only the fixed per-node term.
@@ -140,21 +152,22 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
   const int64_t attn_saved = 256 + 128 + 256 + 128 + 128 + 256 + 128;  // 1280
   const int64_t block = attn_saved + 512 + 768;                      // + h1, norm-2 out, dy, fp32 residual
   const int64_t saved_experts = 256 + 256 + 128;                     // input, fc1, act*prob (R = 16)
+  const int64_t probs = 64;  // received probs [R = 16] fp32: EP = 2, held from the dispatch through the experts' backward
   const std::vector<std::pair<std::string, int64_t>> expected = {
       {"fwd/embed", state + 512 + 640 + 128 + 256},
       {"fwd/L0/attn", fwd_base + (256 + 256 + 128 + 128 + 256 + 128)},
       {"fwd/L0/moe/route", fwd_base + 512 + route},
       {"fwd/L0/moe/dispatch", fwd_base + 512 + route + meta + 256 + 256 + 64},
-      {"fwd/L0/moe/experts", fwd_base + 512 + route + meta + saved_experts},
+      {"fwd/L0/moe/experts", fwd_base + 512 + route + meta + saved_experts + probs},
       {"fwd/L0/moe/combine", fwd_base + 512 + route + meta + 4 * 256},
       {"loss/fwd", state + 512 + 3968},  // with lse and per-token loss (64 B each)
       {"loss/bwd", state + 512 + 640 + 6784},
       {"bwd/L0/recompute/attn", rec_base + attn_saved + 768},
       {"bwd/L0/recompute/moe/dispatch", rec_base + block + route + meta + 256 + 256 + 64},
-      {"bwd/L0/recompute/moe/experts", rec_base + block + route + meta + saved_experts + 256},
-      {"bwd/L0/recompute/moe/combine", rec_base + block + route + meta + saved_experts + 4 * 256},
-      {"bwd/L0/moe/combine", bwd_base + block + route + meta + saved_experts + 256 + 256},
-      {"bwd/L0/moe/experts", bwd_base + block + route + meta + saved_experts + (256 + 128 + 256)},
+      {"bwd/L0/recompute/moe/experts", rec_base + block + route + meta + saved_experts + 256 + probs},
+      {"bwd/L0/recompute/moe/combine", rec_base + block + route + meta + saved_experts + probs + 4 * 256},
+      {"bwd/L0/moe/combine", bwd_base + block + route + meta + saved_experts + probs + 256 + 256},
+      {"bwd/L0/moe/experts", bwd_base + block + route + meta + saved_experts + probs + (256 + 128 + 256)},
       {"bwd/L0/moe/dispatch", bwd_base + block + route + meta + 256 + 256 + 512},
       {"bwd/L0/attn", bwd_base + attn_saved + 768 + 256 + 256 + 128 + 128 + 512 + 128 + 256},
       {"bwd/embed", state + (132 + 208) * 4 + 512 + 512 + 1280 + 256},
@@ -166,14 +179,14 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
     EXPECT_EQ(p.timeline.phases[i].device_bytes(), expected[i].second) << expected[i].first;
   }
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).phase, "bwd/L0/recompute/moe/combine");
-  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, route + meta + saved_experts + 4 * 256);
+  EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, route + meta + saved_experts + probs + 4 * 256);
   EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6784);
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).phase, "bwd/L0/moe/experts");
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).component_bytes, 256);
   EXPECT_EQ(p.summary.peak(PeakKind::Layer).phase, "bwd/L0/attn");
   EXPECT_EQ(p.summary.peak(PeakKind::Optimizer).bytes, 16 * 468);
   EXPECT_EQ(p.summary.gpu_peak_phase, "bwd/L0/moe/experts");
-  EXPECT_EQ(p.summary.gpu_peak_bytes, 13888);
+  EXPECT_EQ(p.summary.gpu_peak_bytes, 13888 + probs);
   EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
 }
 
@@ -293,23 +306,25 @@ TEST(PlannerTiny, PipelinedLlepAlone) {
   // Balanced: native imbalance 1.0 < λ = 1.3, LLA falls back to plain EP: R = 32, no weights.
   EXPECT_FALSE(load.lla_ran);
   EXPECT_EQ(load.recv_rows_llep, 32);
-  // Round buffer: min(EP*C = 16, ceil((C + EP) * 1.0) + EP = 12) = 12 rows; 32/8 = 4 rounds.
-  EXPECT_EQ(load.round_recv_rows, 12);
+  // Round buffer, sized at launch for the LLA bound ρ_B = max(1, λ, α) + δ/N: with m = 1024 far
+  // above N = 32, δ = (EP−1)·m + (α+1)·EP − (α−1)·EP·N = 1022 rows (rounded up) and the bound is
+  // min(EP*C = 16, ceil((C + EP) * ρ_B) + EP) = 16 rows; 32/8 = 4 rounds.
+  EXPECT_EQ(load.round_recv_rows, 16);
   EXPECT_EQ(load.rounds, 4);
   EXPECT_EQ(p.run.dispatch_mode, DispatchMode::Recompute);
   // Backward round (recompute mode), dispatch terms: routing 1216; buffers: send 2*8*8*2 = 256,
-  // receive 2*12*8*2 = 384, combine send 384, combine receive 256, probs 2*40*4 = 320, indices
-  // 2*40*8 = 640, dest/sort/unsort 3*32*8 = 768, combine acc 16*8*4 = 512 (3520); round expert
-  // input 12*8*2 = 192, fc1 192, act 96; grad buffers 2*40*8*2 = 1280; d fc2 192, d act 96,
-  // d fc1 192; d norm-2 acc 512.
+  // receive 2*16*8*2 = 512, combine send 512, combine receive 256, probs 2*48*4 = 384, indices
+  // 2*48*8 = 768, dest/sort/unsort 3*32*8 = 768, combine acc 16*8*4 = 512 (3968); round expert
+  // input 16*8*2 = 256, fc1 256, act 128; grad buffers 2*48*8*2 = 1536; d fc2 256, d act 128,
+  // d fc1 256; d norm-2 acc 512.
   const Phase& r0 = phase(p, "bwd/L0/moe/dispatch/r0");
   EXPECT_EQ(r0.folds, "L0-L1 x r0-r3");
-  EXPECT_EQ(r0.terms.bytes(Category::Dispatch), 1216 + 3520 + 480 + 1280 + 480 + 512);
+  EXPECT_EQ(r0.terms.bytes(Category::Dispatch), 1216 + 3968 + 640 + 1536 + 640 + 512);
   // Recompute mode recomputes only the routing before the backward rounds.
   EXPECT_EQ(phase(p, "bwd/L0/recompute/moe/route").terms.bytes(Category::Dispatch), 1216);
   // Store mode keeps every round's expert activations (R = 32 rows: 1280).
   const Plan st = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--dispatch-mode", "store"}}));
-  EXPECT_EQ(phase(st, "bwd/L0/moe/dispatch/r3").terms.bytes(Category::Dispatch), 1216 + 3520 + 1280 + 1280 + 480 + 512);
+  EXPECT_EQ(phase(st, "bwd/L0/moe/dispatch/r3").terms.bytes(Category::Dispatch), 1216 + 3968 + 1280 + 1536 + 640 + 512);
   // Without striping the receive buffer is EP*C = 16 rows.
   const Plan o1 = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--striping", "off"}}));
   EXPECT_EQ(o1.work.moe_loads[0].round_recv_rows, 16);
@@ -334,6 +349,84 @@ TEST(PlannerTiny, LlepUnderImbalanceUsesTheLeastLoadedAssignment) {
   // Foreign expert weights (S_p * 96 params * 2 B) appear in the dispatch terms.
   EXPECT_EQ(term_bytes(phase(ll, "fwd/L1/moe/dispatch"), "LLEP foreign expert weights"), load.foreign_experts * 96 * 2);
   EXPECT_LT(ll.summary.peak(PeakKind::Dispatch).component_bytes, ep.summary.peak(PeakKind::Dispatch).component_bytes);
+}
+
+// EP > 1 (executor/schedules/dispatch_schedule.cpp does the same): the received rows arrive
+// source-major and are copied into expert order, so the dispatch phase holds the larger of its
+// two moments (send + receive, then receive + expert input), and the probs as received [R] fp32
+// stay beside the experts until their backward has used them (they are other ranks' tokens'
+// probs: at one rank the experts read the rank's own permuted probs). rho=2 on EP=2: rank 0
+// receives all 64 copies, N = 32.
+TEST(PlannerTiny, EpAboveOneRegroupsTheReceivedRowsAndKeepsTheirProbs) {
+  const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--imbalance", "rho=2"}}));
+  const MoeLoad& load = p.work.moe_loads[0];
+  ASSERT_EQ(load.ranks.size(), 1u);  // rank 1 receives nothing: dominated
+  EXPECT_EQ(load.ranks[0].recv_rows, 64);
+  const int64_t route = 1216, meta = 384, rows64 = 64 * 8 * 2, probs = 64 * 4;
+  // Dispatch: the regroup (receive 1024 + probs 256 + expert input 1024) beats the all-to-all
+  // (send 512 + receive 1024 + probs 256).
+  const Phase& dispatch = phase(p, "fwd/L1/moe/dispatch");
+  EXPECT_EQ(dispatch.terms.bytes(Category::Dispatch), route + meta + rows64 + probs + rows64);
+  EXPECT_FALSE(has_term(dispatch, "dispatch send buffer"));
+  EXPECT_EQ(term_bytes(dispatch, "expert input"), rows64);
+  // Experts (no-grad forward): expert input, fc1 64*8*2, act*prob 64*4*2, and the probs.
+  EXPECT_EQ(phase(p, "fwd/L1/moe/experts").terms.bytes(Category::Dispatch), route + meta + rows64 + 1024 + 512 + probs);
+  // Backward combine: the reversed rows regrouped into d fc2 (1024 + 1024) beat d combine rows
+  // 512 + received 1024; the saved set (2560) and the probs beside them.
+  const Phase& comb = phase(p, "bwd/L0/moe/combine");
+  EXPECT_EQ(comb.terms.bytes(Category::Dispatch), route + meta + 2560 + probs + rows64 + rows64);
+  EXPECT_EQ(term_bytes(comb, "d expert fc2 out"), rows64);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L0/moe/experts"), "received probs"), probs);
+  // Backward dispatch: d expert input and its send-order copy (2048) tie with the send-order copy
+  // + d dispatch rows 512 + fp32 accumulator 16*8*4 = 512: the first is kept.
+  const Phase& back = phase(p, "bwd/L0/moe/dispatch");
+  EXPECT_EQ(back.terms.bytes(Category::Dispatch), route + meta + 2 * rows64);
+  EXPECT_EQ(term_bytes(back, "d expert input (send order)"), rows64);
+  // At one GPU nothing is regrouped: no received probs beside the experts.
+  const Plan one = plan_of(tiny_moe(), tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}});
+  EXPECT_FALSE(has_term(phase(one, "fwd/L1/moe/experts"), "received probs"));
+  EXPECT_NE(term_bytes(phase(one, "fwd/L1/moe/dispatch"), "dispatch send buffer"), 0);
+}
+
+// LLEP: the rank that receives the most lends and borrows nothing, its helper the other way
+// round; each phase is the larger of the two ranks' live sets, not the sum of every maximum.
+// rho=2, α = 1, m = 1 on EP = 2: rank 0 keeps expert 1 (32 rows) and lends expert 0 to rank 1.
+TEST(PlannerTiny, LlepPhasesAreTheWorstRanksNotASumOfMaxima) {
+  const Plan ll = plan_of(tiny_moe(), tiny_gpu(),
+                          with({{"--imbalance", "rho=2"}, {"--llep", "on"}, {"--chunk-cap-rows", "0"}, {"--llep-min-rows", "1"}, {"--llep-alpha", "1"}}));
+  const MoeLoad& load = ll.work.moe_loads[0];
+  ASSERT_EQ(load.ranks.size(), 2u);
+  EXPECT_EQ(load.ranks[0].recv_rows, 32);
+  EXPECT_EQ(load.ranks[0].foreign_experts, 0);
+  EXPECT_EQ(load.ranks[0].lent_experts, 1);
+  EXPECT_EQ(load.ranks[1].recv_rows, 32);
+  EXPECT_EQ(load.ranks[1].foreign_experts, 1);
+  EXPECT_EQ(load.ranks[1].lent_experts, 0);
+  EXPECT_EQ(load.foreign_experts, 1);  // the maxima are still reported
+  EXPECT_EQ(load.lent_experts, 1);
+  // Backward experts: rank 1 holds the borrowed weights (96 x 2 B) and their fp32 gradient
+  // accumulator (96 x 4 B); rank 0 only the fp32 lent grads it gets back (384). Rank 1's set is
+  // the larger; the sum of maxima would have held all three.
+  const Phase& experts = phase(ll, "bwd/L0/moe/experts");
+  EXPECT_EQ(term_bytes(experts, "LLEP foreign expert weights"), 192);
+  EXPECT_EQ(term_bytes(experts, "LLEP foreign weight grads"), 384);
+  EXPECT_FALSE(has_term(experts, "LLEP lent weight grads received"));  // a zero-size term is left out
+}
+
+// PipelinedLLEP's round buffers are sized at launch, before any routing is known: B depends on
+// C, EP and the LLA bound only. m = 1: δ = 0, ρ_B = max(1, λ, α) = 1.3, B = ceil(10·1.3) + 2 = 15
+// rows under any routing model (the cap shrinks where known loads would overflow them).
+TEST(PlannerTiny, PipelinedRoundBuffersDoNotDependOnTheRouting) {
+  for (const char* routing : {"balanced", "rho=1.5", "rho=2", "hot-expert=0.9,1"}) {
+    const Plan p = plan_of(tiny_moe(), tiny_gpu(),
+                           with({{"--imbalance", routing}, {"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--llep-min-rows", "1"}}));
+    const MoeLoad& load = p.work.moe_loads[0];
+    EXPECT_EQ(load.round_recv_rows, 15) << routing;
+    EXPECT_EQ(load.launch_chunk_cap_rows, 8) << routing;
+    EXPECT_LE(load.chunk_cap_rows, 8) << routing;
+    // The round buffers' terms use the launch cap: send 2*8*8*2 whatever the cap in effect.
+    EXPECT_EQ(term_bytes(phase(p, "bwd/L0/moe/dispatch/r0"), "round send buffers"), 256) << routing;
+  }
 }
 
 TEST(PlannerTiny, RoutingFilePerLayerSeparatesLayers) {
@@ -420,9 +513,9 @@ TEST(PlannerTiny, FlatpeakScheduleByHand) {
   // hidden 256 (every boundary is on the host), prefetched L1 864, vocab 3968 (see RingDtpAlone).
   EXPECT_EQ(phase(p, "loss/bwd/blk0").device_bytes(), 1768 + 256 + 864 + 3968);
   // PipelinedLLEP forward round in the no-grad forward: bf16 params, L1 gathered 864, head
-  // prefetched 264 (Ring-DTP gathers only the V/R shard: 528/2), x1 being copied 256; h1, norm-2 out 512; routing 1216 + round buffers 3520 +
-  // round expert input, fc1, act 480 + round fc2 out, unpermuted 2*12*8*2 = 384.
-  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch/r0").device_bytes(), 1768 + 864 + 264 + 256 + 512 + 1216 + 3520 + 480 + 384);
+  // prefetched 264 (Ring-DTP gathers only the V/R shard: 528/2), x1 being copied 256; h1, norm-2 out 512; routing 1216 + round buffers 3968 +
+  // round expert input, fc1, act 640 + round fc2 out, unpermuted 2*16*8*2 = 512 (B = 16, PipelinedLlepAlone).
+  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch/r0").device_bytes(), 1768 + 864 + 264 + 256 + 512 + 1216 + 3968 + 640 + 512);
   // Host per GPU: 16 B per shard param + bucket staging 2*2*884*2 (bucket = min(64Mi, 884)) + 2
   // offloaded boundaries.
   EXPECT_EQ(p.summary.host_per_gpu_bytes, 16 * 884 + 2 * 2 * 884 * 2 + 2 * 256);

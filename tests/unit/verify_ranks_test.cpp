@@ -1,8 +1,9 @@
 // Multi-rank verify with thread ranks: scaling to --max-ranks, the merge of per-rank reports,
 // report transport, failure naming the rank, and the dispatch component on EP = 4 ranks (uncapped
-// EP and PipelinedLLEP, rho=2.5 and hot-expert routing) against the planner.
+// EP, LLEP and PipelinedLLEP under rho=1, 2.5, 4 and hot-expert routing) against the planner.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -113,17 +114,20 @@ TEST(VerifyRanksFailure, NamesTheFailingRankWithItsExitCode) {
 }
 
 struct DispatchCase {
-  const char* schedule;
+  const char* schedule;  // "uncapped" (baseline), "llep" (flatpeak, no cap), "pipelined" (flatpeak)
   const char* imbalance;
 };
 
 class VerifyDispatchRanks : public ::testing::TestWithParam<DispatchCase> {};
 
-// What the dispatch comparison shows today (executor/README.md, "Ranks, launcher and
-// --max-ranks"): the executor's fp32 fused exchange does not yet hold the bf16 step's buffers the
-// planner predicts, so the 1 % agreement is not asserted here; what holds is asserted.
-VerifyReport run_dispatch(const char* schedule, const char* imbalance) {
-  const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--schedule", schedule}, {"--imbalance", imbalance}});
+// A Qwen3-30B-A3B plan on 4 × H200 with --ep 4 at 64K, verified as `flatpeak verify --scale auto
+// --component dispatch` does (T = 512, H = 64, F = 24, E = 128, k = 8, C 32768 -> 256, m 8).
+VerifyReport run_dispatch(const std::string& schedule, const char* imbalance) {
+  std::vector<std::pair<std::string, std::string>> flags{
+      {"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--imbalance", imbalance},
+      {"--schedule", schedule == "uncapped" ? "baseline" : "flatpeak"}};
+  if (schedule == "llep") flags.emplace_back("--chunk-cap-rows", "0");
+  const VerifyInputs in = inputs_of(flags);
   const ScaledConfig s = scale_config(in, std::nullopt, 8);
   EXPECT_EQ(s.ranks, 4);  // --scale auto runs the plan's 4 ranks
   EXPECT_EQ(s.ep, 4);
@@ -135,42 +139,74 @@ VerifyReport run_dispatch(const char* schedule, const char* imbalance) {
   return r;
 }
 
-const VerifyRow& row_named(const VerifyReport& r, const std::string& phase_prefix) {
+const VerifyRow& row_named(const VerifyReport& r, const std::string& phase) {
   for (const auto& row : r.rows)
-    if (row.phase.rfind(phase_prefix, 0) == 0) return row;
+    if (row.phase == phase) return row;
   static const VerifyRow none{};
-  ADD_FAILURE() << "no row " << phase_prefix;
+  ADD_FAILURE() << "no row " << phase;
   return none;
 }
 
-TEST_P(VerifyDispatchRanks, FourRanksAgainstThePlannerOnTheRealisedRouting) {
+// Every MoE phase's measured dispatch bytes, on the rank that measured the most, within 1 % of
+// the planner's prediction for the realised routing (the worst rank's); PipelinedLLEP's peak at
+// or under the bound the planner states for the plan's routing model.
+TEST_P(VerifyDispatchRanks, EveryPhaseWithinOnePercentOfThePlan) {
   const DispatchCase& c = GetParam();
   const VerifyReport r = run_dispatch(c.schedule, c.imbalance);
-  const VerifyRow& peak = row_named(r, "bwd/L");
-  EXPECT_NE(peak.phase.find("/moe/"), std::string::npos);
-  EXPECT_GE(peak.rank, 0);
-  EXPECT_LT(peak.rank, 4);
-  EXPECT_GT(peak.measured_bytes, 0);
-  EXPECT_GT(peak.predicted_bytes, 0);
-  if (std::string(c.schedule) == "flatpeak") {
-    // PipelinedLLEP's measured peak stays under the bound the planner states for the plan.
-    const VerifyRow& bound = row_named(r, "bound");
-    EXPECT_LE(bound.measured_bytes, bound.predicted_bytes);
-    EXPECT_EQ(bound.measured_bytes, peak.measured_bytes);
+  int phases = 0;
+  for (const auto& row : r.rows) {
+    EXPECT_GE(row.rank, 0);
+    EXPECT_LT(row.rank, 4);
+    EXPECT_GT(row.measured_bytes, 0) << row.phase;
+    if (row.phase == "bound") {
+      EXPECT_LE(row.measured_bytes, row.predicted_bytes);
+      continue;
+    }
+    EXPECT_LE(std::fabs(row.relative_error), 0.01) << row.phase;
+    if (row.phase != "peak") ++phases;
   }
+  EXPECT_EQ(phases, std::string(c.schedule) == "pipelined" ? 4 : 10);
+  EXPECT_TRUE(r.rows.size() > 0 && (std::string(c.schedule) != "pipelined" || row_named(r, "bound").measured_bytes ==
+                                                                                    row_named(r, "peak").measured_bytes));
 }
 
-TEST(VerifyDispatchRanksEffect, PipelinedLlepMeasuresBelowUncappedAndRhoRaisesTheUncappedPeak) {
-  const int64_t uncapped_rho = row_named(run_dispatch("baseline", "rho=2.5"), "bwd/L").measured_bytes;
-  const int64_t uncapped_hot = row_named(run_dispatch("baseline", "hot-expert=0.5,1"), "bwd/L").measured_bytes;
-  const int64_t pipelined_rho = row_named(run_dispatch("flatpeak", "rho=2.5"), "bwd/L").measured_bytes;
-  EXPECT_GT(uncapped_rho, uncapped_hot);  // realised rho 2.49 against 1.36: receive buffers grow with rho
-  EXPECT_LT(pipelined_rho * 4, uncapped_rho);
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, VerifyDispatchRanks,
+    ::testing::Values(DispatchCase{"uncapped", "rho=1"}, DispatchCase{"uncapped", "rho=2.5"}, DispatchCase{"uncapped", "rho=4"},
+                      DispatchCase{"uncapped", "hot-expert=0.5,1"}, DispatchCase{"llep", "rho=1"}, DispatchCase{"llep", "rho=2.5"},
+                      DispatchCase{"llep", "rho=4"}, DispatchCase{"llep", "hot-expert=0.5,1"}, DispatchCase{"pipelined", "rho=1"},
+                      DispatchCase{"pipelined", "rho=2.5"}, DispatchCase{"pipelined", "rho=4"},
+                      DispatchCase{"pipelined", "hot-expert=0.5,1"}));
+
+// The effect: the uncapped peak grows with ρ (receive buffers and expert activations of R rows),
+// LLEP brings it back near ρ_L = α, and PipelinedLLEP's rounds bound what remains.
+TEST(VerifyDispatchRanksEffect, LlepAndRoundsBoundWhatRhoRaises) {
+  const int64_t uncapped_1 = row_named(run_dispatch("uncapped", "rho=1"), "peak").measured_bytes;
+  const int64_t uncapped_4 = row_named(run_dispatch("uncapped", "rho=4"), "peak").measured_bytes;
+  const int64_t llep_4 = row_named(run_dispatch("llep", "rho=4"), "peak").measured_bytes;
+  const int64_t pipelined_4 = row_named(run_dispatch("pipelined", "rho=4"), "peak").measured_bytes;
+  EXPECT_GT(uncapped_4, 2 * uncapped_1);  // measured 10.26 MB against 3.77 MB
+  EXPECT_LT(llep_4 * 2, uncapped_4);      // 3.94 MB
+  EXPECT_LT(pipelined_4 * 3, llep_4 * 2);  // 2.30 MB, of which 0.90 MB are the [T, E] routing tensors
 }
 
-INSTANTIATE_TEST_SUITE_P(Schedules, VerifyDispatchRanks,
-                         ::testing::Values(DispatchCase{"baseline", "rho=2.5"}, DispatchCase{"baseline", "hot-expert=0.5,1"},
-                                           DispatchCase{"flatpeak", "rho=2.5"}, DispatchCase{"flatpeak", "hot-expert=0.5,1"}));
+// A default verify (every component) of a 4-rank plan runs dispatch on the 4 ranks and passes
+// (tests/mpi/verify_ranks_mpi.sh runs it under mpirun -np 4).
+TEST(VerifyDispatchRanksDefault, DefaultVerifyRunsDispatchOnTheRanksAndPasses) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "every component of a verify: 33 s under ASan; the ci preset and mpi.verify_ranks run it";
+#endif
+  const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--schedule", "baseline"}});
+  const ScaledConfig s = scale_config(in, std::nullopt, 8);
+  const VerifyReport r = run_verification(in, s, verify_components(), 0.01);
+  EXPECT_EQ(r.ranks, 4);
+  for (const auto& row : r.rows) {
+    if (row.component == "dispatch") {
+      EXPECT_LE(std::fabs(row.relative_error), 0.01) << row.phase;
+    }
+  }
+  EXPECT_TRUE(r.pass);
+}
 
 }  // namespace
 }  // namespace flatpeak::cli

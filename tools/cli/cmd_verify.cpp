@@ -148,6 +148,9 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   }
   if (o.format == OutputFormat::Json) std::cout << report_json(report, scaled).dump(2) << "\n";
   else print_table(report, scaled);
+  // Out before MPI_Finalize (the communicator's destructor): what a process writes after it may
+  // never reach mpirun's output forwarding, which made rank 0's report go missing now and then.
+  std::cout.flush();
   return report.pass ? kExitOk : kExitVerifyMismatch;
 }
 
@@ -169,7 +172,10 @@ int run_verify(const VerifyOptions& o) {
   if (exec::detect_launcher() != "mpi") return run_verify_reporting_ranks(o, nullptr);
 #ifdef FLATPEAK_HAVE_MPI
   exec::MpiCommunicator world;
-  return run_verify_reporting_ranks(o, &world);
+  const int code = run_verify_reporting_ranks(o, &world);
+  std::cout.flush();  // everything written so far leaves before MPI_Finalize (above)
+  std::cerr.flush();
+  return code;
 #else
   std::cerr << "flatpeak: error: started by an MPI launcher, but this flatpeak was built without MPI; run it without mpirun/srun (ranks as threads)\n";
   return kExitBackend;

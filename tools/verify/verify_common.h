@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,7 +15,10 @@
 
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/dispatch_schedule.h"
+#include "spec/errors.h"
 #include "spec/model_spec.h"
+#include "spec/routing.h"
 #include "verify_config.h"
 #include "verify_run.h"
 
@@ -57,6 +61,34 @@ nlohmann::ordered_json measured_trace(const exec::TrackingAllocator& alloc);
 int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
                      const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
                      const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report);
+
+// Dispatch (verify_dispatch.cpp), shared by its one-rank and multi-rank runs.
+// The plan's dispatch knobs as verify runs them: the LLEP switch, C, m, mode and depth as
+// scale_config scaled them; α, λ and striping as the plan wrote them (InputError names a bad
+// one). At one rank LLEP runs only as capped rounds, with α = 1 and λ = 0.
+struct DispatchKnobs {
+  bool llep = false;
+  int64_t chunk_cap_rows = 0;  // scaled C (0: no cap)
+  double alpha = 1.1, lambda = 1.3;
+  bool striping = true;
+};
+DispatchKnobs dispatch_knobs(const VerifyInputs& in, const ScaledConfig& s);
+// The executor's configuration of the scaled layer on this rank (EP = s.ep).
+exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const DispatchKnobs& k, int64_t layer,
+                                             const RoutingModel& routing);
+// The planner's timeline of the scaled configuration on s.ep ranks (one EP group), routed by
+// `routing`; ctx.adjust applied.
+nlohmann::ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& routing);
+// The largest dispatch column over the MoE phases of a predicted timeline.
+int64_t dispatch_peak(const nlohmann::ordered_json& timeline);
+// One row per MoE phase of the prediction (layer index folded) against the largest measured
+// phase it stands for, and a "peak" row; returns (predicted, measured) peaks.
+std::pair<int64_t, int64_t> compare_dispatch(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
+                                             VerifyReport& report);
+// The first MoE layer of the scaled model (-1: none).
+int64_t first_moe_layer(const VerifyInputs& in, const ScaledConfig& s);
+// `model` becomes an in-memory routing file holding `counts` ([EP][E], one layer).
+std::shared_ptr<RoutingFile> realised_routing(const CountMatrix& counts, int64_t ep, int64_t experts, RoutingModel& model);
 
 // One verify component per file.
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report);

@@ -5,6 +5,8 @@
 // planner predicts on the realised routing (the count matrix of the ids the executor drew, an
 // in-memory routing file); the prediction on the plan's routing model alone is compared with it
 // and the difference noted as the routing sampling error. The verify tests check the reductions.
+// Also what the multi-rank run (verify_dispatch_ranks.cpp) shares: the prediction, the phase
+// rows and the executor's configuration.
 //   ScaledConfig s = scale_config(in, std::nullopt, /*max_ranks=*/1);   // one rank
 //   VerifyReport r = run_verification(in, s, {"dispatch"}, 0.01);
 #include <algorithm>
@@ -43,8 +45,68 @@ std::string any_layer(const std::string& phase) {
   return std::regex_match(phase, m, kMoePhase) ? m[1].str() + "/L*/" + m[2].str() : "";
 }
 
-// The planner's plan of the scaled configuration on one rank, routed by `routing`.
-ordered_json predict(const VerifyContext& ctx, const RoutingModel& routing) {
+const nlohmann::json* knob(const VerifyInputs& in, const char* name) {
+  return in.knob_values.contains(name) ? &in.knob_values[name] : nullptr;
+}
+
+}  // namespace
+
+DispatchKnobs dispatch_knobs(const VerifyInputs& in, const ScaledConfig& s) {
+  DispatchKnobs k;
+  InputErrors errs;
+  auto number = [&](const char* name, double& out) {
+    const nlohmann::json* v = knob(in, name);
+    if (!v) return;
+    if (!v->is_number() || !(v->get<double>() >= 0.0)) {
+      errs.add(Diagnostic{in.file, std::string("/knobs/") + name + "/value", "must be a number >= 0 (got " + v->dump() + ")", ""});
+      return;
+    }
+    out = v->get<double>();
+  };
+  number("llep_alpha", k.alpha);
+  number("llep_lambda", k.lambda);
+  if (const nlohmann::json* v = knob(in, "striping")) {
+    if (!v->is_boolean()) errs.add(Diagnostic{in.file, "/knobs/striping/value", "must be true or false (got " + v->dump() + ")", ""});
+    else k.striping = v->get<bool>();
+  }
+  errs.throw_if_any();
+  if (s.ep == 1) {
+    // One rank: LLEP's α and λ must lie in [1, EP] and [0, EP] = [1, 1] and [0, 1]; neither
+    // changes anything when every expert is local. Plain LLEP (no cap) at one rank is plain EP.
+    k.llep = in.schedule == "flatpeak" && s.llep && s.chunk_cap_rows > 0;
+    k.alpha = 1.0;
+    k.lambda = 0.0;
+  } else {
+    k.llep = s.llep;
+  }
+  k.chunk_cap_rows = k.llep ? s.chunk_cap_rows : 0;
+  return k;
+}
+
+exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const DispatchKnobs& k, int64_t layer,
+                                             const RoutingModel& routing) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  exec::DispatchScheduleConfig c;
+  c.tokens = s.tokens;
+  c.hidden = s.hidden;
+  c.experts = s.num_experts;
+  c.top_k = in.top_k;
+  c.ffn = s.expert_ffn;
+  c.chunk_cap_rows = k.chunk_cap_rows;
+  c.store = s.dispatch_store;
+  c.depth = s.dispatch_depth;
+  c.llep = s.ep > 1 && k.llep;
+  c.lla.llep_alpha = k.alpha;
+  c.lla.imbalance_trigger = k.lambda;
+  c.lla.min_rows_per_gemm = std::max<int64_t>(1, s.llep_min_rows);
+  c.striping = k.striping;
+  c.layer = "L" + std::to_string(layer);
+  c.routing = routing;
+  return c;
+}
+
+ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
   ModelSpec model = load_model(in.model_name);
@@ -55,19 +117,24 @@ ordered_json predict(const VerifyContext& ctx, const RoutingModel& routing) {
   model.num_experts = s.num_experts;
   model.expert_ffn_width = s.expert_ffn;
   const HardwareSpec hardware = load_hardware(in.hardware_name);
-  FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
-  if (in.schedule == "flatpeak") {
-    // One rank: LLEP's α and λ must lie in [1, EP] and [0, EP] = [1, 1] and [0, 1]; neither
-    // changes anything when every expert is local. Plain LLEP (no cap) at one rank is plain EP.
-    const bool rounds = s.llep && s.chunk_cap_rows > 0;
-    flags.emplace_back("--llep", rounds ? "on" : "off");
-    if (rounds) {
-      flags.emplace_back("--llep-alpha", "1");
-      flags.emplace_back("--llep-lambda", "0");
+  FlagList flags{{"--gpus", std::to_string(s.ep)},          {"--context", std::to_string(s.tokens)},
+                 {"--schedule", in.schedule},               {"--gpus-per-node", std::to_string(s.ep)}};
+  if (s.ep > 1) {
+    flags.emplace_back("--ep", std::to_string(s.ep));
+    flags.emplace_back("--micro-batch", "1");
+  }
+  if (s.ep > 1 || in.schedule == "flatpeak") {
+    flags.emplace_back("--llep", k.llep ? "on" : "off");
+    if (k.llep) {
+      flags.emplace_back("--llep-alpha", fmt::format("{}", k.alpha));
+      flags.emplace_back("--llep-lambda", fmt::format("{}", k.lambda));
       flags.emplace_back("--llep-min-rows", std::to_string(std::max<int64_t>(1, s.llep_min_rows)));
-      flags.emplace_back("--chunk-cap-rows", std::to_string(s.chunk_cap_rows));
-      flags.emplace_back("--dispatch-mode", s.dispatch_store ? "store" : "recompute");
-      flags.emplace_back("--dispatch-depth", std::to_string(s.dispatch_depth));
+      flags.emplace_back("--chunk-cap-rows", std::to_string(k.chunk_cap_rows));
+      if (k.chunk_cap_rows > 0) {
+        if (s.ep > 1) flags.emplace_back("--striping", k.striping ? "on" : "off");
+        flags.emplace_back("--dispatch-mode", s.dispatch_store ? "store" : "recompute");
+        flags.emplace_back("--dispatch-depth", std::to_string(s.dispatch_depth));
+      }
     }
   }
   InputErrors errs;
@@ -89,11 +156,49 @@ int64_t dispatch_peak(const ordered_json& timeline) {
   return peak;
 }
 
-const nlohmann::json* knob(const VerifyInputs& in, const char* name) {
-  return in.knob_values.contains(name) ? &in.knob_values[name] : nullptr;
+std::pair<int64_t, int64_t> compare_dispatch(const ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report) {
+  // One row per MoE phase of the prediction (the layer index folded: every MoE layer has the
+  // same routing), against the largest measured phase it stands for.
+  const auto records = alloc.phase_records();
+  std::map<std::string, bool> seen;
+  int64_t predicted_peak = 0, measured_peak = 0;
+  for (const auto& phase : predicted["phases"]) {
+    const std::string name = phase["name"].get<std::string>();
+    const std::string key = any_layer(name);
+    if (key.empty() || seen[key]) continue;
+    seen[key] = true;
+    const int64_t predicted_bytes = phase["device"]["dispatch"].get<int64_t>();
+    int64_t measured_bytes = 0;
+    for (const auto& r : records)
+      if (r.space == exec::MemorySpace::Device && phase_matches(key, phase.contains("folds"), any_layer(r.phase)))
+        measured_bytes = std::max(measured_bytes, r.bytes_at_peak[static_cast<size_t>(exec::Category::Dispatch)]);
+    report.rows.push_back({"dispatch", "device", name, predicted_bytes, measured_bytes, relative_error(measured_bytes, predicted_bytes)});
+    predicted_peak = std::max(predicted_peak, predicted_bytes);
+    measured_peak = std::max(measured_peak, measured_bytes);
+  }
+  report.rows.push_back({"dispatch", "device", "peak", predicted_peak, measured_peak, relative_error(measured_peak, predicted_peak)});
+  return {predicted_peak, measured_peak};
 }
 
-}  // namespace
+int64_t first_moe_layer(const VerifyInputs& in, const ScaledConfig& s) {
+  const ModelSpec card = load_model(in.model_name);
+  for (int64_t l = 0; l < s.layers; ++l)
+    if (card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) return l;
+  return -1;
+}
+
+std::shared_ptr<RoutingFile> realised_routing(const CountMatrix& counts, int64_t ep, int64_t experts, RoutingModel& model) {
+  auto file = std::make_shared<RoutingFile>();
+  file->path = "(the routing verify ran)";
+  file->ep_ranks = ep;
+  file->num_experts = experts;
+  file->layers = {counts};
+  model = RoutingModel{};
+  model.kind = RoutingKind::File;
+  model.file_path = file->path;
+  model.file = file;
+  return file;
+}
 
 void scale_dispatch_knobs(const VerifyInputs& in, ScaledConfig& s) {
   if (in.num_experts == 0) return;
@@ -141,10 +246,7 @@ void verify_dispatch(const VerifyContext& ctx, VerifyReport& report) {
     return;
   }
   // The first MoE layer of the scaled model names the phases (DeepSeek-V3's first layers are dense).
-  const ModelSpec card = load_model(in.model_name);
-  int64_t layer = -1;
-  for (int64_t l = 0; l < s.layers && layer < 0; ++l)
-    if (card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) layer = l;
+  const int64_t layer = first_moe_layer(in, s);
   if (layer < 0) {
     report.notes.push_back(fmt::format("dispatch: the first {} layers of {} are dense; no MoE layer to run", s.layers, in.model_name));
     return;
@@ -159,55 +261,18 @@ void verify_dispatch(const VerifyContext& ctx, VerifyReport& report) {
     plan_routing = RoutingModel{};
   }
 
-  exec::DispatchScheduleConfig c;
-  c.tokens = s.tokens;
-  c.hidden = s.hidden;
-  c.experts = s.num_experts;
-  c.top_k = in.top_k;
-  c.ffn = s.expert_ffn;
-  c.chunk_cap_rows = in.schedule == "flatpeak" && s.llep ? s.chunk_cap_rows : 0;
-  c.store = s.dispatch_store;
-  c.depth = s.dispatch_depth;
-  c.layer = "L" + std::to_string(layer);
-  c.routing = plan_routing;
+  const DispatchKnobs knobs = dispatch_knobs(in, s);
+  const exec::DispatchScheduleConfig c = dispatch_config(ctx, knobs, layer, plan_routing);
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   const exec::DispatchScheduleResult got = exec::run_dispatch_schedule(alloc, c);
 
   // Routing is data: the planner predicts on the count matrix the executor drew.
-  auto realised_file = std::make_shared<RoutingFile>();
-  realised_file->path = "(the routing verify ran)";
-  realised_file->ep_ranks = 1;
-  realised_file->num_experts = s.num_experts;
-  realised_file->layers = {CountMatrix{got.expert_counts}};
   RoutingModel realised;
-  realised.kind = RoutingKind::File;
-  realised.file_path = realised_file->path;
-  realised.file = realised_file;
-  const ordered_json predicted = predict(ctx, realised);
-
-  // One row per MoE phase of the prediction (the layer index folded: every MoE layer has the same
-  // routing), against the largest measured phase it stands for.
-  const auto records = alloc.phase_records();
-  std::map<std::string, bool> seen;
-  int64_t predicted_peak = 0, measured_peak = 0;
-  for (const auto& phase : predicted["phases"]) {
-    const std::string name = phase["name"].get<std::string>();
-    const std::string key = any_layer(name);
-    if (key.empty() || seen[key]) continue;
-    seen[key] = true;
-    const int64_t predicted_bytes = phase["device"]["dispatch"].get<int64_t>();
-    int64_t measured_bytes = 0;
-    for (const auto& r : records)
-      if (r.space == exec::MemorySpace::Device && phase_matches(key, phase.contains("folds"), any_layer(r.phase)))
-        measured_bytes = std::max(measured_bytes, r.bytes_at_peak[static_cast<size_t>(exec::Category::Dispatch)]);
-    report.rows.push_back({"dispatch", "device", name, predicted_bytes, measured_bytes, relative_error(measured_bytes, predicted_bytes)});
-    predicted_peak = std::max(predicted_peak, predicted_bytes);
-    measured_peak = std::max(measured_peak, measured_bytes);
-  }
-  report.rows.push_back({"dispatch", "device", "peak", predicted_peak, measured_peak, relative_error(measured_peak, predicted_peak)});
+  const auto file = realised_routing(got.source_counts, 1, s.num_experts, realised);
+  const int64_t predicted_peak = compare_dispatch(predict_dispatch(ctx, knobs, realised), alloc, report).first;
 
   // The distribution-only prediction (the plan's routing model's expected loads).
-  const int64_t expected_peak = dispatch_peak(predict(ctx, plan_routing));
+  const int64_t expected_peak = dispatch_peak(predict_dispatch(ctx, knobs, plan_routing));
   report.notes.push_back(fmt::format("dispatch: routing sampling error (prediction on {} minus on the realised counts) {:+} B at the peak",
                                      to_string(plan_routing), expected_peak - predicted_peak));
   if (c.chunk_cap_rows > 0) {
