@@ -12,6 +12,7 @@
 #include <string>
 #include <tuple>
 
+#include "memory_model.h"
 #include "spec/least_loaded.h"
 
 namespace flatpeak::planner {
@@ -222,12 +223,21 @@ class Builder {
     }
     loss_backward(0);
     for (int64_t l = L_ - 1; l >= 0; --l) backward_layer(l);
-    {  // bwd/embed
-      Acc base = state(grads(c_.w.shard_params - c_.w.units[0].shard_params));
-      const FP::HeadRoles head = fsdp(base, 0, -1, 0, unit(0));
-      Acc t = c_.acc();
-      t.add(kAct, mul(c_.T, c_.H), kB16);
-      phase(home_bit(PeakKind::Layer), base, t, B::None, 0, head);
+    {  // bwd/embed: the largest of its backward, the copy into the reduce-scatter input and the
+       // new shard beside that input (timeline.cpp); none involves the LM head unit, whose bytes
+       // depend on the searched ring size.
+      const int64_t all = c_.w.shard_params, before = all - c_.w.units[0].shard_params;
+      Acc backward = state(grads(before));
+      const FP::HeadRoles head = fsdp(backward, 0, -1, 0, unit(0));
+      backward.add(kAct, mul(c_.T, c_.H), kB16);
+      Acc copy = state(grads(before));
+      fsdp(copy, -1, -1, 0, 0);
+      Acc shard = state(grads(all));
+      fsdp(shard, -1, -1, -1, 0);
+      const Acc* most = &backward;
+      for (const Acc* m : {&copy, &shard})
+        if (m->total() > most->total()) most = m;
+      phase(home_bit(PeakKind::Layer), *most, c_.acc(), B::None, 0, most == &backward ? head : FP::HeadRoles{});
     }
     // opt phases: persistent state only (no device transients in any placement).
     const int64_t opt_phases = c_.r.optimizer == OptimizerPlacement::Serial ? 3 : 1;
@@ -247,14 +257,17 @@ class Builder {
   Acc state(int64_t grad_params) const {
     Acc t = c_.acc();
     const int64_t P = c_.w.shard_params;
-    if (c_.r.optimizer == OptimizerPlacement::Gpu) {
+    const bool gpu = c_.r.optimizer == OptimizerPlacement::Gpu;
+    // Grad shards: one tensor per reduced unit, each aligned (memory_terms_state.cpp).
+    auto [it, fresh] = grad_bytes_.try_emplace(grad_params, 0);
+    if (fresh) it->second = reduced_grad_bytes(c_.w, M_, grad_params, gpu ? kF32 : kB16, c_.al);
+    t.c[cat(Category::Grads)] = checked_add(t.c[cat(Category::Grads)], it->second);
+    if (gpu) {
       t.add(Category::Params, P, kF32);
-      t.add(Category::Grads, grad_params, kF32);
       t.add(Category::Optimizer, P, kF32);
       t.add(Category::Optimizer, P, kF32);
     } else {
       t.add(Category::Params, P, kB16);
-      t.add(Category::Grads, grad_params, kB16);
     }
     return t;
   }
@@ -462,6 +475,9 @@ class Builder {
     } else if (c_.r.vocab_backward == VocabBackward::InForward) {
       Acc t = c_.acc();
       loss_saved(c_, t);
+      t.add(Category::Fsdp, c_.H, kB16);  // the final norm's backward (timeline.cpp)
+      t.add(kAct, c_.T, kF32);
+      t.add(kAct, mul(c_.T, c_.H), kB16);
       phase(home, base, t, FP::Bnd::Loss, index, head);
     } else {
       phase(home, base, c_.acc(), FP::Bnd::Loss, index, head, FP::Voc::BlockBackward);
@@ -477,6 +493,7 @@ class Builder {
   bool all_grads_ = false;
   std::vector<int64_t> reduced_;
   std::map<Kind, int32_t> kind_index_;
+  mutable std::map<int64_t, int64_t> grad_bytes_;  // grad shard params -> their bytes
 };
 
 }  // namespace

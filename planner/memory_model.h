@@ -65,6 +65,10 @@ void add_loss_saved(const Context& c, const std::string& prefix, TermList& t);
 // ---- model state, FSDP, boundaries, host (memory_terms_state.cpp).
 // Parameter, gradient and optimizer shards; grad_shard_params of the gradients live now.
 void add_model_state(const Context& c, int64_t grad_shard_params, TermList& t);
+// Bytes of the grad shards of the units backward reduces first (MTP modules from the last, the
+// head, layers L-1 down to 0, the embedding) whose params add up to `params` (0 or such a
+// prefix; std::logic_error otherwise): one tensor per unit, each aligned to `alignment`.
+int64_t reduced_grad_bytes(const Workload& w, int64_t mtp_modules, int64_t params, int64_t bytes_per_param, int64_t alignment);
 // FSDP: units gathered (bf16), one prefetched, an unsharded grad being produced (bf16), and a
 // reduce-scatter input in flight (fp32). -1 = none.
 struct FsdpLive {

@@ -2,6 +2,9 @@
 // host memory and the optimizer step. Shard symbol P/N: this GPU's share of every FSDP unit
 // (dense parts over N, local experts over N/EP).
 #include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "memory_model.h"
 
@@ -9,20 +12,46 @@ namespace flatpeak::planner {
 
 namespace {
 bool offload_optimizer(const Context& c) { return c.run.optimizer != OptimizerPlacement::Gpu; }
+
+// The grad shards `params` stands for: one tensor per unit, each aligned.
+void add_grad_shards(const Context& c, int64_t params, const Dtype& dtype, TermList& t) {
+  const int64_t bytes = reduced_grad_bytes(c.work, c.run.mtp ? c.model.mtp_layers : 0, params, dtype.bytes, t.alignment_bytes());
+  t.add_sized("grad shards", "[P/N=" + std::to_string(params) + "] " + dtype.name + ", one per reduced unit", bytes, Category::Grads);
+}
 }  // namespace
+
+int64_t reduced_grad_bytes(const Workload& w, int64_t mtp_modules, int64_t params, int64_t bytes_per_param, int64_t alignment) {
+  const int64_t L = static_cast<int64_t>(w.moe_index.size()) - mtp_modules;
+  std::vector<int64_t> order;  // units in the order backward reduces them
+  for (int64_t j = L + mtp_modules - 1; j >= L; --j) order.push_back(w.layer_unit(j));
+  order.push_back(w.head_unit);
+  for (int64_t l = L - 1; l >= 0; --l) order.push_back(w.layer_unit(l));
+  order.push_back(0);
+  int64_t sum = 0, bytes = 0;
+  for (int64_t u : order) {
+    if (sum == params) return bytes;
+    const int64_t shard = w.units[static_cast<size_t>(u)].shard_params;
+    sum = checked_add(sum, shard);
+    bytes = checked_add(bytes, align_up(checked_mul(shard, bytes_per_param), alignment));
+  }
+  if (sum == params) return bytes;
+  throw std::logic_error("planner: " + std::to_string(params) + " grad shard params are not the units reduced first");
+}
 
 void add_model_state(const Context& c, int64_t grad_shard_params, TermList& t) {
   const int64_t P = c.work.shard_params;
+  // Grad shards appear unit by unit as backward reduce-scatters them; each unit's is its own
+  // tensor (FSDP2's reduce-scatter output of the unit), aligned on its own.
   if (!offload_optimizer(c)) {
     // Baseline FSDP2: fp32 sharded params are the master; fp32 reduce-scattered grads; Adam m, v.
     t.add_flat("param shards (fp32, master)", "P/N", P, kFp32, Category::Params);
-    t.add_flat("grad shards", "P/N", grad_shard_params, kFp32, Category::Grads);
+    add_grad_shards(c, grad_shard_params, kFp32, t);
     t.add_flat("Adam m", "P/N", P, kFp32, Category::Optimizer);
     t.add_flat("Adam v", "P/N", P, kFp32, Category::Optimizer);
   } else {
     // Optimizer offload: the GPU keeps bf16 param and grad shards; master, m, v on the host.
     t.add_flat("param shards", "P/N", P, kBf16, Category::Params);
-    t.add_flat("grad shards", "P/N", grad_shard_params, kBf16, Category::Grads);
+    add_grad_shards(c, grad_shard_params, kBf16, t);
   }
 }
 

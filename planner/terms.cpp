@@ -74,6 +74,11 @@ void TermList::add_flat(const std::string& name, const char* label, int64_t elem
   add(name, {{label, elems}}, dtype, category, count, space);
 }
 
+void TermList::add_sized(const std::string& name, const std::string& shape, int64_t bytes, Category category, Space space) {
+  if (bytes <= 0) return;
+  terms_.push_back(Term{name, shape, 1, bytes, category, space});
+}
+
 void TermList::append(const TermList& other) {
   terms_.insert(terms_.end(), other.terms_.begin(), other.terms_.end());
 }

@@ -73,6 +73,9 @@ class TermList {
   // shard, a bucket): shape is "[<label>=elems] dtype".
   void add_flat(const std::string& name, const char* label, int64_t elems, Dtype dtype, Category category,
                 int64_t count = 1, Space space = Space::Device);
+  // Adds one term of a given size (a set of tensors aligned one by one, described by `shape`).
+  void add_sized(const std::string& name, const std::string& shape, int64_t bytes, Category category,
+                 Space space = Space::Device);
   void append(const TermList& other);
 
   const std::vector<Term>& terms() const { return terms_; }

@@ -255,9 +255,14 @@ class Builder {
     add_fsdp(c_, FsdpLive{-1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1)}, base);
     auto phases = loss_backward_phases(c_);
     if (phases.empty()) {
-      // Gradients were computed in the forward pass; the backward only scales them.
+      // Gradients were computed in the forward pass; the backward only scales them. What is left
+      // is the final norm's backward (dX -> d h_L): its weight, kept from the gathered head when W
+      // was released, its rstd recomputed from h_L, and d h_L, the layers' gradient stream.
       TermList t = c_.list();
       add_loss_saved(c_, "", t);
+      t.add("final norm weight (kept for its backward)", {{"H", c_.model.hidden_size}}, kBf16, Category::Fsdp);
+      t.add("final norm rstd (recomputed)", {{"T", c_.work.tokens}}, kFp32, Category::Activations);
+      t.add("d final hidden h_L", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
       emit(name + "/bwd", "", base, t);
     }
     for (auto& p : phases) emit(name + "/" + p.suffix, p.folds, base, p.terms);
@@ -337,12 +342,25 @@ class Builder {
     return out;
   }
 
+  // bwd/embed holds the largest of three moments, in time order (a tie keeps the earlier): the
+  // embedding's backward; then, once the gathered table, d embedding output and L0's
+  // reduce-scatter input are gone, its unsharded grads copied into the fp32 reduce-scatter input
+  // [U]; then, those grads freed, the new grad shard allocated beside that input. At N GPUs the
+  // shard is U/N and the backward holds the most; at N = 1 (a one-GPU run, every verify-scaled
+  // plan) the input with the grads or the shard can hold more.
   void backward_embedding() {
-    TermList base = persistent_state(grads(c_.work.shard_params - c_.work.units[0].shard_params));
-    add_fsdp(c_, FsdpLive{0, -1, 0, unit(0)}, base);
-    TermList t = c_.list();
-    t.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
-    emit("bwd/embed", "", base, t);
+    const int64_t all = c_.work.shard_params, before = all - c_.work.units[0].shard_params;
+    TermList backward = persistent_state(grads(before));
+    add_fsdp(c_, FsdpLive{0, -1, 0, unit(0)}, backward);
+    backward.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+    TermList copy = persistent_state(grads(before));
+    add_fsdp(c_, FsdpLive{-1, -1, 0, 0}, copy);
+    TermList shard = persistent_state(grads(all));
+    add_fsdp(c_, FsdpLive{-1, -1, -1, 0}, shard);
+    const TermList* most = &backward;
+    for (const TermList* m : {&copy, &shard})
+      if (m->bytes(Space::Device) > most->bytes(Space::Device)) most = m;
+    emit("bwd/embed", "", *most, c_.list());
   }
 
   const Context& c_;

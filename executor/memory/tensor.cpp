@@ -57,6 +57,11 @@ void Tensor::reset() {
   numel_ = 0;
 }
 
+void Tensor::set_category(Category category) {
+  if (allocator_ != nullptr) allocator_->retag(allocation_, category);
+  else allocation_.category = category;
+}
+
 void Tensor::check_dtype(DType requested) const {
   if (requested != dtype_) {
     throw std::logic_error(std::string("tensor holds ") + dtype_name(dtype_) + ", accessed as " +

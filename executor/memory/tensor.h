@@ -39,6 +39,8 @@ class Tensor {
   ~Tensor() { reset(); }
 
   void reset();
+  // The buffer's role changed (TrackingAllocator::retag): same storage, another category.
+  void set_category(Category category);
 
   DType dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }

@@ -106,6 +106,19 @@ void TrackingAllocator::release(const Allocation& allocation) {
   --live_allocations_;
 }
 
+void TrackingAllocator::retag(Allocation& allocation, Category category) {
+  if (allocation.data == nullptr || allocation.category == category) {
+    allocation.category = category;
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  SpaceState& s = spaces_[space_index(allocation.space)];
+  s.live[category_index(allocation.category)] -= allocation.tracked_bytes;
+  s.live[category_index(category)] += allocation.tracked_bytes;
+  allocation.category = category;
+  update_peaks_locked(allocation.space);  // the total is unchanged; a category's own maximum may rise
+}
+
 void TrackingAllocator::update_peaks_locked(MemorySpace space) {
   SpaceState& s = spaces_[space_index(space)];
   if (s.live_total > s.high_water) {
@@ -120,6 +133,11 @@ void TrackingAllocator::update_peaks_locked(MemorySpace space) {
   }
   for (size_t c = 0; c < static_cast<size_t>(kCategoryCount); ++c) {
     if (s.live[c] > r.category_peak_bytes[c]) r.category_peak_bytes[c] = s.live[c];
+  }
+  const int64_t columns = s.live_total - s.live[category_index(Category::Workspace)] - s.live[category_index(Category::Comm)];
+  if (columns > r.column_peak_bytes) {
+    r.column_peak_bytes = columns;
+    r.bytes_at_column_peak = s.live;
   }
 }
 

@@ -52,6 +52,10 @@ struct PhaseRecord {
   int64_t peak_bytes = 0;
   CategoryBytes bytes_at_peak{};      // split of peak_bytes by category
   CategoryBytes category_peak_bytes{};  // max of each category alone during the phase
+  // The same for the timeline's columns alone (every category but workspace and comm, which the
+  // traces/ format has no column for): their largest sum during the phase and the split then.
+  int64_t column_peak_bytes = 0;
+  CategoryBytes bytes_at_column_peak{};
 };
 
 // Thrown when a space's configured capacity would be exceeded (the CLI maps it to exit 4).
@@ -93,6 +97,10 @@ class TrackingAllocator {
   // std::invalid_argument for negative sizes, std::bad_alloc when the system has no memory.
   Allocation allocate(int64_t bytes, Category category, MemorySpace space);
   void release(const Allocation& allocation);
+  // Moves a live block to another category (its role changed: a layer output becomes a
+  // checkpoint boundary, a gathered LM head becomes the loss's W); its bytes stay live, the
+  // per-category counters follow. Updates allocation.category.
+  void retag(Allocation& allocation, Category category);
 
   // Starts a new phase (its record starts from the bytes live now). Phases are recorded in the
   // order they are entered; entering the same name again adds a new record.

@@ -1,4 +1,5 @@
-// One decoder layer (GQA attention + MoE with top-k routing and optional shared experts) on one rank, as a component run:
+// One decoder layer (GQA attention + MoE with top-k routing and optional shared experts) on one rank, as a component run
+// (the layer itself: decoder_layer.h, which the whole step runs too):
 // the no-grad forward from the layer's boundary, then the backward with full recompute
 // (recompute attention and MoE keeping what backward needs, then back-propagate), every buffer
 // from the TrackingAllocator under the traces/ categories and the shared phase names.
@@ -14,26 +15,9 @@
 
 #include "executor/memory/tracking_allocator.h"
 #include "executor/ops/dtype.h"
+#include "executor/schedules/decoder_layer.h"
 
 namespace flatpeak::exec {
-
-struct LayerScheduleConfig {
-  int64_t tokens = 0;      // T (one sequence, causal)
-  int64_t hidden = 0;      // H
-  int64_t q_heads = 0;     // a
-  int64_t kv_heads = 0;    // g (a multiple of it is a)
-  int64_t head_dim = 0;    // d (q, k and v)
-  int64_t experts = 0;     // local experts (E/EP; every expert at EP = 1)
-  int64_t top_k = 0;       // k
-  int64_t expert_ffn = 0;  // F
-  int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
-  int64_t layer_index = 0;  // phase names use L<layer_index>
-  // true: the checkpointed step (no-grad forward, recompute + backward); false: the naive
-  // reference that keeps every activation from one forward with grad (phases fwd/...).
-  bool checkpointed = true;
-  DType dtype = DType::BF16;  // storage of activations, weights and their gradients (F32 for tests)
-  uint64_t seed = 1;
-};
 
 // The layer's inputs as plain fp32 values (rounded to the storage dtype when copied in): the
 // boundary x, the weights, and r, the output gradient of the loss proxy Σ y ⊙ r.

@@ -35,6 +35,13 @@ void check_config(const OptimizerScheduleConfig& c) {
   if (c.params < 1) throw std::invalid_argument("optimizer schedule: params must be >= 1");
   if (c.cpu_threads < 1) throw std::invalid_argument("optimizer schedule: cpu_threads must be >= 1");
   if (c.step < 1) throw std::invalid_argument("optimizer schedule: step must be >= 1");
+  if (!c.grad_units.empty()) {
+    int64_t sum = 0;
+    for (int64_t u : c.grad_units) sum += u;
+    if (sum != c.params)
+      throw std::invalid_argument("optimizer schedule: grad_units must sum to params (got " + std::to_string(sum) + " for " +
+                                  std::to_string(c.params) + ")");
+  }
   if (c.placement == OptimizerPlacement::Stream && (c.bucket_params < 1 || c.bucket_depth < 1))
     throw std::invalid_argument("optimizer schedule: stream needs bucket_params >= 1 and bucket_depth >= 1 (got " +
                                 std::to_string(c.bucket_params) + ", " + std::to_string(c.bucket_depth) + ")");
@@ -57,7 +64,6 @@ void fill_state(float* master, float* m, float* v, int64_t n, uint64_t seed) {
   fill_f32(m, n, seed + 2, 1e-3f);
   for (int64_t i = 0; i < n; ++i) v[i] = 1e-5f * std::fabs(uniform_pm1(seed + 3, static_cast<uint64_t>(i)));
 }
-void fill_grads_bf16(Bf16* g, int64_t n, uint64_t seed) { fill_bf16(g, n, seed + 1, 0.01f); }
 
 // Pinned host memory is resident from its allocation on; touching every page at launch gives the
 // CPU backend's host buffers the same property, so no stage pays first-touch page faults.
@@ -75,30 +81,31 @@ std::vector<T> copy_out(const T* p, int64_t n) {
   return std::vector<T>(p, p + n);
 }
 
-// Host state of the offload placements: fp32 master, m, v and the fp32 grad staging (where the
-// bf16 grads land widened; with gradient accumulation they would accumulate there).
-struct HostState {
-  Tensor master, m, v, grad_staging;  // [P] fp32 each, host
-  HostState(TrackingAllocator& alloc, int64_t P)
-      : master(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Host),
-        m(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Host),
-        v(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Host),
-        grad_staging(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Host) {
-    make_resident(grad_staging);
+// Copies grads [begin, begin + n) of the shards (bf16) into dst, walking the shards in order.
+void copy_grads_bf16(const OptimizerDeviceView& d, int64_t begin, int64_t n, Bf16* dst) {
+  int64_t offset = 0;
+  for (const auto& [ptr, elems] : d.grads) {
+    const int64_t lo = std::max(begin, offset), hi = std::min(begin + n, offset + elems);
+    if (lo < hi) std::memcpy(dst + (lo - begin), static_cast<const Bf16*>(ptr) + (lo - offset), static_cast<size_t>(hi - lo) * 2);
+    offset += elems;
   }
-};
+}
 
-// Device state of the offload placements: bf16 param and grad shards.
-struct OffloadDevice {
-  Tensor params, grads;  // [P] bf16 each, device
-  OffloadDevice(TrackingAllocator& alloc, int64_t P)
-      : params(alloc, DType::BF16, {P}, Category::Params, MemorySpace::Device),
-        grads(alloc, DType::BF16, {P}, Category::Grads, MemorySpace::Device) {}
-};
+void check_view(const OptimizerScheduleConfig& c, const OptimizerDeviceView& d, const OptimizerHostState* host) {
+  int64_t elems = 0;
+  for (const auto& g : d.grads) elems += g.second;
+  if (d.params == nullptr || elems != c.params)
+    throw std::invalid_argument("optimizer step: the grad shards must cover the P = " + std::to_string(c.params) + " params (got " +
+                                std::to_string(elems) + ")");
+  if (c.placement == OptimizerPlacement::Device && (d.m == nullptr || d.v == nullptr))
+    throw std::invalid_argument("optimizer step: the device placement needs m and v");
+  if (c.placement != OptimizerPlacement::Device && host == nullptr)
+    throw std::invalid_argument("optimizer step: an offload placement needs its host state");
+}
 
 // The CPU stage on elements [begin, begin + n): widen the landed bf16 grads into the fp32
 // staging, then AdamW on master, m, v writing the bf16 params into `param_out`.
-void cpu_stage(const OptimizerScheduleConfig& c, HostState& h, const Bf16* grad_landed, Bf16* param_out, int64_t begin,
+void cpu_stage(const OptimizerScheduleConfig& c, OptimizerHostState& h, const Bf16* grad_landed, Bf16* param_out, int64_t begin,
                int64_t n) {
   float* staging = h.grad_staging.data<float>() + begin;
   for (int64_t i = 0; i < n; ++i) staging[i] = to_f32(grad_landed[i]);
@@ -113,76 +120,58 @@ void cpu_stage(const OptimizerScheduleConfig& c, HostState& h, const Bf16* grad_
   adamw_step_cpu_threaded(a, c.cpu_threads);
 }
 
-void keep_offload_results(const OptimizerScheduleConfig& c, HostState& h, OffloadDevice& d, OptimizerScheduleResult& r) {
+void keep_offload_results(const OptimizerScheduleConfig& c, OptimizerHostState& h, const OptimizerDeviceView& d,
+                          OptimizerScheduleResult& r) {
   if (!c.keep_results) return;
   const int64_t P = c.params;
   r.master = copy_out(h.master.data<float>(), P);
   r.m = copy_out(h.m.data<float>(), P);
   r.v = copy_out(h.v.data<float>(), P);
-  r.params = copy_out(d.params.data<Bf16>(), P);
+  r.params = copy_out(static_cast<const Bf16*>(d.params), P);
 }
 
-OptimizerScheduleResult run_device(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
-  const int64_t P = c.params;
-  OptimizerScheduleResult r;
-  enter_init(alloc);
-  // Baseline FSDP2: the fp32 param shard is the master; fp32 grads; m, v on the device.
-  Tensor params(alloc, DType::F32, {P}, Category::Params, MemorySpace::Device);  // [P] fp32
-  Tensor grads(alloc, DType::F32, {P}, Category::Grads, MemorySpace::Device);    // [P] fp32
-  Tensor m(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Device);    // [P] fp32
-  Tensor v(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Device);    // [P] fp32
-  fill_state(params.data<float>(), m.data<float>(), v.data<float>(), P, c.seed);
-  float* g = grads.data<float>();
-  for (int64_t i = 0; i < P; ++i) g[i] = to_f32(f32_to_bf16(0.01f * uniform_pm1(c.seed + 1, static_cast<uint64_t>(i))));
+// Fused AdamW on the device, shard by shard (element-wise: bitwise one full-vector step).
+void step_device(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, const OptimizerDeviceView& d, OptimizerScheduleResult& r) {
   const auto start = Clock::now();
   alloc.set_phase("opt/step");
-  AdamWArgs a = adam_args(c);
-  a.master = params.data<float>();
-  a.grad = g;
-  a.grad_dtype = DType::F32;
-  a.m = m.data<float>();
-  a.v = v.data<float>();
-  a.elems = P;
-  adamw_step_cpu_threaded(a, c.cpu_threads);
+  int64_t offset = 0;
+  for (const auto& [ptr, elems] : d.grads) {
+    AdamWArgs a = adam_args(c);
+    a.master = static_cast<float*>(d.params) + offset;
+    a.grad = static_cast<const float*>(ptr);
+    a.grad_dtype = DType::F32;
+    a.m = d.m + offset;
+    a.v = d.v + offset;
+    a.elems = elems;
+    adamw_step_cpu_threaded(a, c.cpu_threads);
+    offset += elems;
+  }
   r.seconds = seconds_since(start);
   if (c.keep_results) {
-    r.master = copy_out(params.data<float>(), P);
-    r.m = copy_out(m.data<float>(), P);
-    r.v = copy_out(v.data<float>(), P);
+    r.master = copy_out(static_cast<const float*>(d.params), c.params);
+    r.m = copy_out(d.m, c.params);
+    r.v = copy_out(d.v, c.params);
   }
-  return r;
 }
 
-OptimizerScheduleResult run_serial(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
+void step_serial(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, const OptimizerDeviceView& d, OptimizerHostState& h,
+                 OptimizerScheduleResult& r) {
   const int64_t P = c.params;
-  OptimizerScheduleResult r;
-  enter_init(alloc);
-  OffloadDevice d(alloc, P);
-  HostState h(alloc, P);
-  Tensor grad_landing(alloc, DType::BF16, {P}, Category::Optimizer, MemorySpace::Host);   // [P] bf16
-  Tensor param_staging(alloc, DType::BF16, {P}, Category::Optimizer, MemorySpace::Host);  // [P] bf16
-  make_resident(grad_landing);
-  make_resident(param_staging);
-  fill_state(h.master.data<float>(), h.m.data<float>(), h.v.data<float>(), P, c.seed);
-  fill_grads_bf16(d.grads.data<Bf16>(), P, c.seed);
-  Bf16* dev_params = d.params.data<Bf16>();
-  for (int64_t i = 0; i < P; ++i) dev_params[i] = f32_to_bf16(h.master.data<float>()[i]);
   const auto start = Clock::now();
   alloc.set_phase("opt/d2h");
   auto t = Clock::now();
-  std::memcpy(grad_landing.raw(), d.grads.raw(), static_cast<size_t>(grad_landing.bytes()));
+  copy_grads_bf16(d, 0, P, h.grad_landing.data<Bf16>());
   r.d2h_busy_seconds = seconds_since(t);
   alloc.set_phase("opt/cpu_step");
   t = Clock::now();
-  cpu_stage(c, h, grad_landing.data<Bf16>(), param_staging.data<Bf16>(), 0, P);
+  cpu_stage(c, h, h.grad_landing.data<Bf16>(), h.param_staging.data<Bf16>(), 0, P);
   r.cpu_busy_seconds = seconds_since(t);
   alloc.set_phase("opt/h2d");
   t = Clock::now();
-  std::memcpy(d.params.raw(), param_staging.raw(), static_cast<size_t>(param_staging.bytes()));
+  std::memcpy(d.params, h.param_staging.raw(), static_cast<size_t>(h.param_staging.bytes()));
   r.h2d_busy_seconds = seconds_since(t);
   r.seconds = seconds_since(start);
   keep_offload_results(c, h, d, r);
-  return r;
 }
 
 // OffloadStreamAdamW. Bucket b uses staging slot b % depth; a slot cycles
@@ -190,17 +179,10 @@ OptimizerScheduleResult run_serial(TrackingAllocator& alloc, const OptimizerSche
 // so at most `depth` buckets are between their D2H and their H2D at any time.
 class StreamPipeline {
  public:
-  StreamPipeline(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, HostState& h, OffloadDevice& d)
+  StreamPipeline(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, OptimizerHostState& h, const OptimizerDeviceView& d)
       : alloc_(alloc), c_(c), h_(h), d_(d) {
     bucket_ = std::min(c.bucket_params, c.params);
     buckets_ = ceil_div(c.params, bucket_);
-    // Host staging sized once at launch: per slot a grad-in and a param-out bucket, bf16.
-    for (int64_t s = 0; s < c.bucket_depth; ++s) {
-      grad_in_.emplace_back(alloc, DType::BF16, std::vector<int64_t>{bucket_}, Category::Optimizer, MemorySpace::Host);
-      param_out_.emplace_back(alloc, DType::BF16, std::vector<int64_t>{bucket_}, Category::Optimizer, MemorySpace::Host);
-      make_resident(grad_in_.back());
-      make_resident(param_out_.back());
-    }
     state_.assign(static_cast<size_t>(c.bucket_depth), SlotState::Free);
   }
 
@@ -251,7 +233,7 @@ class StreamPipeline {
     for (int64_t b = 0; b < buckets_; ++b) {
       if (!wait_for(b, SlotState::Free)) return;
       const auto t = Clock::now();
-      std::memcpy(grad_in_[slot_of(b)].raw(), d_.grads.data<Bf16>() + begin_of(b), static_cast<size_t>(size_of(b)) * 2);
+      copy_grads_bf16(d_, begin_of(b), size_of(b), h_.grad_in[slot_of(b)].data<Bf16>());
       busy += seconds_since(t);
       set_state(b, SlotState::GradLanded);
     }
@@ -262,7 +244,7 @@ class StreamPipeline {
       alloc_.set_phase("opt/bucket" + std::to_string(b));
       const auto t = Clock::now();
       const size_t s = slot_of(b);
-      cpu_stage(c_, h_, grad_in_[s].data<Bf16>(), param_out_[s].data<Bf16>(), begin_of(b), size_of(b));
+      cpu_stage(c_, h_, h_.grad_in[s].data<Bf16>(), h_.param_out[s].data<Bf16>(), begin_of(b), size_of(b));
       busy += seconds_since(t);
       set_state(b, SlotState::ParamReady);
     }
@@ -271,7 +253,7 @@ class StreamPipeline {
     for (int64_t b = 0; b < buckets_; ++b) {
       if (!wait_for(b, SlotState::ParamReady)) return;
       const auto t = Clock::now();
-      std::memcpy(d_.params.data<Bf16>() + begin_of(b), param_out_[slot_of(b)].raw(), static_cast<size_t>(size_of(b)) * 2);
+      std::memcpy(static_cast<Bf16*>(d_.params) + begin_of(b), h_.param_out[slot_of(b)].raw(), static_cast<size_t>(size_of(b)) * 2);
       busy += seconds_since(t);
       set_state(b, SlotState::Free);
     }
@@ -279,10 +261,9 @@ class StreamPipeline {
 
   TrackingAllocator& alloc_;
   const OptimizerScheduleConfig& c_;
-  HostState& h_;
-  OffloadDevice& d_;
+  OptimizerHostState& h_;
+  const OptimizerDeviceView& d_;
   int64_t bucket_ = 0, buckets_ = 0;
-  std::vector<Tensor> grad_in_, param_out_;  // depth × [bucket] bf16 each, host
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<SlotState> state_;
@@ -290,28 +271,78 @@ class StreamPipeline {
   std::exception_ptr error_;
 };
 
-OptimizerScheduleResult run_stream(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
-  const int64_t P = c.params;
-  OptimizerScheduleResult r;
-  enter_init(alloc);
-  OffloadDevice d(alloc, P);
-  HostState h(alloc, P);
+void step_stream(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, const OptimizerDeviceView& d, OptimizerHostState& h,
+                 OptimizerScheduleResult& r) {
   StreamPipeline pipeline(alloc, c, h, d);
-  fill_state(h.master.data<float>(), h.m.data<float>(), h.v.data<float>(), P, c.seed);
-  fill_grads_bf16(d.grads.data<Bf16>(), P, c.seed);
-  Bf16* dev_params = d.params.data<Bf16>();
-  for (int64_t i = 0; i < P; ++i) dev_params[i] = f32_to_bf16(h.master.data<float>()[i]);
   r.buckets = pipeline.buckets();
   const auto start = Clock::now();
   pipeline.run(r);
   r.seconds = seconds_since(start);
   keep_offload_results(c, h, d, r);
-  return r;
+}
+
+// The device grad shards: one buffer per grad unit, or one [P] buffer.
+std::vector<Tensor> grad_shards(TrackingAllocator& alloc, const OptimizerScheduleConfig& c, DType dtype) {
+  std::vector<Tensor> out;
+  const std::vector<int64_t> units = c.grad_units.empty() ? std::vector<int64_t>{c.params} : c.grad_units;
+  for (int64_t n : units) out.emplace_back(alloc, dtype, std::vector<int64_t>{n}, Category::Grads, MemorySpace::Device);
+  return out;
+}
+
+OptimizerScheduleResult run_device(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
+  const int64_t P = c.params;
+  enter_init(alloc);
+  // Baseline FSDP2: the fp32 param shard is the master; fp32 grads; m, v on the device.
+  Tensor params(alloc, DType::F32, {P}, Category::Params, MemorySpace::Device);  // [P] fp32
+  std::vector<Tensor> grads = grad_shards(alloc, c, DType::F32);                 // [P] fp32
+  Tensor m(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Device);    // [P] fp32
+  Tensor v(alloc, DType::F32, {P}, Category::Optimizer, MemorySpace::Device);    // [P] fp32
+  fill_state(params.data<float>(), m.data<float>(), v.data<float>(), P, c.seed);
+  OptimizerDeviceView d;
+  d.params = params.raw();
+  int64_t at = 0;
+  for (Tensor& g : grads) {
+    for (int64_t i = 0; i < g.numel(); ++i)
+      g.data<float>()[i] = to_f32(f32_to_bf16(0.01f * uniform_pm1(c.seed + 1, static_cast<uint64_t>(at + i))));
+    d.grads.emplace_back(g.raw(), g.numel());
+    at += g.numel();
+  }
+  d.m = m.data<float>();
+  d.v = v.data<float>();
+  return run_optimizer_step(alloc, c, d, nullptr);
+}
+
+// Serial and Stream: bf16 device param and grad shards, the host state.
+OptimizerScheduleResult run_offload(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
+  const int64_t P = c.params;
+  enter_init(alloc);
+  Tensor params(alloc, DType::BF16, {P}, Category::Params, MemorySpace::Device);  // [P] bf16
+  std::vector<Tensor> grads = grad_shards(alloc, c, DType::BF16);                // [P] bf16
+  OptimizerHostState h(alloc, c);
+  fill_state(h.master.data<float>(), h.m.data<float>(), h.v.data<float>(), P, c.seed);
+  Bf16* dev_params = params.data<Bf16>();
+  for (int64_t i = 0; i < P; ++i) dev_params[i] = f32_to_bf16(h.master.data<float>()[i]);
+  OptimizerDeviceView d;
+  d.params = params.raw();
+  int64_t at = 0;
+  for (Tensor& g : grads) {
+    for (int64_t i = 0; i < g.numel(); ++i)
+      g.data<Bf16>()[i] = f32_to_bf16(0.01f * uniform_pm1(c.seed + 1, static_cast<uint64_t>(at + i)));
+    d.grads.emplace_back(g.raw(), g.numel());
+    at += g.numel();
+  }
+  return run_optimizer_step(alloc, c, d, &h);
 }
 
 }  // namespace
 
 int64_t rank_shard_params(const ModelSpec& model, int64_t gpus, int64_t ep, bool mtp) {
+  int64_t sum = 0;
+  for (int64_t u : rank_shard_units(model, gpus, ep, mtp)) sum += u;
+  return sum;
+}
+
+std::vector<int64_t> rank_shard_units(const ModelSpec& model, int64_t gpus, int64_t ep, bool mtp) {
   if (gpus < 1 || ep < 1 || gpus % ep != 0)
     throw std::invalid_argument("rank_shard_params: EP must divide N (got N = " + std::to_string(gpus) +
                                 ", EP = " + std::to_string(ep) + ")");
@@ -326,26 +357,60 @@ int64_t rank_shard_params(const ModelSpec& model, int64_t gpus, int64_t ep, bool
     if (ffn == FfnKind::Dense) return unit(common + pc.dense_ffn_per_layer, 0);
     return unit(common + pc.router_per_layer + pc.shared_experts_per_layer, local_experts * pc.expert_params);
   };
-  int64_t shard = unit(pc.embedding, 0);
-  for (const LayerSpec& l : model.layers) shard += layer(l.ffn, 0);
+  std::vector<int64_t> units{unit(pc.embedding, 0)};
+  for (const LayerSpec& l : model.layers) units.push_back(layer(l.ffn, 0));
   if (mtp) {
     // An MTP module: a decoder layer (MoE when the model has experts) plus enorm, hnorm,
     // eh_proj [2H -> H] and the shared-head norm.
     const FfnKind ffn = model.num_experts > 0 ? FfnKind::Moe : FfnKind::Dense;
-    for (int64_t j = 0; j < model.mtp_layers; ++j) shard += layer(ffn, 2 * H + 2 * H * H + H);
+    for (int64_t j = 0; j < model.mtp_layers; ++j) units.push_back(layer(ffn, 2 * H + 2 * H * H + H));
   }
-  shard += unit(pc.final_norm + pc.lm_head, 0);
-  return shard;
+  units.push_back(unit(pc.final_norm + pc.lm_head, 0));
+  return units;
+}
+
+OptimizerHostState::OptimizerHostState(TrackingAllocator& alloc, const OptimizerScheduleConfig& c) {
+  check_config(c);
+  const int64_t P = c.params;
+  auto host = [&](DType dtype, int64_t n) { return Tensor(alloc, dtype, {n}, Category::Optimizer, MemorySpace::Host); };
+  master = host(DType::F32, P);  // [P] fp32 each
+  m = host(DType::F32, P);
+  v = host(DType::F32, P);
+  grad_staging = host(DType::F32, P);
+  make_resident(grad_staging);
+  if (c.placement == OptimizerPlacement::Serial) {
+    grad_landing = host(DType::BF16, P);   // [P] bf16
+    param_staging = host(DType::BF16, P);  // [P] bf16
+    make_resident(grad_landing);
+    make_resident(param_staging);
+  } else if (c.placement == OptimizerPlacement::Stream) {
+    // Sized once at launch: per slot a grad-in and a param-out bucket, bf16.
+    const int64_t bucket = std::min(c.bucket_params, P);
+    for (int64_t s = 0; s < c.bucket_depth; ++s) {
+      grad_in.push_back(host(DType::BF16, bucket));
+      param_out.push_back(host(DType::BF16, bucket));
+      make_resident(grad_in.back());
+      make_resident(param_out.back());
+    }
+  }
+}
+
+OptimizerScheduleResult run_optimizer_step(TrackingAllocator& alloc, const OptimizerScheduleConfig& config,
+                                           const OptimizerDeviceView& device, OptimizerHostState* host) {
+  check_config(config);
+  check_view(config, device, host);
+  OptimizerScheduleResult r;
+  switch (config.placement) {
+    case OptimizerPlacement::Device: step_device(alloc, config, device, r); break;
+    case OptimizerPlacement::Serial: step_serial(alloc, config, device, *host, r); break;
+    case OptimizerPlacement::Stream: step_stream(alloc, config, device, *host, r); break;
+  }
+  return r;
 }
 
 OptimizerScheduleResult run_optimizer_schedule(TrackingAllocator& alloc, const OptimizerScheduleConfig& config) {
   check_config(config);
-  switch (config.placement) {
-    case OptimizerPlacement::Device: return run_device(alloc, config);
-    case OptimizerPlacement::Serial: return run_serial(alloc, config);
-    case OptimizerPlacement::Stream: return run_stream(alloc, config);
-  }
-  throw std::logic_error("optimizer schedule: unknown placement");
+  return config.placement == OptimizerPlacement::Device ? run_device(alloc, config) : run_offload(alloc, config);
 }
 
 }  // namespace flatpeak::exec

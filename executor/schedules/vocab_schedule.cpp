@@ -4,8 +4,10 @@
 #include "executor/schedules/vocab_schedule.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "executor/memory/tensor.h"
 #include "executor/ops/cross_entropy.h"
@@ -57,26 +59,30 @@ void copy_out(const Tensor& dx, const Tensor& dw, VocabScheduleResult& r) {
   }
 }
 
-VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c) {
-  VocabScheduleResult result;
-  LossData in(alloc, c);
+// Every buffer of the loss other than the caller's (LossInputs) is made and released here.
+LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, LossInputs& io) {
   const int64_t T = c.tokens, H = c.hidden, V = c.vocab, Tb = std::min(c.token_block_rows, c.tokens);
   const int64_t blocks = (T + Tb - 1) / Tb;
+  alloc.set_phase("loss/fwd/blk0");
+  if (io.on_forward) io.on_forward();
   Tensor lse(alloc, DType::F32, {T}, Category::Vocab);   // [T] fp32
-  Tensor loss(alloc, DType::F32, {T}, Category::Vocab);  // [T] fp32 per token
-  Tensor dx, dw;
+  LossOutputs out;
+  out.loss = Tensor(alloc, DType::F32, {T}, Category::Vocab);  // [T] fp32 per token
+  Tensor& loss = out.loss;
+  Tensor& dx = out.d_x;
+  float* dw = nullptr;
   auto args_for = [&](int64_t block) {
     const int64_t t0 = block * Tb, rows = std::min(Tb, T - t0);
     CrossEntropyArgs a;
     a.dtype = DType::BF16;
-    a.x = in.x.data<Bf16>() + t0 * H;
-    a.w = in.w.raw();
-    a.targets = in.targets.data<int32_t>() + t0;
+    a.x = io.x.data<Bf16>() + t0 * H;
+    a.w = io.w;
+    a.targets = io.targets + t0;
     a.lse = lse.data<float>() + t0;
     a.loss = loss.data<float>() + t0;
     a.grad_scale = 1.0f / static_cast<float>(T);
     a.d_x = dx.empty() ? nullptr : static_cast<void*>(dx.data<Bf16>() + t0 * H);
-    a.d_w = dw.empty() ? nullptr : dw.data<float>();
+    a.d_w = dw;
     a.tokens = rows;
     a.vocab = V;
     a.hidden = H;
@@ -86,12 +92,17 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
   };
   auto make_grads = [&]() {
     dx = Tensor(alloc, DType::BF16, {T, H}, Category::Vocab);  // [T, H] bf16
-    dw = Tensor(alloc, DType::F32, {V, H}, Category::Vocab);   // [V, H] fp32, +=
-    std::fill(dw.data<float>(), dw.data<float>() + dw.numel(), 0.0f);
+    dw = static_cast<float*>(io.make_dw(DType::F32));           // [V, H] fp32, +=
+  };
+  auto release = [&]() {
+    if (io.before_release) io.before_release();
+    io.x.reset();
+    io.w_storage.reset();
+    lse.reset();
   };
   if (c.gradients_in_forward) make_grads();
   for (int64_t b = 0; b < blocks; ++b) {
-    alloc.set_phase("loss/fwd/blk" + std::to_string(b));
+    if (b > 0) alloc.set_phase("loss/fwd/blk" + std::to_string(b));
     CrossEntropyArgs a = args_for(b);
     const int64_t ws_bytes = c.gradients_in_forward ? blocked_cross_entropy_workspace_bytes(a)
                                                     : blocked_cross_entropy_forward_workspace_bytes(a);
@@ -103,68 +114,95 @@ VocabScheduleResult run_blocked(TrackingAllocator& alloc, const VocabScheduleCon
   if (c.gradients_in_forward) {
     // Nothing left to compute: X, the gathered W and lse are released; dX and dW wait for the
     // layers' backward.
-    result.mean_loss = mean_of(loss);
-    in.x.reset();
-    in.w.reset();
-    lse.reset();
+    out.mean_loss = mean_of(loss);
+    release();
     alloc.set_phase("loss/bwd");
+    if (io.on_backward) io.on_backward();
   } else {
     for (int64_t b = 0; b < blocks; ++b) {
       alloc.set_phase("loss/bwd/blk" + std::to_string(b));
-      if (b == 0) make_grads();
+      if (b == 0) {
+        if (io.on_backward) io.on_backward();
+        make_grads();
+      }
       CrossEntropyArgs a = args_for(b);
       Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
       a.workspace = ws.data<float>();
       blocked_cross_entropy_backward_cpu(a);
     }
+    out.mean_loss = mean_of(loss);
+    release();
   }
-  if (!c.gradients_in_forward) result.mean_loss = mean_of(loss);
-  copy_out(dx, dw, result);
-  return result;
+  return out;
 }
 
-VocabScheduleResult run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig& c) {
-  VocabScheduleResult result;
-  LossData in(alloc, c);
+LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig& c, LossInputs& io) {
   const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
   alloc.set_phase("loss/fwd");
+  if (io.on_forward) io.on_forward();
+  LossOutputs out;
   Tensor lse(alloc, DType::F32, {T}, Category::Vocab);            // [T] fp32
-  Tensor loss(alloc, DType::F32, {T}, Category::Vocab);           // [T] fp32
+  out.loss = Tensor(alloc, DType::F32, {T}, Category::Vocab);     // [T] fp32
   Tensor logits(alloc, DType::BF16, {T, V}, Category::Vocab);     // [T, V] bf16
   Tensor log_probs(alloc, DType::F32, {T, V}, Category::Vocab);   // [T, V] fp32
   MaterializedCrossEntropyArgs m;
   m.dtype = DType::BF16;
-  m.x = in.x.raw();
-  m.w = in.w.raw();
-  m.targets = in.targets.data<int32_t>();
+  m.x = io.x.raw();
+  m.w = io.w;
+  m.targets = io.targets;
   m.logits = logits.raw();
   m.log_probs = log_probs.data<float>();
   m.lse = lse.data<float>();
-  m.loss = loss.data<float>();
+  m.loss = out.loss.data<float>();
   m.grad_scale = 1.0f / static_cast<float>(T);
   m.tokens = T;
   m.vocab = V;
   m.hidden = H;
   materialized_cross_entropy_forward_cpu(m);
   alloc.set_phase("loss/bwd");
-  Tensor dlogits(alloc, DType::F32, {T, V}, Category::Vocab);  // [T, V] fp32
-  Tensor dx(alloc, DType::BF16, {T, H}, Category::Vocab);      // [T, H] bf16
-  Tensor dw(alloc, DType::BF16, {V, H}, Category::Vocab);      // [V, H] bf16: one GEMM over T
+  if (io.on_backward) io.on_backward();
+  Tensor dlogits(alloc, DType::F32, {T, V}, Category::Vocab);        // [T, V] fp32
+  out.d_x = Tensor(alloc, DType::BF16, {T, H}, Category::Vocab);     // [T, H] bf16
   m.d_logits = dlogits.data<float>();
-  m.d_x = dx.raw();
-  m.d_w = dw.raw();
+  m.d_x = out.d_x.raw();
+  m.d_w = io.make_dw(DType::BF16);  // [V, H] bf16: one GEMM over T
   materialized_cross_entropy_backward_cpu(m);
-  result.mean_loss = mean_of(loss);
-  copy_out(dx, dw, result);
-  return result;
+  out.mean_loss = mean_of(out.loss);
+  dlogits.reset(), log_probs.reset(), logits.reset();
+  if (io.before_release) io.before_release();
+  io.x.reset();
+  io.w_storage.reset();
+  lse.reset();
+  return out;
 }
 
 }  // namespace
 
+LossOutputs run_vocab_loss(TrackingAllocator& alloc, const VocabScheduleConfig& config, LossInputs& in) {
+  check(config);
+  if (!in.make_dw) throw std::invalid_argument("vocab loss: make_dw is required");
+  return config.mode == VocabScheduleMode::Materialized ? run_materialized(alloc, config, in) : run_blocked(alloc, config, in);
+}
+
 VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabScheduleConfig& config) {
   check(config);
-  return config.mode == VocabScheduleMode::Materialized ? run_materialized(alloc, config)
-                                                        : run_blocked(alloc, config);
+  LossData data(alloc, config);
+  LossInputs in;
+  in.x = std::move(data.x);
+  in.w = data.w.data<Bf16>();
+  in.w_storage = std::move(data.w);
+  in.targets = data.targets.data<int32_t>();
+  Tensor dw;
+  in.make_dw = [&](DType dtype) {
+    dw = Tensor(alloc, dtype, {config.vocab, config.hidden}, Category::Vocab);  // [V, H], +=
+    std::memset(dw.raw(), 0, static_cast<size_t>(dw.bytes()));
+    return dw.raw();
+  };
+  const LossOutputs out = run_vocab_loss(alloc, config, in);
+  VocabScheduleResult result;
+  result.mean_loss = out.mean_loss;
+  copy_out(out.d_x, dw, result);
+  return result;
 }
 
 }  // namespace flatpeak::exec

@@ -7,8 +7,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
+#include "executor/memory/tensor.h"
 #include "executor/memory/tracking_allocator.h"
 
 namespace flatpeak::exec {
@@ -41,5 +43,35 @@ struct VocabScheduleResult {
 //   blocked: the op's workspace (fp32 logits block [T_blk, V_blk], dX rows [T_blk, H], row state) — vocab;
 //   materialised: logits [T, V] bf16, log-softmax [T, V] fp32, dlogits [T, V] fp32 — vocab.
 VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabScheduleConfig& config);
+
+// The same loss inside a whole step (step_schedule.h): X, W, the targets and dW's storage are the
+// caller's, the phases and every other buffer as above.
+struct LossInputs {
+  Tensor x;                          // [T, H] bf16 (vocab); may be left empty and made by on_forward
+  Tensor w_storage;                  // the buffer holding W (a gathered LM head unit)
+  const Bf16* w = nullptr;           // [V, H] inside w_storage
+  const int32_t* targets = nullptr;  // [T]
+  // Called once, right after the first forward phase is entered (before any loss buffer): a step
+  // computes X there (its final norm).
+  std::function<void()> on_forward;
+  // Called once when dW is first needed (after dX is allocated): a zeroed [V, H] buffer of `dtype`
+  // (F32: the blocked accumulator; BF16: the materialised GEMM output) that the caller owns.
+  std::function<void*(DType dtype)> make_dw;
+  // Called once, right after the first backward phase is entered (a step prefetches there).
+  std::function<void()> on_backward;
+  // Called right before X, W and lse are released: after the forward pass with gradients in
+  // forward, after the backward otherwise (a step keeps what its final norm's backward needs).
+  std::function<void()> before_release;
+};
+
+struct LossOutputs {
+  double mean_loss = 0.0;
+  Tensor d_x;   // [T, H] bf16 (vocab)
+  Tensor loss;  // [T] fp32 per-token loss (vocab)
+};
+
+// Runs forward and backward; on return X, W (w_storage), lse and every transient are released,
+// dX and the per-token loss are the caller's, dW is in the make_dw buffer.
+LossOutputs run_vocab_loss(TrackingAllocator& alloc, const VocabScheduleConfig& config, LossInputs& in);
 
 }  // namespace flatpeak::exec

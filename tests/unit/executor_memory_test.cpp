@@ -147,6 +147,30 @@ TEST(ExecutorAllocator, ResetRecordsRestartsFromLiveBytes) {
   EXPECT_EQ(alloc.phase_records().size(), 2u);
 }
 
+TEST(ExecutorAllocator, RetagMovesLiveBytesToAnotherCategory) {
+  TrackingAllocator alloc({512, -1, -1});
+  alloc.set_phase("fwd/embed");
+  Tensor x(alloc, DType::BF16, {10, 20}, Category::Activations);  // 400 B -> 512
+  Tensor w(alloc, DType::F32, {300}, Category::Fsdp);             // 1200 B -> 1536
+  x.set_category(Category::Boundaries);
+  EXPECT_EQ(x.category(), Category::Boundaries);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Activations), 0);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Boundaries), 512);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device), 2048);
+  alloc.set_phase("loss/fwd");
+  w.set_category(Category::Vocab);
+  const auto r = alloc.phase_records();
+  // The phase's peak was reached at entry, before the retag: its split stays as it was then.
+  EXPECT_EQ(r.back().phase, "loss/fwd");
+  EXPECT_EQ(r[r.size() - 2].bytes_at_peak[static_cast<size_t>(Category::Fsdp)], 1536);
+  EXPECT_EQ(r[r.size() - 2].category_peak_bytes[static_cast<size_t>(Category::Vocab)], 1536);
+  w.reset();
+  x.reset();
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Boundaries), 0);
+  EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Vocab), 0);
+  EXPECT_EQ(alloc.live_allocations(), 0);
+}
+
 TEST(ExecutorAllocator, CategoryNamesRoundTrip) {
   for (int i = 0; i < kCategoryCount; ++i) {
     const auto c = static_cast<Category>(i);

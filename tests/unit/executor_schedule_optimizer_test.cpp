@@ -123,6 +123,33 @@ TEST(ExecutorScheduleOptimizer, StreamBitwiseEqualForAnyBucketDepthAndThreads) {
   }
 }
 
+// Grad shards one buffer per unit (as a step's reduce-scatters land them): the same bits, the
+// D2H and the buckets reading across the shards' ends; each shard aligned on its own.
+TEST(ExecutorScheduleOptimizer, GradShardsPerUnitAreBitwiseOneBuffer) {
+  for (OptimizerPlacement placement : {OptimizerPlacement::Device, OptimizerPlacement::Serial, OptimizerPlacement::Stream}) {
+    OptimizerScheduleConfig c;
+    c.params = 40003;
+    c.grad_units = {1, 9999, 20000, 3, 10000};
+    c.placement = placement;
+    c.bucket_params = 4096;
+    c.bucket_depth = 2;
+    expect_matches_reference(c, "units, placement " + std::to_string(static_cast<int>(placement)));
+    TrackingAllocator alloc({512});
+    run_optimizer_schedule(alloc, c);
+    const int64_t b = placement == OptimizerPlacement::Device ? 4 : 2;
+    int64_t grads = 0;
+    for (int64_t u : c.grad_units) grads += (u * b + 511) / 512 * 512;
+    EXPECT_EQ(alloc.high_water_bytes(MemorySpace::Device) - alloc.bytes_at_high_water(MemorySpace::Device)[static_cast<size_t>(Category::Params)] -
+                  alloc.bytes_at_high_water(MemorySpace::Device)[static_cast<size_t>(Category::Optimizer)],
+              grads);
+  }
+  OptimizerScheduleConfig bad;
+  bad.params = 10;
+  bad.grad_units = {3, 3};
+  TrackingAllocator alloc;
+  EXPECT_THROW(run_optimizer_schedule(alloc, bad), std::invalid_argument);
+}
+
 // Hand-derived bytes (alignment 1, so every buffer counts its exact size) and the phase names.
 TEST(ExecutorScheduleOptimizer, BuffersAndPhasesAsThePlannerLaysThemOut) {
   const int64_t P = 1000;
@@ -199,6 +226,11 @@ TEST(ExecutorScheduleOptimizer, RankShardParamsFromTheSpecLibrary) {
   EXPECT_EQ(rank_shard_params(dsv3, 1, 1, true), pc.total + pc.mtp);
   // 8 ranks, EP = 8: each rank holds 1/8 of the dense parts and 32 whole experts per MoE layer.
   const int64_t shard = rank_shard_params(dsv3, 8, 8, false);
+  const std::vector<int64_t> units = rank_shard_units(dsv3, 8, 8, false);
+  ASSERT_EQ(units.size(), static_cast<size_t>(dsv3.num_layers) + 2);  // embedding, layers, head
+  int64_t sum = 0;
+  for (int64_t u : units) sum += u;
+  EXPECT_EQ(sum, shard);
   EXPECT_GE(shard, pc.total / 8);
   EXPECT_LE(shard, pc.total / 8 + 64);
   EXPECT_THROW(rank_shard_params(dsv3, 8, 3, false), std::invalid_argument);

@@ -91,7 +91,7 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelOnRandomConfigs) {
       m.head_dim = 5;
     }
     const std::string schedule = pick({"baseline", "practice", "flatpeak"});
-    const std::string gpus = pick({"2", "4"});
+    const std::string gpus = pick({"1", "2", "4"});
     Flags flags{{"--gpus", gpus}, {"--context", pick({"16", "64", "256"})}, {"--schedule", schedule},
                 {"--cp", pick({"1", "2"})}, {"--imbalance", pick({"balanced", "zipf=1.2", "rho=1.5"})},
                 {"--optimizer", pick({"gpu", "serial", "stream"})}};

@@ -190,6 +190,36 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
   EXPECT_EQ(p.summary.binding, PeakKind::Dispatch);
 }
 
+// bwd/embed is the largest of three moments (a tie keeps the earlier): the embedding's backward,
+// its unsharded grads copied into the fp32 reduce-scatter input, the new grad shard beside that
+// input. On one GPU with V = 512 (embedding 512*8 = 4096 params, P = 4096 + 2*624 + 8 + 4096 =
+// 9448), fp32 shards: beside the fp32 params, m and v, the backward holds the grads of the head
+// and both layers ((4104 + 1248)*4 = 21408), the gathered table and its unsharded grads (8192
+// each), L0's reduce-scatter input (624*4 = 2496) and d embedding output (256): 40544; the copy
+// 21408 + 8192 + 4096*4 = 45984; the shard every grad shard (9448*4 = 37792) + the input 16384 =
+// 54176. With bf16 shards (serial offload) the copy (5352*2 + 8192 + 16384 = 35280) ties the
+// shard (9448*2 + 16384) and, earlier, is the one. With V = 32 the backward holds the most.
+TEST(PlannerTiny, EmbeddingReduceScatterIsBwdEmbedWhenLarger) {
+  ModelSpec m = tiny_moe();
+  m.vocab_size = 512;
+  const Plan one = plan_of(m, tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}});
+  ASSERT_EQ(one.work.shard_params, 9448);
+  const Phase& embed = phase(one, "bwd/embed");
+  EXPECT_EQ(embed.terms.bytes(Category::Grads), 9448 * 4);
+  EXPECT_EQ(embed.terms.bytes(Category::Fsdp), 4096 * 4);
+  EXPECT_EQ(embed.terms.bytes(Category::Activations), 0);
+  EXPECT_EQ(embed.device_bytes(), 3 * 9448 * 4 + 54176);
+  const Plan serial = plan_of(m, tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}, {"--optimizer", "serial"}});
+  const Phase& embed_serial = phase(serial, "bwd/embed");
+  EXPECT_EQ(embed_serial.terms.bytes(Category::Grads), 5352 * 2);
+  EXPECT_EQ(embed_serial.terms.bytes(Category::Fsdp), 8192 + 16384);
+  EXPECT_EQ(embed_serial.device_bytes(), 9448 * 2 + 35280);
+  const Plan small = plan_of(tiny_moe(), tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}});
+  const Phase& embed_small = phase(small, "bwd/embed");
+  EXPECT_EQ(embed_small.terms.bytes(Category::Activations), 16 * 8 * 2);
+  EXPECT_EQ(embed_small.terms.bytes(Category::Grads), (small.work.shard_params - 256) * 4);
+}
+
 TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--schedule", "practice"}}));
   EXPECT_EQ(p.run.vocab, VocabMode::Blocked);

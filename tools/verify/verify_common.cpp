@@ -34,9 +34,12 @@ ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s) {
 }
 
 ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra) {
+  return predicted_timeline_for(ctx, scaled_model(ctx.in, ctx.scaled), extra);
+}
+
+ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  const ModelSpec model = scaled_model(in, s);
   const HardwareSpec hardware = load_hardware(in.hardware_name);
   FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
   // One rank: EP = 1, so there is nothing for LLEP to balance (its knobs need EP > 1).

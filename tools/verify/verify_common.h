@@ -44,6 +44,26 @@ ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s);
 // The planner's timeline (traces/README.md JSON) for the scaled configuration on one rank, with the
 // plan's vocabulary knobs and `extra` flags (a component's own knobs) on top; `adjust` applied.
 nlohmann::ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra);
+// The same for `model` in place of scaled_model(ctx.in, ctx.scaled).
+nlohmann::ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra);
+
+// The model one rank's decoder layers run (verify_step.cpp): scaled_model with this rank's E/EP
+// experts and the shared and dense FFN widths scaled with H.
+ModelSpec layer_model(const VerifyContext& ctx);
+// A plan whose model or layout a component's executor does not run (MLA, dense FFN layers, MTP,
+// CP > 1, ...): an input error (exit 2) when the component is asked for alone; when every
+// component runs (the default), that component is skipped with a note (verify_run.cpp).
+class UnsupportedPlan : public InputError {
+ public:
+  using InputError::InputError;
+};
+
+// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, CP > 1, a
+// dense model, fewer local experts than top_k, a plan without head counts ("the <component>
+// component runs ...").
+void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
+// The same problems added to `errs` (a component that checks more in the same pass).
+void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs);
 
 // The measured record(s) a predicted phase stands for: itself, or, when folded ("loss/fwd/blk0"
 // with folds "blk0-blk3"), every measured phase that differs from it only in the last index.

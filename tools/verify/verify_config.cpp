@@ -81,6 +81,12 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   in.micro_batch = r.integer("/inputs/run/micro_batch", 1);
   in.tokens_per_gpu = r.integer("/inputs/run/tokens_per_gpu", 1);
   in.schedule = r.text("/inputs/run/schedule");
+  if (r.has("/inputs/run/mtp")) {
+    const json& v = plan.at(json::json_pointer("/inputs/run/mtp"));
+    if (v.is_boolean()) in.mtp = v.get<bool>();
+    else r.errs.add(Diagnostic{file, "/inputs/run/mtp", "must be true or false (got " + v.dump() + ")", ""});
+  }
+  if (r.has("/inputs/run/accumulation_steps")) in.accumulation_steps = r.integer("/inputs/run/accumulation_steps", 1);
   if (r.has("/inputs/run/imbalance")) in.imbalance = r.text("/inputs/run/imbalance");
   if (const json* knobs = r.at("/knobs"); !knobs) {
     r.errs.throw_if_any();

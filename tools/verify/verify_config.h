@@ -29,6 +29,8 @@ struct VerifyInputs {
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, shared_expert_ffn = 0;
   int64_t expert_ffn_width = 0;        // /inputs/model/expert_ffn_width
   std::string schedule;  // baseline | practice | flatpeak
+  bool mtp = false;                // /inputs/run/mtp (absent: false): MTP modules trained
+  int64_t accumulation_steps = 1;  // /inputs/run/accumulation_steps (absent: 1)
   // Knobs (/knobs/<name>/value); absent ones are off.
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
   std::string vocab_backward = "recompute";
@@ -66,6 +68,7 @@ struct ScaledConfig {
   // and buckets in flight.
   std::string optimizer = "gpu";
   int64_t bucket_params = 0, bucket_depth = 0;
+  int64_t bucket_count = 0;  // stream: the plan's number of buckets, which the scaled runs keep
   std::vector<ScaledValue> values;  // every scaled value, for printing
   // Dispatch (scale_dispatch_knobs): the expert FFN width scaled with H; the plan's LLEP switch,
   // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.

@@ -88,6 +88,7 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   const ModelSpec model = scaled_model(in, s);
   const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
   const int64_t buckets = (plan_params + plan_bucket_params - 1) / plan_bucket_params;
+  s.bucket_count = buckets;
   s.bucket_params = std::max<int64_t>(1, (params + buckets - 1) / buckets);
   s.values.push_back({"P (params per rank)", plan_params, params});
   s.values.push_back({"bucket_params", plan_bucket_params, s.bucket_params});
@@ -109,6 +110,7 @@ void verify_optimizer(const VerifyContext& ctx, VerifyReport& report) {
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   exec::OptimizerScheduleConfig c;
   c.params = params;
+  c.grad_units = exec::rank_shard_units(model, 1, 1, trains_mtp(model));  // one grad shard per unit
   c.placement = s.optimizer == "gpu"      ? exec::OptimizerPlacement::Device
                 : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
                                           : exec::OptimizerPlacement::Stream;

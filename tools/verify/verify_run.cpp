@@ -31,8 +31,27 @@ const Component kComponents[] = {
     {"checkpoint", verify_checkpoint, nullptr, true},
     {"optimizer", verify_optimizer, nullptr, true},
     {"layer", verify_layer, nullptr, true},
-    {"step", verify_step, nullptr, false},
+    {"step", verify_step, nullptr, true},
 };
+
+// Runs a single-rank component on this process. When several components run (the default), one
+// that refuses the plan's shape (UnsupportedPlan: a model or layout the executor does not run) is
+// skipped with a note in place of whatever it noted; asked for alone, the refusal is the input
+// error it is (exit 2).
+void run_single(const Component& c, const VerifyContext& ctx, VerifyReport& report, bool skippable, size_t notes_before) {
+  if (!skippable) {
+    c.run(ctx, report);
+    return;
+  }
+  try {
+    c.run(ctx, report);
+  } catch (const UnsupportedPlan& e) {
+    std::string why;
+    for (const auto& d : e.diagnostics()) why += (why.empty() ? "" : "; ") + d.pointer + ": " + d.message;
+    report.notes.resize(notes_before);
+    report.notes.push_back(std::string(c.name) + ": not run (" + why + ")");
+  }
+}
 
 }  // namespace
 
@@ -54,6 +73,10 @@ VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled
   const bool multi_rank = scaled.ranks > 1;
   const int my_rank = world != nullptr ? world->rank() : 0;
   const VerifyContext ctx{in, scaled, adjust};
+  size_t requested = 0;
+  for (const auto& c : kComponents)
+    if (c.implemented && std::find(components.begin(), components.end(), c.name) != components.end()) ++requested;
+  const bool skippable = requested > 1;
   for (const auto& c : kComponents) {
     if (!c.implemented || std::find(components.begin(), components.end(), c.name) == components.end()) continue;
     if (multi_rank && c.run_multi_rank != nullptr) {
@@ -65,10 +88,11 @@ VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled
       if (!part.measured_trace.is_null()) report.measured_trace = part.measured_trace;
       continue;
     }
+    const size_t notes_before = report.notes.size();
     if (multi_rank)
       report.notes.push_back(std::string(c.name) + ": no multi-rank run yet; ran on rank 0 alone, with one rank's prediction");
     if (world == nullptr) {
-      c.run(ctx, report);
+      run_single(c, ctx, report, skippable, notes_before);
       continue;
     }
     // Under MPI only rank 0 runs it; its failure is agreed at once so no peer waits for it.
@@ -76,7 +100,7 @@ VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled
     std::string message;
     if (my_rank == 0) {
       try {
-        c.run(ctx, report);
+        run_single(c, ctx, report, skippable, notes_before);
       } catch (const std::exception& e) {
         code = exec::exit_code_for_current_exception();
         message = e.what();

@@ -1,6 +1,6 @@
 // verify --component layer: one decoder layer (GQA attention + MoE: no-grad forward, recompute and
 // backward) on one rank, against the planner's `activations` and `dispatch` device columns of
-// every decoder-layer phase. The whole step (--component step) is not run yet.
+// every decoder-layer phase. The whole step (--component step): verify_step_full.cpp.
 // Scaling: H shrinks by f = H / H_scaled; the kv heads by the same factor (at least one), the
 // query heads keep their number per kv head, and the head dim is chosen so that a·d shrinks by f
 // too (rounded up); the expert FFN width F scales with H (scale_dispatch_knobs); the local
@@ -13,10 +13,7 @@
 
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/layer_schedule.h"
-#include "plan.h"
-#include "run_spec.h"
 #include "spec/errors.h"
-#include "spec/hardware_loader.h"
 #include "spec/model_loader.h"
 #include "verify_common.h"
 
@@ -31,65 +28,51 @@ int64_t scaled_with_h(const VerifyInputs& in, const ScaledConfig& s, int64_t wid
   return width > 0 ? std::max<int64_t>(1, ceil_div(width * s.hidden, in.hidden)) : 0;
 }
 
-// The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
-// routed MoE block (with shared experts where the card has them). Anything else is refused
-// before anything runs.
-void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s) {
-  InputErrors errs;
-  if (in.attention != "gqa")
-    errs.add(Diagnostic{in.file, "/inputs/model/attention",
-                        "the layer component runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
-  if (in.num_experts <= 0 || in.top_k <= 0)
-    errs.add(Diagnostic{in.file, "/inputs/model/num_experts", "the layer component runs a MoE layer (got a dense model)", ""});
-  if (in.cp != 1)
-    errs.add(Diagnostic{in.file, "/inputs/run/cp", "the layer component runs CP = 1 only (ring attention is not in the executor; got " +
-                                                       std::to_string(in.cp) + ")", ""});
-  const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
-  if (in.num_experts > 0 && in.top_k > local_experts)
-    errs.add(Diagnostic{in.file, "/inputs/run/ep",
-                        "the layer component runs one rank's E/EP = " + std::to_string(local_experts) + " experts, fewer than top_k = " +
-                            std::to_string(in.top_k) + " (got EP = " + std::to_string(in.ep) + ")",
-                        "plan with fewer GPUs or a smaller --ep"});
-  if (s.q_heads <= 0)
-    errs.add(Diagnostic{in.file, "/inputs/model/num_heads", "the layer component needs num_heads, num_kv_heads and head_dim", ""});
-  errs.throw_if_any();
-}
-
-// The planner's timeline of the scaled layer shape on one rank (EP = 1 with the rank's E/EP
-// experts), with the flags predicted_timeline() would give; `adjust` applied.
-nlohmann::ordered_json predict_layer(const VerifyContext& ctx, int64_t local_experts) {
-  const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
-  ModelSpec model = scaled_model(in, s);  // H, V, L, the GQA heads and the expert FFN width
-  model.num_experts = local_experts;
-  model.shared_expert_ffn_width = scaled_with_h(in, s, in.shared_expert_ffn);
-  model.dense_ffn_width = scaled_with_h(in, s, model.dense_ffn_width);
-  const HardwareSpec hardware = load_hardware(in.hardware_name);
-  FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
-  if (in.schedule == "flatpeak") flags.emplace_back("--llep", "off");  // EP = 1: nothing to balance
-  if (in.vocab_mode == "materialized") {
-    if (in.schedule != "baseline") flags.emplace_back("--ring-dtp", "off");
-  } else {
-    if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-dtp", "on");
-    flags.emplace_back("--token-block", std::to_string(s.token_block));
-    flags.emplace_back("--vocab-block", std::to_string(s.vocab_block));
-    flags.emplace_back("--vocab-backward", in.vocab_backward);
-  }
-  InputErrors errs;
-  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
-  errs.throw_if_any();
-  const planner::Plan plan = planner::make_plan(model, hardware, spec);
-  nlohmann::ordered_json timeline = planner::timeline_to_json(plan.timeline);
-  if (ctx.adjust) ctx.adjust(timeline);
-  return timeline;
-}
-
 // The MoE layer's phases; dense-FFN layers' FFN phases (fwd/Ll/ffn, ...) are not run.
 bool is_layer_phase(const std::string& name) {
   return (name.rfind("fwd/L", 0) == 0 || name.rfind("bwd/L", 0) == 0) && name.find("/ffn") == std::string::npos;
 }
 
 }  // namespace
+
+// The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
+// routed MoE block (with shared experts where the card has them). Anything else is refused
+// before anything runs.
+void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component) {
+  InputErrors errs;
+  layer_support_errors(in, s, component, errs);
+  if (!errs.empty()) throw UnsupportedPlan(errs.diagnostics());
+}
+
+void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs) {
+  const std::string the = "the " + component + " component";
+  if (in.attention != "gqa")
+    errs.add(Diagnostic{in.file, "/inputs/model/attention",
+                        the + " runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
+  if (in.num_experts <= 0 || in.top_k <= 0)
+    errs.add(Diagnostic{in.file, "/inputs/model/num_experts", the + " runs a MoE layer (got a dense model)", ""});
+  if (in.cp != 1)
+    errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention is not in the executor; got " +
+                                                       std::to_string(in.cp) + ")", ""});
+  const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
+  if (in.num_experts > 0 && in.top_k > local_experts)
+    errs.add(Diagnostic{in.file, "/inputs/run/ep",
+                        the + " runs one rank's E/EP = " + std::to_string(local_experts) + " experts, fewer than top_k = " +
+                            std::to_string(in.top_k) + " (got EP = " + std::to_string(in.ep) + ")",
+                        "plan with fewer GPUs or a smaller --ep"});
+  if (s.q_heads <= 0)
+    errs.add(Diagnostic{in.file, "/inputs/model/num_heads", the + " needs num_heads, num_kv_heads and head_dim", ""});
+}
+
+ModelSpec layer_model(const VerifyContext& ctx) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  ModelSpec model = scaled_model(in, s);  // H, V, L, the GQA heads and the expert FFN width
+  model.num_experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
+  model.shared_expert_ffn_width = scaled_with_h(in, s, in.shared_expert_ffn);
+  model.dense_ffn_width = scaled_with_h(in, s, model.dense_ffn_width);
+  return model;
+}
 
 void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
   if (in.num_heads <= 0 || in.num_kv_heads <= 0 || in.head_dim <= 0 || in.num_heads % in.num_kv_heads != 0) return;
@@ -108,9 +91,10 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
 void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  check_layer_supported(in, s);
+  check_layer_supported(in, s, "layer");
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
-  const nlohmann::ordered_json predicted = predict_layer(ctx, local_experts);
+  // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
+  const nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {});
   // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
   // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
   const ModelSpec card = load_model(in.model_name);
@@ -146,10 +130,6 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,
                    [](const std::string& name) { return is_layer_phase(name) && name.find("/moe/") != std::string::npos; }, report);
   if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);
-}
-
-void verify_step(const VerifyContext&, VerifyReport&) {
-  throw std::logic_error("verify: the step component is not implemented yet");
 }
 
 }  // namespace flatpeak::cli

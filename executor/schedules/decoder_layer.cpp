@@ -1,0 +1,770 @@
+// One decoder layer on caller-owned weights (decoder_layer.h). The MoE block is the standard EP path of a
+// Megatron-style alltoall dispatcher on one rank (the all-to-alls are local copies, as a one-rank
+// all-to-all is): router → routing map and scattered probs → permute into the send buffer →
+// receive buffer and received probs → expert input (sorted by local expert) → fc1 → act·prob →
+// fc2 → unpermuted rows → combine receive buffer → MoE output (sum of the k copies in slot
+// order). The probabilities are applied in the expert activation, so combine is a plain sum.
+// Attention backward is FlashAttention-2's: dK, dV per key row, dQ in an fp32 accumulator
+// [T, a·d], the row delta Σ dO ⊙ O precomputed as [a, T] fp32.
+// Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
+// backward) off the phase's peak; which buffers are live at each peak is listed per phase below.
+//   DecoderLayer layer(alloc, config, layer_weights_in(unit.raw(), config));  Tensor y = layer.forward_no_grad(x, "fwd/L0/");
+#include "executor/schedules/decoder_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+
+#include "executor/cpu/gemm_cpu.h"
+#include "executor/ops/attention.h"
+#include "executor/ops/expert_ffn.h"
+#include "executor/ops/linear.h"
+#include "executor/ops/rmsnorm.h"
+
+namespace flatpeak::exec {
+
+namespace {
+
+constexpr Category kAct = Category::Activations;
+constexpr Category kDsp = Category::Dispatch;
+
+// A byte buffer (the routing map, bool [T, E]) from the allocator; Tensor has no 1-byte dtype.
+class ByteBuffer {
+ public:
+  ByteBuffer(TrackingAllocator& alloc, int64_t bytes, Category category)
+      : alloc_(&alloc), block_(alloc.allocate(bytes, category, MemorySpace::Device)) {}
+  ByteBuffer(const ByteBuffer&) = delete;
+  ByteBuffer& operator=(const ByteBuffer&) = delete;
+  ~ByteBuffer() { reset(); }
+  void reset() {
+    if (alloc_ && block_.data) alloc_->release(block_);
+    block_ = Allocation{};
+  }
+  uint8_t* data() { return static_cast<uint8_t*>(block_.data); }
+
+ private:
+  TrackingAllocator* alloc_;
+  Allocation block_;
+};
+
+}  // namespace
+
+void check_layer_config(const LayerScheduleConfig& c) {
+  if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 ||
+      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0 || c.shared_ffn < 0)
+    throw std::invalid_argument("layer schedule: every dimension must be positive");
+  if (c.q_heads % c.kv_heads != 0)
+    throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
+  if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
+  if (c.dtype != DType::BF16 && c.dtype != DType::F32)
+    throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
+}
+
+namespace {
+
+template <class S>
+class LayerCore final : public DecoderLayer::Engine {
+ public:
+  LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w)
+      : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
+        D_(c.head_dim), E_(c.experts), K_(c.top_k), F_(c.expert_ffn), FS_(c.shared_ffn), TK_(T_ * K_),
+        norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
+        wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)) {}
+
+  Tensor forward_no_grad(const Tensor& x, const std::string& prefix, const Hook& on_start) override {
+    x_ = &x;
+    return forward_no_grad(prefix, on_start);
+  }
+  Tensor forward_saving(const Tensor& x, const std::string& prefix, bool keep_output, const TensorSource& grad_stream,
+                        const Hook& on_start) override {
+    x_ = &x;
+    return recompute_forward(prefix, keep_output, grad_stream, on_start);
+  }
+  Tensor backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads) override {
+    x_ = &x;
+    return backward(prefix, grad_stream, grads);
+  }
+
+ private:
+  static const S* cast(const void* p) { return static_cast<const S*>(p); }
+
+  Tensor act(std::vector<int64_t> shape) { return Tensor(a_, c_.dtype, std::move(shape), kAct); }
+  Tensor dsp(std::vector<int64_t> shape) { return Tensor(a_, c_.dtype, std::move(shape), kDsp); }
+  Tensor f32(std::vector<int64_t> shape, Category cat) { return Tensor(a_, DType::F32, std::move(shape), cat); }
+
+  // ---- attention pieces
+
+  void rmsnorm(const Tensor& x, const S* w, Tensor& out, float* rstd) {
+    RmsNormArgs n;
+    n.dtype = c_.dtype;
+    n.x = x.raw();
+    n.weight = w;
+    n.out = out.raw();
+    n.rstd = rstd;
+    n.tokens = T_;
+    n.hidden = H_;
+    rmsnorm_forward_cpu(n);
+  }
+
+  void linear(const Tensor& x, const S* w, Tensor& y, int64_t in_f, int64_t out_f) {
+    LinearArgs l;
+    l.dtype = c_.dtype;
+    l.x = x.raw();
+    l.w = w;
+    l.y = y.raw();
+    l.tokens = T_;
+    l.in_features = in_f;
+    l.out_features = out_f;
+    linear_forward_cpu(l);
+  }
+
+  AttentionArgs attention_args() {
+    AttentionArgs at;
+    at.dtype = c_.dtype;
+    at.q = q_.raw();
+    at.k = k_.raw();
+    at.v = v_.raw();
+    at.out = o_.raw();
+    at.lse = lse_.data<float>();
+    at.tokens = T_;
+    at.q_heads = A_;
+    at.kv_heads = G_;
+    at.head_dim = D_;
+    return at;
+  }
+
+  void norm1(float* rstd1) {
+    n1_ = act({T_, H_});
+    rmsnorm(*x_, norm1_, n1_, rstd1);
+  }
+
+  // q, k, v, flash attention (o, lse). The op's tiles are on-chip memory on a GPU.
+  void attention_forward() {
+    q_ = act({T_, A_ * D_});
+    k_ = act({T_, G_ * D_});
+    v_ = act({T_, G_ * D_});
+    linear(n1_, wq_, q_, H_, A_ * D_);
+    linear(n1_, wk_, k_, H_, G_ * D_);
+    linear(n1_, wv_, v_, H_, G_ * D_);
+    o_ = act({T_, A_ * D_});
+    lse_ = f32({A_, T_}, kAct);
+    AttentionArgs at = attention_args();
+    Tensor tiles = f32({attention_workspace_bytes(at) / 4}, Category::Workspace);
+    at.workspace = tiles.data<float>();
+    attention_forward_cpu(at);
+  }
+
+  // h1 = x + o · Woᵀ (the attention residual).
+  void attention_residual() {
+    h1_ = act({T_, H_});
+    linear(o_, wo_, h1_, A_ * D_, H_);
+    S* h = h1_.data<S>();
+    const S* x = x_->data<S>();
+    for (int64_t i = 0; i < T_ * H_; ++i) store_f32(h + i, to_f32(h[i]) + to_f32(x[i]));
+  }
+
+  // ---- MoE pieces (routing and bookkeeping as in a Megatron alltoall dispatcher)
+
+  // Router logits [T, E] fp32, scores = softmax, top-k ids [T, k] i64 (ties: lower expert),
+  // top-k weights renormalised over the kept k, scattered probs [T, E] fp32, routing map [T, E].
+  void route() {
+    logits_ = f32({T_, E_}, kDsp);
+    scores_ = f32({T_, E_}, kDsp);
+    scattered_ = f32({T_, E_}, kDsp);
+    map_ = std::make_unique<ByteBuffer>(a_, T_ * E_, kDsp);
+    topw_ = f32({T_, K_}, kDsp);
+    topid_ = Tensor(a_, DType::I64, {T_, K_}, kDsp);
+    gemm_cpu(false, true, T_, E_, H_, 1.0f, n2_.data<S>(), H_, wr_, H_, false, logits_.data<float>(), E_);
+    const float* z = logits_.data<float>();
+    float* p = scores_.data<float>();
+    float* sp = scattered_.data<float>();
+    uint8_t* m = map_->data();
+    int64_t* ids = topid_.data<int64_t>();
+    float* w = topw_.data<float>();
+    for (int64_t t = 0; t < T_; ++t) {
+      float zmax = -INFINITY;
+      for (int64_t e = 0; e < E_; ++e) zmax = std::max(zmax, z[t * E_ + e]);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E_; ++e) sum += (p[t * E_ + e] = std::exp(z[t * E_ + e] - zmax));
+      for (int64_t e = 0; e < E_; ++e) p[t * E_ + e] /= sum;
+      for (int64_t e = 0; e < E_; ++e) sp[t * E_ + e] = 0.0f, m[t * E_ + e] = 0;
+      float kept = 0.0f;
+      for (int64_t s = 0; s < K_; ++s) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E_; ++e)
+          if (!m[t * E_ + e] && (best < 0 || p[t * E_ + e] > p[t * E_ + best])) best = e;
+        m[t * E_ + best] = 1;
+        ids[t * K_ + s] = best;
+        kept += p[t * E_ + best];
+      }
+      for (int64_t s = 0; s < K_; ++s) {
+        w[t * K_ + s] = p[t * E_ + ids[t * K_ + s]] / kept;
+        sp[t * E_ + ids[t * K_ + s]] = w[t * K_ + s];
+      }
+    }
+    // Rows per local expert: host-side metadata (the grouped GEMM's splits).
+    counts_.assign(static_cast<size_t>(E_), 0);
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t e = 0; e < E_; ++e) counts_[static_cast<size_t>(e)] += m[t * E_ + e];
+    offsets_.assign(static_cast<size_t>(E_) + 1, 0);
+    for (int64_t e = 0; e < E_; ++e) offsets_[static_cast<size_t>(e) + 1] = offsets_[static_cast<size_t>(e)] + counts_[static_cast<size_t>(e)];
+  }
+
+  // Calls f(t, s, row) for every token copy, row = its place in expert-major order (within an
+  // expert, tokens ascending: the order Megatron's permute gives).
+  template <class Fn>
+  void for_each_copy(Fn&& f) const {
+    std::vector<int64_t> cursor(offsets_.begin(), offsets_.end() - 1);
+    const int64_t* ids = topid_.data<int64_t>();
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t s = 0; s < K_; ++s) f(t, s, cursor[static_cast<size_t>(ids[t * K_ + s])]++);
+  }
+
+  // Sort indices [T·k] i64 (token of each row), permuted probs [T·k] fp32, send buffer
+  // [T·k, H] (rows of norm-2 output in expert order); the one-rank all-to-all fills the receive
+  // buffer [R, H] and received probs [R].
+  void dispatch() {
+    sort_idx_ = Tensor(a_, DType::I64, {TK_}, kDsp);
+    pprobs_ = f32({TK_}, kDsp);
+    send_ = dsp({TK_, H_});
+    int64_t* si = sort_idx_.data<int64_t>();
+    float* pp = pprobs_.data<float>();
+    const float* w = topw_.data<float>();
+    const S* n2 = n2_.data<S>();
+    S* send = send_.data<S>();
+    for_each_copy([&](int64_t t, int64_t s, int64_t row) {
+      si[row] = t;
+      pp[row] = w[t * K_ + s];
+      std::copy(n2 + t * H_, n2 + (t + 1) * H_, send + row * H_);
+    });
+    recv_ = dsp({TK_, H_});
+    rprobs_ = f32({TK_}, kDsp);
+    std::copy(send, send + TK_ * H_, recv_.data<S>());
+    std::copy(pp, pp + TK_, rprobs_.data<float>());
+  }
+
+  // The dispatcher's last step: expert input [R, H] = the received rows sorted by local expert
+  // (the same order on one rank); the receive buffer is freed once it is copied. Both are live
+  // for the copy, at the end of the dispatch phase (send buffer and received probs already freed).
+  void sort_to_expert_input() {
+    ein_ = dsp({TK_, H_});
+    std::copy(recv_.data<S>(), recv_.data<S>() + TK_ * H_, ein_.data<S>());
+    recv_.reset();
+  }
+
+  // fc1 [R, 2F] = [gate | up], act·prob [R, F] = silu(gate) ⊙ up · prob.
+  void experts_fc1() {
+    fc1_ = dsp({TK_, 2 * F_});
+    actp_ = dsp({TK_, F_});
+    for (int64_t e = 0; e < E_; ++e) {
+      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+      if (n > 0)
+        gemm_cpu(false, true, n, 2 * F_, H_, 1.0f, ein_.data<S>() + r0 * H_, H_, wgu_ + e * 2 * F_ * H_, H_, false,
+                 fc1_.data<S>() + r0 * 2 * F_, 2 * F_);
+    }
+    const S* gu = fc1_.data<S>();
+    const float* prob = pprobs_.data<float>();  // on one rank the received probs, row for row
+    S* ap = actp_.data<S>();
+    for (int64_t r = 0; r < TK_; ++r)
+      for (int64_t f = 0; f < F_; ++f)
+        store_f32(ap + r * F_ + f, silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]) * prob[r]);
+  }
+
+  void experts_fc2() {
+    fc2_ = dsp({TK_, H_});
+    for (int64_t e = 0; e < E_; ++e) {
+      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+      if (n > 0)
+        gemm_cpu(false, true, n, H_, F_, 1.0f, actp_.data<S>() + r0 * F_, F_, wd_ + e * H_ * F_, F_, false,
+                 fc2_.data<S>() + r0 * H_, H_);
+    }
+  }
+
+  // Unpermuted rows [R, H] (back to source order), combine receive buffer [T·k, H] (the
+  // all-to-all back), MoE output [T, H] = Σ over the k copies in slot order (fp32).
+  void combine() {
+    unp_ = dsp({TK_, H_});
+    std::copy(fc2_.data<S>(), fc2_.data<S>() + TK_ * H_, unp_.data<S>());
+    crecv_ = dsp({TK_, H_});
+    std::copy(unp_.data<S>(), unp_.data<S>() + TK_ * H_, crecv_.data<S>());
+    moe_out_ = dsp({T_, H_});
+    Tensor sum = f32({H_}, Category::Workspace);  // one token's fp32 sum (registers on a GPU)
+    const S* cr = crecv_.data<S>();
+    S* out = moe_out_.data<S>();
+    float* acc = sum.data<float>();
+    // Copies arrive token by token, slots in order 0..k-1.
+    for_each_copy([&](int64_t t, int64_t s, int64_t row) {
+      for (int64_t h = 0; h < H_; ++h) acc[h] = (s == 0 ? 0.0f : acc[h]) + to_f32(cr[row * H_ + h]);
+      if (s == K_ - 1)
+        for (int64_t h = 0; h < H_; ++h) store_f32(out + t * H_ + h, acc[h]);
+    });
+  }
+
+  // Shared experts (one SwiGLU MLP of width F_s over every token): gate,up [T, 2F_s] and act*up
+  // [T, F_s] (activations), from the norm-2 output.
+  void shared_forward() {
+    sgu_ = act({T_, 2 * FS_});
+    sact_ = act({T_, FS_});
+    gemm_cpu(false, true, T_, 2 * FS_, H_, 1.0f, n2_.data<S>(), H_, wsgu_, H_, false, sgu_.data<S>(), 2 * FS_);
+    const S* gu = sgu_.data<S>();
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t f = 0; f < FS_; ++f)
+        store_f32(sact_.data<S>() + t * FS_ + f, silu_f32(to_f32(gu[t * 2 * FS_ + f])) * to_f32(gu[t * 2 * FS_ + FS_ + f]));
+  }
+
+  // target += act*up · W_downᵀ (the shared experts' output, a short-lived [T, H]).
+  void add_shared_output(Tensor& target) {
+    Tensor out = act({T_, H_});
+    gemm_cpu(false, true, T_, H_, FS_, 1.0f, sact_.data<S>(), FS_, wsd_, FS_, false, out.data<S>(), H_);
+    for (int64_t i = 0; i < T_ * H_; ++i) store_f32(target.data<S>() + i, to_f32(target.data<S>()[i]) + to_f32(out.data<S>()[i]));
+  }
+
+  void free_routing() {
+    logits_.reset(), scores_.reset(), scattered_.reset(), topw_.reset(), topid_.reset();
+    map_.reset();
+    sort_idx_.reset(), pprobs_.reset();
+  }
+
+  // ---- forward without grad: each buffer freed as soon as nothing later needs it.
+  Tensor forward_no_grad(const std::string& p, const Hook& on_start) {
+    a_.set_phase(p + "attn");  // peak: norm-1 output, q, k, v, o, lse
+    if (on_start) on_start();
+    {
+      Tensor rstd1 = f32({T_}, kAct);  // not saved without grad
+      norm1(rstd1.data<float>());
+    }
+    attention_forward();
+    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), lse_.reset();
+    attention_residual();
+    o_.reset();
+    a_.set_phase(p + "moe/route");  // peak: h1, norm-2 output; routing
+    n2_ = act({T_, H_});
+    {
+      Tensor rstd2 = f32({T_}, kAct);
+      rmsnorm(h1_, norm2_, n2_, rstd2.data<float>());
+    }
+    route();
+    a_.set_phase(p + "moe/dispatch");  // + sort indices, permuted probs, send, receive, received probs
+    dispatch();
+    send_.reset(), rprobs_.reset();
+    sort_to_expert_input();
+    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob; shared experts' gate,up and act*up
+    if (FS_ > 0) shared_forward();
+    experts_fc1();
+    ein_.reset(), fc1_.reset(), sgu_.reset();
+    experts_fc2();
+    actp_.reset();
+    if (FS_ > 0) {
+      add_shared_output(h1_);  // y = (h1 + shared) + routed, in this order on every path
+      sact_.reset();
+    }
+    a_.set_phase(p + "moe/combine");  // + fc2, unpermuted rows, combine receive buffer, MoE output
+    combine();
+    fc2_.reset(), unp_.reset(), crecv_.reset();
+    free_routing();
+    Tensor y(a_, c_.dtype, {T_, H_}, Category::Boundaries);  // the next layer's boundary
+    add(h1_, moe_out_, y);
+    moe_out_.reset(), h1_.reset(), n2_.reset();
+    return y;
+  }
+
+  void add(const Tensor& a, const Tensor& b, Tensor& out) {
+    const S* pa = a.data<S>();
+    const S* pb = b.data<S>();
+    S* po = out.data<S>();
+    for (int64_t i = 0; i < a.numel(); ++i) store_f32(po + i, to_f32(pa[i]) + to_f32(pb[i]));
+  }
+
+  // ---- forward keeping what backward needs (the recompute; the naive reference's forward).
+  // Returns the layer output (the naive reference's loss reads it).
+  Tensor recompute_forward(const std::string& p, bool keep_output, const TensorSource& grad_stream, const Hook& on_start) {
+    a_.set_phase(p + "attn");  // peak: saved attention set, rstd [2, T], dy and the residual grad accumulator
+    if (on_start) on_start();
+    if (grad_stream) start_grad_stream(grad_stream());
+    rstd_ = f32({2, T_}, kAct);  // rstd of norm-1 and norm-2, saved
+    norm1(rstd_.data<float>());
+    attention_forward();
+    a_.set_phase(p + "moe/dispatch");  // + h1, norm-2 output; routing, send, receive
+    attention_residual();
+    n2_ = act({T_, H_});
+    rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
+    if (FS_ > 0) shared_forward();  // saved for backward
+    route();
+    dispatch();
+    send_.reset(), rprobs_.reset();
+    sort_to_expert_input();
+    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob (saved), fc2
+    experts_fc1();
+    experts_fc2();
+    a_.set_phase(p + "moe/combine");  // + unpermuted rows, combine receive buffer, MoE output
+    combine();
+    Tensor y;
+    if (keep_output) {
+      y = Tensor(a_, c_.dtype, {T_, H_}, Category::Boundaries);
+      std::copy(h1_.data<S>(), h1_.data<S>() + T_ * H_, y.data<S>());
+      if (FS_ > 0) add_shared_output(y);
+      add(y, moe_out_, y);
+    }
+    fc2_.reset(), unp_.reset(), crecv_.reset(), moe_out_.reset();
+    return y;
+  }
+
+  // dy [T, H] (the layer output's gradient, then the residual stream's, in the storage dtype;
+  // the caller's) and the residual grad accumulator [T, H] fp32, live through the whole layer
+  // backward.
+  void start_grad_stream(Tensor dy) {
+    if (dy.dtype() != c_.dtype || dy.numel() != T_ * H_) throw std::invalid_argument("decoder layer: dy must be [T, H] in the storage dtype");
+    dy_ = std::move(dy);
+    res_acc_ = f32({T_, H_}, kAct);
+    const S* d = dy_.data<S>();
+    float* acc = res_acc_.data<float>();
+    for (int64_t i = 0; i < T_ * H_; ++i) acc[i] = to_f32(d[i]);
+  }
+
+  // ---- backward
+  Tensor backward(const std::string& p, const TensorSource& grad_stream, const GradSource& grads) {
+    a_.set_phase(p + "moe/combine");  // peak: saved experts, d combine rows [T·k, H], d received rows [R, H]
+    if (dy_.empty()) start_grad_stream(grad_stream());
+    // The weights' gradients (+=): the unsharded grads of the layer's unit, zeroed by their owner.
+    const LayerWeightPtrs gw = grads();
+    S* g_norm1 = static_cast<S*>(gw.norm1);
+    S* g_wq = static_cast<S*>(gw.wq);
+    S* g_wk = static_cast<S*>(gw.wk);
+    S* g_wv = static_cast<S*>(gw.wv);
+    S* g_wo = static_cast<S*>(gw.wo);
+    S* g_norm2 = static_cast<S*>(gw.norm2);
+    S* g_wr = static_cast<S*>(gw.router);
+    S* g_wgu = static_cast<S*>(gw.w_gate_up);
+    S* g_wd = static_cast<S*>(gw.w_down);
+    S* g_wsgu = static_cast<S*>(gw.shared_gate_up);
+    S* g_wsd = static_cast<S*>(gw.shared_down);
+    const S* dy = dy_.data<S>();
+    Tensor dcrow = dsp({TK_, H_});
+    for_each_copy([&](int64_t t, int64_t, int64_t row) {
+      std::copy(dy + t * H_, dy + (t + 1) * H_, dcrow.data<S>() + row * H_);
+    });
+    Tensor drecv = dsp({TK_, H_});  // the combine all-to-all's backward (one rank: a copy)
+    std::copy(dcrow.data<S>(), dcrow.data<S>() + TK_ * H_, drecv.data<S>());
+    dcrow.reset();
+
+    a_.set_phase(p + "moe/experts");  // peak: saved experts, d fc2 out, d act·prob, d fc1 out
+    Tensor dfc2 = dsp({TK_, H_});
+    std::copy(drecv.data<S>(), drecv.data<S>() + TK_ * H_, dfc2.data<S>());
+    drecv.reset();
+    Tensor dactp = dsp({TK_, F_});
+    for (int64_t e = 0; e < E_; ++e) {
+      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      gemm_cpu(false, false, n, F_, H_, 1.0f, dfc2.data<S>() + r0 * H_, H_, wd_ + e * H_ * F_, F_, false,
+               dactp.data<S>() + r0 * F_, F_);
+      gemm_cpu(true, false, H_, F_, n, 1.0f, dfc2.data<S>() + r0 * H_, H_, actp_.data<S>() + r0 * F_, F_, true,
+               g_wd + e * H_ * F_, F_);
+    }
+    Tensor dfc1 = dsp({TK_, 2 * F_});
+    const S* gu = fc1_.data<S>();
+    const float* prob = pprobs_.data<float>();
+    for (int64_t r = 0; r < TK_; ++r)
+      for (int64_t f = 0; f < F_; ++f) {
+        const float g = to_f32(gu[r * 2 * F_ + f]), u = to_f32(gu[r * 2 * F_ + F_ + f]);
+        const float dap = to_f32(dactp.data<S>()[r * F_ + f]) * prob[r];
+        store_f32(dfc1.data<S>() + r * 2 * F_ + f, dap * u * silu_grad_f32(g));
+        store_f32(dfc1.data<S>() + r * 2 * F_ + F_ + f, dap * silu_f32(g));
+      }
+    // Shared experts' backward at the same time: d act*up [T, F_s], d gate,up [T, 2F_s].
+    Tensor dsgu;
+    if (FS_ > 0) {
+      Tensor dsact = act({T_, FS_});
+      dsgu = act({T_, 2 * FS_});
+      gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
+      gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_wsd, FS_);
+      const S* sg = sgu_.data<S>();
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t f = 0; f < FS_; ++f) {
+          const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
+          const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
+        }
+      gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_wsgu, H_);
+    }
+    dfc2.reset();
+    // d prob of each row (fp32), then the expert input's gradient and dW_gate_up.
+    Tensor dprob = f32({TK_}, kDsp);
+    for (int64_t r = 0; r < TK_; ++r) {
+      float sum = 0.0f;
+      for (int64_t f = 0; f < F_; ++f)
+        sum += to_f32(dactp.data<S>()[r * F_ + f]) * silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]);
+      dprob.data<float>()[r] = sum;
+    }
+    dactp.reset();
+    Tensor dein = dsp({TK_, H_});
+    for (int64_t e = 0; e < E_; ++e) {
+      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      gemm_cpu(false, false, n, H_, 2 * F_, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, wgu_ + e * 2 * F_ * H_, H_,
+               false, dein.data<S>() + r0 * H_, H_);
+      gemm_cpu(true, false, 2 * F_, H_, n, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, ein_.data<S>() + r0 * H_, H_, true,
+               g_wgu + e * 2 * F_ * H_, H_);
+    }
+    dfc1.reset(), ein_.reset(), fc1_.reset(), actp_.reset();
+    // Router backward (off the dispatch peak): d top-k weights, d logits (softmax over the kept
+    // k), d norm-2 output accumulator [T, H] fp32 = d logits · W_router, dW_router.
+    Tensor dn2acc = f32({T_, H_}, kDsp);
+    {
+      Tensor dtopw = f32({T_, K_}, kDsp);
+      for_each_copy([&](int64_t t, int64_t s, int64_t row) { dtopw.data<float>()[t * K_ + s] = dprob.data<float>()[row]; });
+      dprob.reset();
+      Tensor dlogits = f32({T_, E_}, kDsp);
+      float* dz = dlogits.data<float>();
+      const float* w = topw_.data<float>();
+      const int64_t* ids = topid_.data<int64_t>();
+      std::fill(dz, dz + T_ * E_, 0.0f);
+      for (int64_t t = 0; t < T_; ++t) {
+        float dot = 0.0f;
+        for (int64_t s = 0; s < K_; ++s) dot += w[t * K_ + s] * dtopw.data<float>()[t * K_ + s];
+        for (int64_t s = 0; s < K_; ++s)
+          dz[t * E_ + ids[t * K_ + s]] = w[t * K_ + s] * (dtopw.data<float>()[t * K_ + s] - dot);
+      }
+      gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_, H_, false, dn2acc.data<float>(), H_);
+      gemm_cpu(true, false, E_, H_, T_, 1.0f, static_cast<const float*>(dz), E_, n2_.data<S>(), H_, true, g_wr, H_);
+    }
+    if (FS_ > 0) {  // the shared experts' part of d norm-2 output
+      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, true, dn2acc.data<float>(), H_);
+      dsgu.reset();
+    }
+
+    a_.set_phase(p + "moe/dispatch");  // peak: d expert input, d dispatch rows, d norm-2 output accumulator
+    {
+      Tensor ddisp = dsp({TK_, H_});  // the dispatch all-to-all's backward (one rank: a copy)
+      std::copy(dein.data<S>(), dein.data<S>() + TK_ * H_, ddisp.data<S>());
+      float* acc = dn2acc.data<float>();
+      const S* dd = ddisp.data<S>();
+      // Each token's k copies added in slot order.
+      for_each_copy([&](int64_t t, int64_t, int64_t row) {
+        for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += to_f32(dd[row * H_ + h]);
+      });
+    }
+    dein.reset();
+    free_routing();
+    // Norm-2 backward into the residual stream: d h1 = dy + rmsnorm'(d norm-2 output).
+    {
+      Tensor dn2 = act({T_, H_});
+      for (int64_t i = 0; i < T_ * H_; ++i) store_f32(dn2.data<S>() + i, dn2acc.data<float>()[i]);
+      dn2acc.reset();
+      Tensor dh1 = act({T_, H_});
+      rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, g_norm2);
+      accumulate_residual(dh1);
+    }
+    h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
+
+    a_.set_phase(p + "attn");  // peak: saved attention set, grad stream, d o, dq, dk, dv, dq accumulator, delta, d norm-1 output
+    Tensor d_o = act({T_, A_ * D_});
+    {
+      LinearArgs l;
+      l.dtype = c_.dtype;
+      l.x = o_.raw();
+      l.w = wo_;
+      l.d_y = dy_.raw();
+      l.d_x = d_o.raw();
+      l.d_w = g_wo;
+      l.tokens = T_;
+      l.in_features = A_ * D_;
+      l.out_features = H_;
+      linear_backward_cpu(l);
+    }
+    Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * D_});
+    Tensor dq_acc = f32({T_, A_ * D_}, kAct), delta = f32({A_, T_}, kAct);
+    flash2_backward(d_o, dq, dk, dv, dq_acc, delta);
+    Tensor dn1 = act({T_, H_});
+    dq_acc.reset(), delta.reset();
+    qkv_backward(dq, dk, dv, dn1, g_wq, g_wk, g_wv);
+    d_o.reset(), dq.reset(), dk.reset(), dv.reset();
+    {
+      Tensor dxn = act({T_, H_});
+      rmsnorm_backward(*x_, norm1_, rstd_.data<float>(), dn1, dxn, g_norm1);
+      dn1.reset();
+      accumulate_residual(dxn);
+    }
+    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), o_.reset(), lse_.reset(), rstd_.reset();
+    // The layer input's gradient (the next layer's dy), in the storage dtype.
+    Tensor dx = act({T_, H_});
+    for (int64_t i = 0; i < T_ * H_; ++i) store_f32(dx.data<S>() + i, res_acc_.data<float>()[i]);
+    res_acc_.reset(), dy_.reset();
+    return dx;
+  }
+
+  void rmsnorm_backward(const Tensor& x, const S* w, float* rstd, const Tensor& d_out, Tensor& d_x, S* d_w) {
+    RmsNormArgs n;
+    n.dtype = c_.dtype;
+    n.x = x.raw();
+    n.weight = w;
+    n.rstd = rstd;
+    n.d_out = d_out.raw();
+    n.d_x = d_x.raw();
+    n.d_weight = d_w;
+    n.tokens = T_;
+    n.hidden = H_;
+    Tensor ws = f32({rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+    n.workspace = ws.data<float>();
+    rmsnorm_backward_cpu(n);
+  }
+
+  // residual accumulator += d; dy := the accumulator in the storage dtype (the stream's next input).
+  void accumulate_residual(const Tensor& d) {
+    float* acc = res_acc_.data<float>();
+    for (int64_t i = 0; i < T_ * H_; ++i) {
+      acc[i] += to_f32(d.data<S>()[i]);
+      store_f32(dy_.data<S>() + i, acc[i]);
+    }
+  }
+
+  // FlashAttention-2's backward, one key row at a time: dK and dV of the row in fp32 registers
+  // (here a [2, d] scratch), dQ accumulated in fp32 over key rows, delta = Σ dO ⊙ O per query row.
+  void flash2_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta) {
+    const S* q = q_.data<S>();
+    const S* k = k_.data<S>();
+    const S* v = v_.data<S>();
+    const S* o = o_.data<S>();
+    const S* g = d_o.data<S>();
+    const float* lse = lse_.data<float>();
+    float* acc = dq_acc.data<float>();
+    float* dl = delta.data<float>();
+    const int64_t group = A_ / G_;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
+    for (int64_t h = 0; h < A_; ++h)
+      for (int64_t i = 0; i < T_; ++i) {
+        float dot = 0.0f;
+        for (int64_t j = 0; j < D_; ++j) dot += to_f32(g[(i * A_ + h) * D_ + j]) * to_f32(o[(i * A_ + h) * D_ + j]);
+        dl[h * T_ + i] = dot;
+      }
+    std::fill(acc, acc + T_ * A_ * D_, 0.0f);
+    Tensor regs = f32({2 * D_}, Category::Workspace);
+    float* dk_row = regs.data<float>();
+    float* dv_row = dk_row + D_;
+    for (int64_t kh = 0; kh < G_; ++kh)
+      for (int64_t j = 0; j < T_; ++j) {
+        std::fill(dk_row, dk_row + 2 * D_, 0.0f);
+        const S* kj = k + (j * G_ + kh) * D_;
+        const S* vj = v + (j * G_ + kh) * D_;
+        for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+          for (int64_t i = j; i < T_; ++i) {
+            const S* qi = q + (i * A_ + h) * D_;
+            const S* gi = g + (i * A_ + h) * D_;
+            float s = 0.0f, dp = 0.0f;
+            for (int64_t x = 0; x < D_; ++x) s += to_f32(qi[x]) * to_f32(kj[x]), dp += to_f32(gi[x]) * to_f32(vj[x]);
+            const float pr = std::exp(scale * s - lse[h * T_ + i]);
+            const float ds = pr * (dp - dl[h * T_ + i]);
+            float* aq = acc + (i * A_ + h) * D_;
+            for (int64_t x = 0; x < D_; ++x) {
+              dv_row[x] += pr * to_f32(gi[x]);
+              dk_row[x] += scale * ds * to_f32(qi[x]);
+              aq[x] += scale * ds * to_f32(kj[x]);
+            }
+          }
+        for (int64_t x = 0; x < D_; ++x) {
+          store_f32(dk.data<S>() + (j * G_ + kh) * D_ + x, dk_row[x]);
+          store_f32(dv.data<S>() + (j * G_ + kh) * D_ + x, dv_row[x]);
+        }
+      }
+    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, acc[i]);
+  }
+
+  // d norm-1 output = dq·Wq + dk·Wk + dv·Wv; dW_q,k,v += d{q,k,v}ᵀ · norm-1 output.
+  void qkv_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& dn1, S* g_wq, S* g_wk, S* g_wv) {
+    const S* n1 = n1_.data<S>();
+    S* out = dn1.data<S>();
+    gemm_cpu(false, false, T_, H_, A_ * D_, 1.0f, dq.data<S>(), A_ * D_, wq_, H_, false, out, H_);
+    gemm_cpu(false, false, T_, H_, G_ * D_, 1.0f, dk.data<S>(), G_ * D_, wk_, H_, true, out, H_);
+    gemm_cpu(false, false, T_, H_, G_ * D_, 1.0f, dv.data<S>(), G_ * D_, wv_, H_, true, out, H_);
+    gemm_cpu(true, false, A_ * D_, H_, T_, 1.0f, dq.data<S>(), A_ * D_, n1, H_, true, g_wq, H_);
+    gemm_cpu(true, false, G_ * D_, H_, T_, 1.0f, dk.data<S>(), G_ * D_, n1, H_, true, g_wk, H_);
+    gemm_cpu(true, false, G_ * D_, H_, T_, 1.0f, dv.data<S>(), G_ * D_, n1, H_, true, g_wv, H_);
+  }
+
+  TrackingAllocator& a_;
+  const LayerScheduleConfig c_;
+  const int64_t T_, H_, A_, G_, D_, E_, K_, F_, FS_, TK_;
+  const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_;  // the caller's weights
+  const Tensor* x_ = nullptr;  // the layer's input (boundary) of the current call
+  Tensor dy_, res_acc_;
+  Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_, sgu_, sact_;
+  Tensor logits_, scores_, scattered_, topw_, topid_;
+  std::unique_ptr<ByteBuffer> map_;
+  std::vector<int64_t> counts_, offsets_;
+  Tensor sort_idx_, pprobs_, send_, recv_, rprobs_, ein_, fc1_, actp_, fc2_, unp_, crecv_, moe_out_;
+};
+
+}  // namespace
+
+int64_t LayerWeightShape::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
+  const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
+  std::vector<LayerWeightShape> w = {{"norm1", {H}},          {"wq", {A * D, H}},     {"wk", {G * D, H}},
+                                     {"wv", {G * D, H}},      {"wo", {H, A * D}},     {"norm2", {H}},
+                                     {"router", {E, H}},      {"w_gate_up", {E, 2 * F, H}}, {"w_down", {E, H, F}}};
+  if (c.shared_ffn > 0) {
+    w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
+    w.push_back({"shared_down", {H, c.shared_ffn}});
+  }
+  return w;
+}
+
+int64_t layer_weight_elems(const LayerScheduleConfig& c) {
+  int64_t n = 0;
+  for (const auto& w : layer_weight_shapes(c)) n += w.numel();
+  return n;
+}
+
+void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
+  if (name == "norm1") return w.norm1;
+  if (name == "wq") return w.wq;
+  if (name == "wk") return w.wk;
+  if (name == "wv") return w.wv;
+  if (name == "wo") return w.wo;
+  if (name == "norm2") return w.norm2;
+  if (name == "router") return w.router;
+  if (name == "w_gate_up") return w.w_gate_up;
+  if (name == "w_down") return w.w_down;
+  if (name == "shared_gate_up") return w.shared_gate_up;
+  if (name == "shared_down") return w.shared_down;
+  throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
+}
+
+LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c) {
+  LayerWeightPtrs w;
+  auto* p = static_cast<unsigned char*>(base);
+  const int64_t elem = dtype_bytes(c.dtype);
+  for (const auto& s : layer_weight_shapes(c)) {
+    layer_weight_ptr(w, s.name) = p;
+    p += s.numel() * elem;
+  }
+  return w;
+}
+
+DecoderLayer::DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights) {
+  check_layer_config(config);
+  if (config.dtype == DType::F32) engine_ = std::make_unique<LayerCore<float>>(alloc, config, weights);
+  else engine_ = std::make_unique<LayerCore<Bf16>>(alloc, config, weights);
+}
+DecoderLayer::~DecoderLayer() = default;
+DecoderLayer::DecoderLayer(DecoderLayer&&) noexcept = default;
+DecoderLayer& DecoderLayer::operator=(DecoderLayer&&) noexcept = default;
+
+Tensor DecoderLayer::forward_no_grad(const Tensor& x, const std::string& prefix, const Hook& on_start) {
+  return engine_->forward_no_grad(x, prefix, on_start);
+}
+Tensor DecoderLayer::forward_saving(const Tensor& x, const std::string& prefix, bool keep_output, const TensorSource& grad_stream,
+                                    const Hook& on_start) {
+  return engine_->forward_saving(x, prefix, keep_output, grad_stream, on_start);
+}
+Tensor DecoderLayer::backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads) {
+  return engine_->backward(x, prefix, grad_stream, grads);
+}
+
+}  // namespace flatpeak::exec

@@ -1,0 +1,112 @@
+// One decoder layer (RMSNorm, GQA attention, top-k MoE through a standard EP alltoall path on one
+// rank, optional shared experts) computed on caller-owned weights: the no-grad forward from the
+// layer's boundary, the forward that saves what backward needs (the recompute, or the naive
+// reference's forward), and the backward into caller-owned gradient storage. The layer component
+// (layer_schedule.h) and the whole step (step_schedule.h) both run it; every buffer it makes comes
+// from the TrackingAllocator under the traces/ categories and the shared phase names.
+//   LayerWeightPtrs w = layer_weights_in(gathered_unit.raw(), c);      // views, storage order
+//   DecoderLayer layer(alloc, c, w);
+//   Tensor y = layer.forward_no_grad(x, "fwd/L3/");                    // fwd/L3/attn, fwd/L3/moe/...
+//   DecoderLayer again(alloc, c, w);                                   // backward: recompute, then back-propagate
+//   again.forward_saving(x, "bwd/L3/recompute/", false, [&] { return std::move(dy); });
+//   Tensor dx = again.backward(x, "bwd/L3/", nullptr, [&] { return layer_weights_in(grads.raw(), c); });
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "executor/memory/tensor.h"
+#include "executor/memory/tracking_allocator.h"
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec {
+
+struct LayerScheduleConfig {
+  int64_t tokens = 0;      // T (one sequence, causal)
+  int64_t hidden = 0;      // H
+  int64_t q_heads = 0;     // a
+  int64_t kv_heads = 0;    // g (a multiple of it is a)
+  int64_t head_dim = 0;    // d (q, k and v)
+  int64_t experts = 0;     // local experts (E/EP; every expert at EP = 1)
+  int64_t top_k = 0;       // k
+  int64_t expert_ffn = 0;  // F
+  int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
+  int64_t layer_index = 0;  // layer component: phase names use L<layer_index>
+  // Layer component: true runs the checkpointed step (no-grad forward, recompute + backward);
+  // false the naive reference that keeps every activation from one forward with grad (phases fwd/...).
+  bool checkpointed = true;
+  DType dtype = DType::BF16;  // storage of activations, weights and their gradients (F32 for tests)
+  uint64_t seed = 1;
+};
+
+// Throws std::invalid_argument for a shape the layer cannot run.
+void check_layer_config(const LayerScheduleConfig& config);
+
+// The layer's weights, or their gradients, as pointers into caller-owned storage of the layer's
+// dtype (shared_* null without shared experts).
+struct LayerWeightPtrs {
+  void *norm1 = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *norm2 = nullptr;
+  void *router = nullptr, *w_gate_up = nullptr, *w_down = nullptr, *shared_gate_up = nullptr, *shared_down = nullptr;
+};
+
+// Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
+// norm2 [H], router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F]; with shared experts
+// shared_gate_up [2F_s, H], shared_down [H, F_s].
+struct LayerWeightShape {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& config);
+int64_t layer_weight_elems(const LayerScheduleConfig& config);  // their sum
+// Views of one flat buffer holding the weights back to back in storage order.
+LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& config);
+// The pointer of weight `name` ("norm1", "wq", ...) in `w`; throws for an unknown name.
+void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name);
+
+using TensorSource = std::function<Tensor()>;
+using Hook = std::function<void()>;
+// Zeroed gradient storage for the layer's weights, called once when the backward starts (the
+// first phase of the backward has been entered).
+using GradSource = std::function<LayerWeightPtrs()>;
+
+class DecoderLayer {
+ public:
+  // The weights must outlive the layer; the config is copied.
+  DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights);
+  ~DecoderLayer();
+  DecoderLayer(DecoderLayer&&) noexcept;
+  DecoderLayer& operator=(DecoderLayer&&) noexcept;
+
+  // Phases prefix + attn, moe/route, moe/dispatch, moe/experts, moe/combine; saves nothing.
+  // Returns y [T, H] (category boundaries: the next layer's input). on_start (forward calls):
+  // called right after prefix + attn is entered, before x is read (a step prefetches there, or
+  // fetches x from the host into the tensor x refers to).
+  Tensor forward_no_grad(const Tensor& x, const std::string& prefix, const Hook& on_start = nullptr);
+  // Phases prefix + attn, moe/dispatch, moe/experts, moe/combine, keeping the saved set for
+  // backward(). grad_stream (the recompute): called right after prefix + attn is entered, its
+  // [T, H] tensor (the layer output's gradient) starts the gradient stream there. keep_output
+  // (the naive forward): returns y [T, H] (boundaries); otherwise an empty tensor.
+  Tensor forward_saving(const Tensor& x, const std::string& prefix, bool keep_output, const TensorSource& grad_stream,
+                        const Hook& on_start = nullptr);
+  // Phases prefix + moe/combine, moe/experts, moe/dispatch, attn, after forward_saving on the same
+  // x. grad_stream: used when forward_saving did not start the stream. Returns dx [T, H]
+  // (activations: the previous layer's dy).
+  Tensor backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads);
+
+  struct Engine {
+    virtual ~Engine() = default;
+    virtual Tensor forward_no_grad(const Tensor& x, const std::string& prefix, const Hook& on_start) = 0;
+    virtual Tensor forward_saving(const Tensor& x, const std::string& prefix, bool keep_output, const TensorSource& grad_stream,
+                                  const Hook& on_start) = 0;
+    virtual Tensor backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads) = 0;
+  };
+
+ private:
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace flatpeak::exec

@@ -1,0 +1,495 @@
+// One training step on one rank (step_schedule.h): the decoder layers are DecoderLayer
+// (decoder_layer.h), the loss run_vocab_loss (vocab_schedule.h), the optimizer run_optimizer_step
+// (optimizer_schedule.h); this file adds what only a whole step has: the parameters and their
+// FSDP units (gather, prefetch, unsharded grads, reduce-scatter into the grad shards), the
+// embedding, the checkpoint boundaries across layers (kept or offloaded, fetched and prefetched as
+// the checkpoint component does), the final norm around the loss, and the gradient stream from
+// the loss down to the embedding.
+//
+// When each buffer comes and goes (N = 1: an all-gather is a bf16 copy of the shard, a
+// reduce-scatter an fp32 copy into the shard):
+//   fwd/embed      gather embedding, prefetch L0; token ids [T] i64 and the output x_0 [T, H]
+//                  (activations), x_0 becomes boundary x_0; embedding released.
+//   fwd/Ll         prefetch L(l+1) (the head after the last layer) as the phase starts; an
+//                  offloaded x_l is copied to its host slot; L l released, and the device copy
+//                  of an offloaded x_l freed, when the layer's forward returns.
+//   loss/...       the gathered head becomes the loss's W (vocab); X = final_norm(h_L) (rstd
+//                  recomputed in backward); L(L-1) prefetched as the loss's backward starts; at the
+//                  end the final norm's backward gives dy = d h_L, dX and the loss are freed, and
+//                  the head's grads become the fp32 reduce-scatter input.
+//   bwd/Ll         as recompute/attn starts: the previous unit's shard lands, L(l-1) (or the
+//                  embedding) is prefetched, x_l is fetched and SCO's prefetch issued; the layer's
+//                  unsharded grads from its backward's first phase; at its end L l is released,
+//                  the previous reduce-scatter completes and this unit's starts, x_l is freed.
+//   bwd/embed      L0's shard lands; the embedding's unsharded grads, its backward (token ids
+//                  re-read as input data: workspace), its reduce-scatter, started and completed.
+//   opt/...        the optimizer step on the shards (params, m, v from init; host state too).
+#include "executor/schedules/step_schedule.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <utility>
+
+#include "executor/memory/tensor.h"
+#include "executor/ops/embedding.h"
+#include "executor/ops/rmsnorm.h"
+#include "executor/schedules/schedule_util.h"
+
+namespace flatpeak::exec {
+
+namespace {
+
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("step schedule: " + what);
+}
+
+void check(const StepScheduleConfig& c) {
+  const ModelSpec& m = c.model;
+  require(c.tokens > 0, "tokens must be positive");
+  require(m.hidden_size > 0 && m.vocab_size > 0 && m.num_layers > 0, "hidden, vocab and layers must be positive");
+  require(static_cast<int64_t>(m.layers.size()) == m.num_layers, "the model must list every layer");
+  require(m.attention == AttentionKind::Gqa, "GQA attention only (MLA is not in the executor)");
+  require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "every layer is MoE with top_k <= the rank's experts");
+  for (const LayerSpec& l : m.layers) require(l.ffn == FfnKind::Moe, "every layer must be MoE (dense FFN layers are not run)");
+  require(!m.tie_word_embeddings, "an untied LM head only");
+  require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
+  require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
+  require(c.prefetch >= 0, "prefetch must be >= 0");
+}
+
+LayerScheduleConfig layer_config(const StepScheduleConfig& c) {
+  LayerScheduleConfig l;
+  const ModelSpec& m = c.model;
+  l.tokens = c.tokens;
+  l.hidden = m.hidden_size;
+  l.q_heads = m.num_heads;
+  l.kv_heads = m.num_kv_heads;
+  l.head_dim = m.head_dim;
+  l.experts = m.num_experts;
+  l.top_k = m.top_k;
+  l.expert_ffn = m.expert_ffn_width;
+  l.shared_ffn = m.shared_expert_ffn_width;
+  l.dtype = DType::BF16;
+  check_layer_config(l);
+  return l;
+}
+
+// A tensor's init: norms (1-D [H]) around 1, matrices uniform / sqrt(fan-in), the embedding uniform.
+void fill_weight(float* dst, int64_t n, int64_t fan_in, bool norm, uint64_t seed) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = uniform_pm1(seed, static_cast<uint64_t>(i));
+    dst[i] = norm ? 1.0f + 0.1f * u : u / std::sqrt(static_cast<float>(fan_in));
+  }
+}
+
+void zero(Tensor& t) {
+  if (!t.empty()) std::memset(t.raw(), 0, static_cast<size_t>(t.bytes()));
+}
+
+class StepRun {
+ public:
+  StepRun(TrackingAllocator& alloc, const StepScheduleConfig& c)
+      : a_(alloc), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
+        lc_(layer_config(c)), unit_params_(step_unit_params(c.model)) {
+    int64_t offset = 0;
+    for (int64_t p : unit_params_) unit_offset_.push_back(offset), offset += p;
+    P_ = offset;
+    head_ = L_ + 1;
+    offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
+    for (int64_t l = 0; l < L_; ++l)
+      require(layer_weight_elems(lc_) <= unit_params_[static_cast<size_t>(l + 1)], "the layer's weights exceed its unit");
+    loss_ = c.loss;
+    loss_.tokens = T_;
+    loss_.hidden = H_;
+    loss_.vocab = V_;
+    loss_.seed = c.seed;
+    if (c.naive) loss_.mode = VocabScheduleMode::Materialized, loss_.gradients_in_forward = false;
+    opt_ = c.optimizer;
+    opt_.params = P_;
+    opt_.step = 1;
+    if (c.naive) opt_.placement = OptimizerPlacement::Device;
+    opt_.keep_results = c.keep_results;
+    for (int64_t l = 0; l < L_; ++l) offloaded_.push_back(!c.naive && !c.offloaded.empty() && c.offloaded[static_cast<size_t>(l)]);
+    gathered_.resize(unit_params_.size());
+    shards_.resize(unit_params_.size());
+    device_.resize(static_cast<size_t>(L_ + 1));
+  }
+
+  StepScheduleResult run() {
+    StepScheduleResult r;
+    r.unit_params = unit_params_;
+    const size_t first_record = a_.phase_records().size();
+    init();
+    forward();
+    loss(r);
+    backward();
+    if (c_.keep_results) {
+      r.grads.reserve(static_cast<size_t>(P_));
+      for (const Tensor& s : shards_)
+        for (int64_t i = 0; i < s.numel(); ++i) r.grads.push_back(s.dtype() == DType::F32 ? s.data<float>()[i] : to_f32(s.data<Bf16>()[i]));
+    }
+    OptimizerDeviceView d;
+    d.params = params_.raw();
+    for (Tensor& s : shards_) d.grads.emplace_back(s.raw(), s.numel());
+    d.m = m_.empty() ? nullptr : m_.data<float>();
+    d.v = v_.empty() ? nullptr : v_.data<float>();
+    OptimizerScheduleResult o = run_optimizer_step(a_, opt_, d, host_state_.get());
+    r.params = std::move(o.master);
+    const auto records = a_.phase_records();
+    for (size_t i = first_record; i < records.size(); i += kMemorySpaceCount)
+      if (records[i].phase != "init") r.phases.push_back(records[i].phase);
+    return r;
+  }
+
+ private:
+  int64_t U(int64_t unit) const { return unit_params_[static_cast<size_t>(unit)]; }
+  static int64_t layer_unit(int64_t l) { return l + 1; }
+  std::string layer_prefix(const char* pass, int64_t l) const { return std::string(pass) + "/L" + std::to_string(l) + "/"; }
+
+  // ---- parameters, optimizer state, host arenas (phase "init", live all step)
+
+  void init() {
+    if (a_.phase() != "init") a_.set_phase("init");
+    // The rank's parameter shard [P]: the fp32 master with the optimizer on the device, bf16 with offload.
+    params_ = Tensor(a_, offload_ ? DType::BF16 : DType::F32, {P_}, Category::Params);
+    if (offload_) {
+      host_state_ = std::make_unique<OptimizerHostState>(a_, opt_);  // master, m, v, staging (host)
+    } else {
+      m_ = Tensor(a_, DType::F32, {P_}, Category::Optimizer);  // [P] fp32 each
+      v_ = Tensor(a_, DType::F32, {P_}, Category::Optimizer);
+    }
+    // Offloaded boundaries: one pinned arena [offloaded layers, T, H] bf16 for the whole step.
+    int64_t slots = 0;
+    for (bool off : offloaded_) slot_.push_back(off ? slots++ : -1);
+    if (slots > 0) host_boundaries_ = Tensor(a_, DType::BF16, {slots, T_, H_}, Category::Boundaries, MemorySpace::Host);
+    // Values: the master; m and v zero (the run's first step, t = 1).
+    float* master = offload_ ? host_state_->master.data<float>() : params_.data<float>();
+    for (size_t u = 0; u < unit_params_.size(); ++u) fill_unit(static_cast<int64_t>(u), master + unit_offset_[u]);
+    if (offload_)
+      for (int64_t i = 0; i < P_; ++i) params_.data<Bf16>()[i] = f32_to_bf16(master[i]);
+    float* m = offload_ ? host_state_->m.data<float>() : m_.data<float>();
+    float* v = offload_ ? host_state_->v.data<float>() : v_.data<float>();
+    std::fill(m, m + P_, 0.0f);
+    std::fill(v, v + P_, 0.0f);
+  }
+
+  // Unit u's initial fp32 values: its tensors in storage order, parts the executor does not
+  // apply (after them) zero.
+  void fill_unit(int64_t u, float* dst) const {
+    std::fill(dst, dst + U(u), 0.0f);
+    const uint64_t seed = mix64(c_.seed, static_cast<uint64_t>(u) * 64);
+    if (u == 0) {  // embedding [V, H]
+      for (int64_t i = 0; i < V_ * H_; ++i) dst[i] = uniform_pm1(seed, static_cast<uint64_t>(i));
+    } else if (u == head_) {  // final norm [H], LM head [V, H]
+      fill_weight(dst, H_, H_, true, seed);
+      fill_weight(dst + H_, V_ * H_, H_, false, seed + 1);
+    } else {
+      int64_t at = 0, j = 0;
+      for (const auto& w : layer_weight_shapes(lc_)) {
+        fill_weight(dst + at, w.numel(), w.shape.back(), w.shape.size() == 1, seed + static_cast<uint64_t>(++j));
+        at += w.numel();
+      }
+    }
+  }
+
+  // ---- FSDP units
+
+  // All-gather of unit u (N = 1: the shard in bf16) into one [U] buffer, unless already there.
+  void gather(int64_t u) {
+    Tensor& g = gathered_[static_cast<size_t>(u)];
+    if (!g.empty()) return;
+    g = Tensor(a_, DType::BF16, {U(u)}, Category::Fsdp);
+    const int64_t off = unit_offset_[static_cast<size_t>(u)];
+    Bf16* out = g.data<Bf16>();
+    if (offload_) std::memcpy(out, params_.data<Bf16>() + off, static_cast<size_t>(U(u)) * 2);
+    else
+      for (int64_t i = 0; i < U(u); ++i) out[i] = f32_to_bf16(params_.data<float>()[off + i]);
+  }
+  void reshard(int64_t u) { gathered_[static_cast<size_t>(u)].reset(); }
+
+  // Unsharded grads of unit u: one bf16 [U] buffer, zeroed.
+  Tensor unsharded_grads(int64_t u) {
+    Tensor g(a_, DType::BF16, {U(u)}, Category::Fsdp);
+    zero(g);
+    return g;
+  }
+  // The reduce-scatter input [U] fp32 from bf16 unsharded grads, which are then freed.
+  Tensor reduce_scatter_input(Tensor& grads) {
+    Tensor in(a_, DType::F32, {grads.numel()}, Category::Fsdp);
+    for (int64_t i = 0; i < grads.numel(); ++i) in.data<float>()[i] = to_f32(grads.data<Bf16>()[i]);
+    grads.reset();
+    return in;
+  }
+  void start_reduce_scatter(int64_t u, Tensor input) {
+    rs_input_ = std::move(input);
+    rs_unit_ = u;
+  }
+  // The shard of the unit in flight lands (fp32, or bf16 with offload); its input stays in flight.
+  void land_reduce_scatter() {
+    if (rs_unit_ < 0 || !shards_[static_cast<size_t>(rs_unit_)].empty()) return;
+    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {U(rs_unit_)}, Category::Grads);
+    const float* in = rs_input_.data<float>();
+    for (int64_t i = 0; i < s.numel(); ++i) {
+      if (offload_) s.data<Bf16>()[i] = f32_to_bf16(in[i]);
+      else s.data<float>()[i] = in[i];
+    }
+    shards_[static_cast<size_t>(rs_unit_)] = std::move(s);
+  }
+  void finish_reduce_scatter() {
+    land_reduce_scatter();
+    rs_input_.reset();
+    rs_unit_ = -1;
+  }
+
+  LayerWeightPtrs weights_of(int64_t l) { return layer_weights_in(gathered_[static_cast<size_t>(layer_unit(l))].raw(), lc_); }
+
+  // ---- token ids (input data)
+
+  int32_t token_id(int64_t t) const { return static_cast<int32_t>(mix64(c_.seed * 7 + 11, static_cast<uint64_t>(t)) % static_cast<uint64_t>(V_)); }
+  // [T] i32 for the CPU embedding op (its index type); workspace.
+  Tensor index_copy(const Tensor& ids) {
+    Tensor idx(a_, DType::I32, {T_}, Category::Workspace);
+    for (int64_t t = 0; t < T_; ++t) idx.data<int32_t>()[t] = static_cast<int32_t>(ids.data<int64_t>()[t]);
+    return idx;
+  }
+  Tensor token_ids(Category category) {
+    Tensor ids(a_, DType::I64, {T_}, category);  // [T] int64
+    for (int64_t t = 0; t < T_; ++t) ids.data<int64_t>()[t] = token_id(t);
+    return ids;
+  }
+
+  // ---- boundaries
+
+  void copy_to_host(int64_t l) {
+    std::memcpy(host_slot(l), device_[static_cast<size_t>(l)].raw(), static_cast<size_t>(T_ * H_ * 2));
+  }
+  void fetch(int64_t l) {
+    Tensor& d = device_[static_cast<size_t>(l)];
+    if (!offloaded_[static_cast<size_t>(l)] || !d.empty()) return;
+    d = Tensor(a_, DType::BF16, {T_, H_}, Category::Boundaries);
+    std::memcpy(d.raw(), host_slot(l), static_cast<size_t>(T_ * H_ * 2));
+  }
+  Bf16* host_slot(int64_t l) { return host_boundaries_.data<Bf16>() + slot_[static_cast<size_t>(l)] * T_ * H_; }
+
+  // ---- forward
+
+  void forward() {
+    a_.set_phase("fwd/embed");
+    gather(0);
+    gather(layer_unit(0));  // prefetch
+    {
+      Tensor ids = token_ids(Category::Activations);
+      Tensor x0(a_, DType::BF16, {T_, H_}, Category::Activations);  // the embedding output
+      Tensor idx = index_copy(ids);
+      EmbeddingArgs e;
+      e.dtype = DType::BF16;
+      e.token_ids = idx.data<int32_t>();
+      e.table = gathered_[0].raw();
+      e.out = x0.raw();
+      e.tokens = T_;
+      e.vocab = V_;
+      e.hidden = H_;
+      embedding_forward_cpu(e);
+      idx.reset(), ids.reset();
+      reshard(0);
+      x0.set_category(Category::Boundaries);  // x_0, the first layer's input
+      device_[0] = std::move(x0);
+    }
+    for (int64_t l = 0; l < L_; ++l) {
+      const int64_t next = l + 1 < L_ ? layer_unit(l + 1) : head_;
+      const Hook start = [&, l, next] {
+        gather(next);  // prefetch
+        if (offloaded_[static_cast<size_t>(l)]) copy_to_host(l);  // D2H starts with the layer
+      };
+      Tensor y;
+      if (c_.naive) {
+        naive_layers_.emplace_back(a_, lc_, weights_of(l));
+        y = naive_layers_.back().forward_saving(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), true, nullptr, start);
+      } else {
+        DecoderLayer layer(a_, lc_, weights_of(l));
+        y = layer.forward_no_grad(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), start);
+        reshard(layer_unit(l));
+      }
+      if (offloaded_[static_cast<size_t>(l)]) device_[static_cast<size_t>(l)].reset();
+      device_[static_cast<size_t>(l + 1)] = std::move(y);
+    }
+  }
+
+  // ---- loss: final norm, vocabulary projection and cross-entropy, final norm backward
+
+  void loss(StepScheduleResult& r) {
+    const Tensor& h_last = device_[static_cast<size_t>(L_)];  // the final hidden h_L (boundary)
+    Tensor targets(a_, DType::I32, {T_}, Category::Workspace);  // input labels: the next token
+    for (int64_t t = 0; t < T_; ++t)
+      targets.data<int32_t>()[t] = t + 1 < T_ ? token_id(t + 1) : static_cast<int32_t>(mix64(c_.seed * 7 + 13, 0) % static_cast<uint64_t>(V_));
+    Tensor& head = gathered_[static_cast<size_t>(head_)];
+    head.set_category(Category::Vocab);  // the gathered head: [final norm | W]
+    Tensor head_grads;                   // [U] the head's grads: dW after the final norm's [H]
+    Tensor norm_weight;                  // [H] the final norm's weight, kept when W goes
+    LossInputs io;
+    io.w = head.data<Bf16>() + H_;
+    io.w_storage = std::move(head);
+    io.targets = targets.data<int32_t>();
+    io.on_forward = [&] {
+      io.x = Tensor(a_, DType::BF16, {T_, H_}, Category::Vocab);  // X = final_norm(h_L)
+      Tensor rstd(a_, DType::F32, {T_}, Category::Activations);   // recomputed in backward
+      RmsNormArgs n;
+      n.dtype = DType::BF16;
+      n.x = h_last.raw();
+      n.weight = io.w_storage.raw();
+      n.out = io.x.raw();
+      n.rstd = rstd.data<float>();
+      n.tokens = T_;
+      n.hidden = H_;
+      rmsnorm_forward_cpu(n);
+    };
+    io.make_dw = [&](DType dtype) {
+      head_grads = Tensor(a_, dtype, {U(head_)}, Category::Vocab);
+      zero(head_grads);
+      return static_cast<void*>(static_cast<unsigned char*>(head_grads.raw()) + H_ * dtype_bytes(dtype));
+    };
+    io.on_backward = [&] { gather(layer_unit(L_ - 1)); };  // prefetch
+    io.before_release = [&] {
+      norm_weight = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);  // gathered, kept for the norm's backward
+      std::memcpy(norm_weight.raw(), io.w_storage.raw(), static_cast<size_t>(H_) * 2);
+    };
+    LossOutputs out = run_vocab_loss(a_, loss_, io);
+    r.loss = out.mean_loss;
+    // The final norm's backward: dy = d h_L (the layers' gradient stream), the norm's weight grad.
+    Tensor rstd(a_, DType::F32, {T_}, Category::Activations);
+    {
+      const Bf16* x = h_last.data<Bf16>();
+      for (int64_t t = 0; t < T_; ++t) {  // as rmsnorm_forward_cpu computes it
+        float sum_squares = 0.0f;
+        for (int64_t h = 0; h < H_; ++h) sum_squares += to_f32(x[t * H_ + h]) * to_f32(x[t * H_ + h]);
+        rstd.data<float>()[t] = rmsnorm_rstd(sum_squares, H_, RmsNormArgs{}.eps);
+      }
+    }
+    dy_ = Tensor(a_, DType::BF16, {T_, H_}, Category::Activations);
+    {
+      Tensor d_norm;  // the blocked loss's head grads are fp32: the norm's bf16 grad goes here first
+      if (head_grads.dtype() == DType::F32) {
+        d_norm = Tensor(a_, DType::BF16, {H_}, Category::Workspace);
+        zero(d_norm);
+      }
+      RmsNormArgs n;
+      n.dtype = DType::BF16;
+      n.x = h_last.raw();
+      n.weight = norm_weight.raw();
+      n.rstd = rstd.data<float>();
+      n.d_out = out.d_x.raw();
+      n.d_x = dy_.raw();
+      n.d_weight = d_norm.empty() ? head_grads.raw() : d_norm.raw();
+      n.tokens = T_;
+      n.hidden = H_;
+      Tensor ws(a_, DType::F32, {rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+      n.workspace = ws.data<float>();
+      rmsnorm_backward_cpu(n);
+      if (!d_norm.empty())
+        for (int64_t h = 0; h < H_; ++h) head_grads.data<float>()[h] += to_f32(d_norm.data<Bf16>()[h]);
+    }
+    rstd.reset(), norm_weight.reset(), out.d_x.reset(), out.loss.reset(), targets.reset();
+    device_[static_cast<size_t>(L_)].reset();  // h_L: the final norm's backward is done
+    // The head's reduce-scatter input: the fp32 accumulator itself, or the bf16 grads widened.
+    if (head_grads.dtype() == DType::F32) {
+      head_grads.set_category(Category::Fsdp);
+      start_reduce_scatter(head_, std::move(head_grads));
+    } else {
+      start_reduce_scatter(head_, reduce_scatter_input(head_grads));
+    }
+  }
+
+  // ---- backward
+
+  void backward() {
+    for (int64_t l = L_ - 1; l >= 0; --l) {
+      const int64_t prev = l > 0 ? layer_unit(l - 1) : 0;
+      Tensor grads;
+      const GradSource make_grads = [&] {
+        grads = unsharded_grads(layer_unit(l));
+        return layer_weights_in(grads.raw(), lc_);
+      };
+      Tensor dx;
+      if (c_.naive) {
+        land_reduce_scatter();
+        dx = naive_layers_[static_cast<size_t>(l)].backward(device_[static_cast<size_t>(l)], layer_prefix("bwd", l),
+                                                             [&] { return std::move(dy_); }, make_grads);
+      } else {
+        const Hook start = [&, l, prev] {
+          land_reduce_scatter();
+          gather(prev);  // prefetch
+          fetch(l);
+          for (int64_t i = l - 1; i >= 0 && i >= l - c_.prefetch; --i) fetch(i);  // SCO's prefetch
+        };
+        DecoderLayer layer(a_, lc_, weights_of(l));
+        layer.forward_saving(device_[static_cast<size_t>(l)], layer_prefix("bwd", l) + "recompute/", false,
+                             [&] { return std::move(dy_); }, start);
+        dx = layer.backward(device_[static_cast<size_t>(l)], layer_prefix("bwd", l), nullptr, make_grads);
+      }
+      reshard(layer_unit(l));
+      finish_reduce_scatter();
+      start_reduce_scatter(layer_unit(l), reduce_scatter_input(grads));
+      device_[static_cast<size_t>(l)].reset();  // x_l: its layer's backward is done
+      dy_ = std::move(dx);
+    }
+    if (c_.naive) naive_layers_.clear();
+    a_.set_phase("bwd/embed");
+    land_reduce_scatter();
+    gather(0);  // prefetched in bwd/L0 (the naive run gathers it here)
+    Tensor grads = unsharded_grads(0);
+    {
+      Tensor ids = token_ids(Category::Workspace);  // the input ids, re-read
+      Tensor idx = index_copy(ids);
+      EmbeddingArgs e;
+      e.dtype = DType::BF16;
+      e.token_ids = idx.data<int32_t>();
+      e.d_out = dy_.raw();
+      e.d_table = grads.raw();
+      e.tokens = T_;
+      e.vocab = V_;
+      e.hidden = H_;
+      embedding_backward_cpu(e);
+    }
+    dy_.reset();
+    reshard(0);
+    finish_reduce_scatter();
+    start_reduce_scatter(0, reduce_scatter_input(grads));
+    finish_reduce_scatter();  // the embedding's shard lands; every grad shard exists
+  }
+
+  TrackingAllocator& a_;
+  const StepScheduleConfig& c_;
+  const int64_t T_, H_, V_, L_;
+  const LayerScheduleConfig lc_;
+  const std::vector<int64_t> unit_params_;
+  std::vector<int64_t> unit_offset_;
+  int64_t P_ = 0, head_ = 0;
+  bool offload_ = false;
+  VocabScheduleConfig loss_;
+  OptimizerScheduleConfig opt_;
+  std::vector<bool> offloaded_;
+  std::vector<int64_t> slot_;
+
+  Tensor params_, m_, v_;
+  std::unique_ptr<OptimizerHostState> host_state_;
+  Tensor host_boundaries_;
+  std::vector<Tensor> gathered_, shards_, device_;
+  Tensor rs_input_;
+  int64_t rs_unit_ = -1;
+  Tensor dy_;
+  std::vector<DecoderLayer> naive_layers_;
+};
+
+}  // namespace
+
+std::vector<int64_t> step_unit_params(const ModelSpec& model) { return rank_shard_units(model, 1, 1, false); }
+
+StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config) {
+  check(config);
+  return StepRun(alloc, config).run();
+}
+
+}  // namespace flatpeak::exec

@@ -1,0 +1,80 @@
+// One training step of a small MoE transformer on one rank (N = 1 under FSDP2), every buffer from
+// the TrackingAllocator with its traces/ category and the shared phase names: fwd/embed, each
+// layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
+// as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last
+// with its recompute and backward, bwd/embed, and the AdamW step in the plan's placement.
+//   StepScheduleConfig c; c.model = scaled_model; c.tokens = 512;          // every layer MoE, GQA
+//   c.loss.mode = VocabScheduleMode::Blocked; c.loss.token_block_rows = 64; c.loss.vocab_block_rows = 2374;
+//   c.offloaded = {true, false, false, false}; c.prefetch = 1;
+//   c.optimizer.placement = OptimizerPlacement::Stream; c.optimizer.bucket_params = 4096;
+//   TrackingAllocator alloc({512});  StepScheduleResult r = run_step_schedule(alloc, c);
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/decoder_layer.h"
+#include "executor/schedules/optimizer_schedule.h"
+#include "executor/schedules/vocab_schedule.h"
+#include "spec/model_spec.h"
+
+namespace flatpeak::exec {
+
+struct StepScheduleConfig {
+  // The model as this rank runs it: GQA attention, every layer MoE, num_experts = the rank's local
+  // experts (E/EP), top_k ≤ num_experts, an untied LM head, no MTP. Its parameters are counted by
+  // the spec library (count_params): parts the executor does not apply (QK norms, attention sinks
+  // and biases, router and expert biases) are held, reduced and updated with zero gradient.
+  ModelSpec model;
+  int64_t tokens = 0;  // T, one sequence
+  // The naive reference: no checkpointing (every layer's saved set kept from one forward with
+  // grad), materialised loss, optimizer on the device, boundaries kept; `loss.mode`,
+  // `offloaded`, `prefetch` and `optimizer.placement` are ignored.
+  bool naive = false;
+  // Checkpoint boundaries: per layer (size L, or empty for none) whether its input goes to the
+  // host (synchronous offload of every layer or SCO's set); SCO's prefetch depth in backward.
+  std::vector<bool> offloaded;
+  int64_t prefetch = 0;
+  // The loss: mode, token and vocabulary blocks, gradients in forward (tokens, hidden, vocab and
+  // seed are the step's).
+  VocabScheduleConfig loss;
+  // The optimizer: placement, bucket_params, bucket_depth, cpu_threads and the AdamW
+  // hyperparameters (params are the step's P; the step is the run's first: m = v = 0, t = 1).
+  OptimizerScheduleConfig optimizer;
+  uint64_t seed = 1;          // parameters, token ids and targets: a pure function of the seed
+  bool keep_results = true;   // copy grads and updated params out (tests, exactness); off: only the loss
+};
+
+// Parameters of this rank's FSDP units in execution order: the embedding [V·H], each layer, the
+// head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, false).
+std::vector<int64_t> step_unit_params(const ModelSpec& model);
+
+struct StepScheduleResult {
+  double loss = 0.0;                  // mean cross-entropy over the T tokens (fp64 sum)
+  std::vector<int64_t> unit_params;   // step_unit_params
+  std::vector<float> grads;           // [P] the reduced grad shards before the optimizer step (widened), unit by unit
+  std::vector<float> params;          // [P] the fp32 master after the step (device fp32 params or the host master)
+  std::vector<std::string> phases;    // every phase entered, in order (the allocator's records)
+};
+
+// Runs the step; every buffer is released on return. Phases (L layers, l = L-1 .. 0 in backward):
+//   fwd/embed, fwd/Ll/{attn, moe/route, moe/dispatch, moe/experts, moe/combine},
+//   loss/fwd[/blkI], loss/bwd[/blkI], bwd/Ll/recompute/{attn, moe/dispatch, moe/experts,
+//   moe/combine}, bwd/Ll/moe/{combine, experts, dispatch}, bwd/Ll/attn, bwd/embed, then
+//   opt/step | opt/d2h, opt/cpu_step, opt/h2d | opt/bucketI.
+// FSDP at N = 1 (category fsdp): a unit is gathered into one bf16 [U] buffer before it runs (the
+// next unit prefetched while one runs: the embedding and L0 in fwd/embed, L(l+1) or the head in
+// fwd/Ll, L(L-1) from the loss's backward, L(l-1) or the embedding in bwd/Ll) and freed after its
+// forward and after its backward; its unsharded grads are one bf16 [U] buffer from the start of
+// its backward; at its end they become the fp32 reduce-scatter input [U], which stays in flight
+// through the next unit's backward, whose start lands the grad shard (category grads: fp32 with
+// the optimizer on the device, bf16 with offload). The head's gathered buffer is the loss's W
+// (retagged vocab at the loss); the blocked loss accumulates dW in the head's fp32 grad buffer
+// [U] (final-norm grad first), which is reduced in place; the materialised dW is the head's bf16
+// grads. The embedding's reduce-scatter runs at the end of bwd/embed.
+// Throws std::invalid_argument for a model or knobs the step cannot run.
+StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config);
+
+}  // namespace flatpeak::exec
