@@ -447,12 +447,14 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
       r.chunk_cap_rows = cap_default;
     }
     r.dispatch_mode = s.dispatch_mode.value_or(r.chunk_cap_rows > 0 ? DispatchMode::Recompute : DispatchMode::Store);
-    r.llep_alpha = s.llep_alpha.value_or(LlaKnobs{}.llep_alpha);
+    // The LLA defaults are clamped to EP (at EP = 1, alpha = lambda = 1: nothing to balance, the
+    // rounds still cap the dispatch); a value given out of range is an error.
+    r.llep_alpha = s.llep_alpha.value_or(std::min(LlaKnobs{}.llep_alpha, static_cast<double>(r.ep)));
     if (r.llep_alpha < 1.0 || r.llep_alpha > static_cast<double>(r.ep)) {
       bad(errs, "--llep-alpha", fmt::format("must lie in [1, EP = {}]", r.ep), num(r.llep_alpha));
       r.llep_alpha = LlaKnobs{}.llep_alpha;
     }
-    r.llep_lambda = s.llep_lambda.value_or(LlaKnobs{}.imbalance_trigger);
+    r.llep_lambda = s.llep_lambda.value_or(std::min(LlaKnobs{}.imbalance_trigger, static_cast<double>(r.ep)));
     if (r.llep_lambda < 0 || r.llep_lambda > static_cast<double>(r.ep)) {
       bad(errs, "--llep-lambda", fmt::format("must lie in [0, EP = {}]", r.ep), num(r.llep_lambda));
       r.llep_lambda = 1.3;

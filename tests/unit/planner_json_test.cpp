@@ -42,6 +42,26 @@ TEST(PlannerJson, InterfacePathsAndKeyOrder) {
   EXPECT_EQ(j["timeline"]["phases"][0]["device"]["total"], p.timeline.phases[0].device_bytes());
 }
 
+// At EP = 1 PipelinedLLEP's rounds still cap the dispatch; the LLA defaults clamp to EP (was: an
+// error naming --llep-alpha and --llep-lambda, which the user never gave). A value given out of
+// [1, EP] is still an error.
+TEST(PlannerJson, FlatpeakAtEpOneClampsTheLlaDefaults) {
+  InputErrors errs;
+  const RunSpec s = parse_run_flags({{"--gpus", "2"}, {"--context", "16"}, {"--ep", "1"}, {"--schedule", "flatpeak"}}, errs);
+  const ResolvedRun r = resolve_run(tiny_moe(), tiny_gpu(), s, errs);
+  EXPECT_TRUE(errs.empty()) << errs.diagnostics()[0].to_string();
+  EXPECT_TRUE(r.llep);
+  EXPECT_EQ(r.llep_alpha, 1.0);
+  EXPECT_EQ(r.llep_lambda, 1.0);
+  InputErrors given_errs;
+  const RunSpec given = parse_run_flags({{"--gpus", "2"}, {"--context", "16"}, {"--ep", "1"}, {"--schedule", "flatpeak"},
+                                         {"--llep-alpha", "1.1"}},
+                                        given_errs);
+  resolve_run(tiny_moe(), tiny_gpu(), given, given_errs);
+  ASSERT_EQ(given_errs.size(), 1u);
+  EXPECT_EQ(given_errs.diagnostics()[0].to_string(), "--llep-alpha: must lie in [1, EP = 1] (got 1.1)");
+}
+
 TEST(PlannerJson, EveryBadFlagInOnePass) {
   InputErrors errs;
   const RunSpec s = parse_run_flags({{"--gpus", "8"}, {"--context", "1M"}, {"--ep", "3"}, {"--cp", "3"},

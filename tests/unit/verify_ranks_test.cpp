@@ -208,5 +208,28 @@ TEST(VerifyDispatchRanksDefault, DefaultVerifyRunsDispatchOnTheRanksAndPasses) {
   EXPECT_TRUE(r.pass);
 }
 
+// EP = 1 on 4 ranks (N/EP = 4): every rank holds every expert, so each runs the one-rank dispatch
+// component on its own allocator; every rank's rows within 1 % of the plan (here exact).
+TEST(VerifyDispatchRanksEpOne, EveryRankRunsItsLocalDispatch) {
+  const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "1"}, {"--context", "16K"}, {"--schedule", "flatpeak"}});
+  const ScaledConfig s = scale_config(in, std::nullopt, 8);
+  ASSERT_EQ(s.ranks, 4);
+  ASSERT_EQ(s.ep, 1);
+  std::vector<VerifyReport> reports(4);
+  const exec::RunResult run = exec::run_ranks(4, [&](int rank, exec::Communicator& comm) {
+    const VerifyContext ctx{in, s, nullptr, &comm};
+    verify_dispatch_ranks(ctx, reports[static_cast<size_t>(rank)]);
+  });
+  ASSERT_TRUE(run.ok()) << run.message;
+  for (int rank = 0; rank < 4; ++rank) {
+    const VerifyReport& r = reports[static_cast<size_t>(rank)];
+    ASSERT_FALSE(r.rows.empty()) << "rank " << rank;
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.rank, rank);
+      EXPECT_LE(std::fabs(row.relative_error), 0.01) << "rank " << rank << " " << row.phase;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flatpeak::cli

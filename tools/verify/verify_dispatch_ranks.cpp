@@ -30,6 +30,15 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
     if (lead) report.notes.push_back("dispatch: a dense model has no expert dispatch; nothing to run");
     return;
   }
+  if (s.ep == 1) {
+    // EP = 1: every rank holds every expert, so its dispatch needs no other rank; each rank runs
+    // the one-rank component on its own allocator (as the vocab component does for rings of one).
+    const VerifyContext one_rank{ctx.in, ctx.scaled, ctx.adjust, nullptr};
+    const size_t first = report.rows.size();
+    verify_dispatch(one_rank, report);
+    for (size_t i = first; i < report.rows.size(); ++i) report.rows[i].rank = comm.rank();
+    return;
+  }
   if (s.ranks != s.ep) {
     // One EP group per N/EP replica would need a communicator per group (not built).
     if (lead)
