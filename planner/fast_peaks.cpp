@@ -97,65 +97,10 @@ MoeLoad load_with_cap(const MoeBasis& basis, const ModelSpec& model, const Resol
 }
 
 Workload fast_workload(const ModelSpec& model, const ResolvedRun& run, LoadCache& cache) {
-  Workload w;
-  w.gpus = run.gpus;
-  w.cp = run.cp;
-  w.dp = run.dp();
-  w.ep = run.ep;
-  w.tokens = checked_mul(run.micro_batch, run.context_tokens) / run.cp;
-  w.accumulation_steps = run.accumulation_steps();
-  w.counts = count_params(model);
-  const ParamCounts& pc = w.counts;
-  const int64_t E = model.num_experts;
-  w.experts_per_rank = E > 0 ? E / run.ep : 0;
-  w.expert_params_each = pc.expert_params;
-  const int64_t N = run.gpus;
-  const int64_t expert_group = N / std::max<int64_t>(1, run.ep);
-  auto dense_unit = [&](const char* name, int64_t params) { return FsdpUnit{name, params, params, ceil_div(params, N)}; };
-  auto layer_unit = [&](FfnKind ffn) {
-    const int64_t common = pc.attention_per_layer + pc.layer_norms_per_layer;
-    if (ffn == FfnKind::Dense) return dense_unit("", common + pc.dense_ffn_per_layer);
-    const int64_t dense = common + pc.router_per_layer + pc.shared_experts_per_layer;
-    const int64_t local_experts = checked_mul(w.experts_per_rank, pc.expert_params);
-    FsdpUnit u;
-    u.params = dense + checked_mul(E, pc.expert_params);
-    u.gathered_params = dense + local_experts;
-    u.shard_params = ceil_div(dense, N) + ceil_div(local_experts, expert_group);
-    return u;
-  };
-  w.units.reserve(static_cast<size_t>(model.num_layers + model.mtp_layers + 2));
-  w.units.push_back(dense_unit("embedding", pc.embedding));
-  int64_t moe_layers = 0;
-  for (int64_t l = 0; l < model.num_layers; ++l) {
-    const FfnKind ffn = model.layers[static_cast<size_t>(l)].ffn;
-    w.units.push_back(layer_unit(ffn));
-    w.moe_index.push_back(ffn == FfnKind::Moe && E > 0 ? moe_layers++ : -1);
-  }
-  if (run.mtp) {
-    const int64_t H = model.hidden_size;
-    const FfnKind ffn = E > 0 ? FfnKind::Moe : FfnKind::Dense;
-    for (int64_t j = 0; j < model.mtp_layers; ++j) {
-      FsdpUnit u = layer_unit(ffn);
-      const int64_t extra = 2 * H + 2 * H * H + H;
-      u.params += extra;
-      u.gathered_params += extra;
-      u.shard_params += ceil_div(extra, N);
-      w.units.push_back(u);
-      w.moe_index.push_back(ffn == FfnKind::Moe ? moe_layers++ : -1);
-    }
-  }
-  w.units.push_back(dense_unit("head", pc.final_norm + pc.lm_head));
-  w.head_unit = static_cast<int64_t>(w.units.size()) - 1;
-  for (const auto& u : w.units) {
-    w.shard_params = checked_add(w.shard_params, u.shard_params);
-    w.trained_params = checked_add(w.trained_params, u.params);
-  }
-  if (moe_layers > 0) {
-    const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file && run.imbalance.file->layers.size() > 1;
-    const int64_t distinct = per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
-    for (int64_t m = 0; m < distinct; ++m)
-      w.moe_loads.push_back(load_with_cap(cache.basis(model, run, w.tokens, m), model, run, run.chunk_cap_rows));
-  }
+  Workload w = workload_units(model, run, false);
+  const int64_t distinct = distinct_moe_routings(run, w);
+  for (int64_t m = 0; m < distinct; ++m)
+    w.moe_loads.push_back(load_with_cap(cache.basis(model, run, w.tokens, m), model, run, run.chunk_cap_rows));
   return w;
 }
 

@@ -96,7 +96,7 @@ void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& r
   load.rounds = ceil_div(load.send_rows, cap);
 }
 
-Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
+Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool unit_names) {
   Workload w;
   w.gpus = run.gpus;
   w.cp = run.cp;
@@ -113,7 +113,7 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
   const int64_t expert_group = N / std::max<int64_t>(1, run.ep);
 
   auto dense_unit = [&](const std::string& name, int64_t params) {
-    return FsdpUnit{name, params, params, ceil_div(params, N)};
+    return FsdpUnit{unit_names ? name : std::string(), params, params, ceil_div(params, N)};
   };
   auto layer_unit = [&](const std::string& name, FfnKind ffn) {
     const int64_t common = pc.attention_per_layer + pc.layer_norms_per_layer;
@@ -121,18 +121,19 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
     const int64_t dense = common + pc.router_per_layer + pc.shared_experts_per_layer;
     const int64_t local_experts = checked_mul(w.experts_per_rank, pc.expert_params);
     FsdpUnit u;
-    u.name = name;
+    if (unit_names) u.name = name;
     u.params = dense + checked_mul(E, pc.expert_params);
     u.gathered_params = dense + local_experts;
     u.shard_params = ceil_div(dense, N) + ceil_div(local_experts, expert_group);
     return u;
   };
 
+  w.units.reserve(static_cast<size_t>(model.num_layers + model.mtp_layers + 2));
   w.units.push_back(dense_unit("embedding", pc.embedding));
   int64_t moe_layers = 0;
   for (int64_t l = 0; l < model.num_layers; ++l) {
     const FfnKind ffn = model.layers[static_cast<size_t>(l)].ffn;
-    w.units.push_back(layer_unit("L" + std::to_string(l), ffn));
+    w.units.push_back(layer_unit(unit_names ? "L" + std::to_string(l) : std::string(), ffn));
     w.moe_index.push_back(ffn == FfnKind::Moe && E > 0 ? moe_layers++ : -1);
   }
   if (run.mtp) {
@@ -141,7 +142,7 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
     const int64_t H = model.hidden_size;
     const FfnKind ffn = E > 0 ? FfnKind::Moe : FfnKind::Dense;
     for (int64_t j = 0; j < model.mtp_layers; ++j) {
-      FsdpUnit u = layer_unit("MTP" + std::to_string(j), ffn);
+      FsdpUnit u = layer_unit(unit_names ? "MTP" + std::to_string(j) : std::string(), ffn);
       const int64_t extra = 2 * H + 2 * H * H + H;
       u.params += extra;
       u.gathered_params += extra;
@@ -158,12 +159,21 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
     w.trained_params = checked_add(w.trained_params, u.params);
   }
 
-  if (moe_layers > 0) {
-    const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file &&
-                           run.imbalance.file->layers.size() > 1;
-    const int64_t distinct = per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
-    for (int64_t m = 0; m < distinct; ++m) w.moe_loads.push_back(moe_load(model, run, w.tokens, m));
-  }
+  return w;
+}
+
+int64_t distinct_moe_routings(const ResolvedRun& run, const Workload& w) {
+  const bool any_moe = std::any_of(w.moe_index.begin(), w.moe_index.end(), [](int64_t m) { return m >= 0; });
+  if (!any_moe) return 0;
+  const bool per_layer = run.imbalance.kind == RoutingKind::File && run.imbalance.file &&
+                         run.imbalance.file->layers.size() > 1;
+  return per_layer ? static_cast<int64_t>(run.imbalance.file->layers.size()) : 1;
+}
+
+Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
+  Workload w = workload_units(model, run, true);
+  const int64_t distinct = distinct_moe_routings(run, w);
+  for (int64_t m = 0; m < distinct; ++m) w.moe_loads.push_back(moe_load(model, run, w.tokens, m));
   return w;
 }
 

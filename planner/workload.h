@@ -94,4 +94,11 @@ struct Workload {
 // Builds the workload; assumes `run` was resolved without errors.
 Workload make_workload(const ModelSpec& model, const ResolvedRun& run);
 
+// The workload without its MoE loads: counts, FSDP units and the MoE layer numbering. Unit names
+// are left empty when `unit_names` is false (the knob search builds many and never reads them).
+Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool unit_names);
+// The MoE loads a workload holds: one per MoE layer for a routing file of several layers, else
+// one; 0 without MoE layers.
+int64_t distinct_moe_routings(const ResolvedRun& run, const Workload& w);
+
 }  // namespace flatpeak::planner
