@@ -219,6 +219,35 @@ int64_t max_ffn_workspace(const Dims& d, const LayerData& L, const Routing& r, i
   return bytes;
 }
 
+// The buffers one round uses in both passes, sized for the cap C and allocated once per pass.
+struct RoundBuffers {
+  DeviceBuffer in, gate_up, y, prob, ws;  // [C, H], [C, 2F], [C, H] bf16; [C] fp32; FFN workspace
+  RoundBuffers(DeviceAllocator& alloc, const Dims& d, const LayerData& L, const Routing& r, int64_t C, int64_t rounds,
+               cudaStream_t s)
+      : in(alloc, C * d.H * 2, kDsp, s),
+        gate_up(alloc, C * 2 * d.F * 2, kDsp, s),
+        y(alloc, C * d.H * 2, kDsp, s),
+        prob(alloc, C * 4, kDsp, s),
+        ws(alloc, max_ffn_workspace(d, L, r, C, rounds), kDsp, s) {}
+};
+
+// Round j's rows [r0, r0 + n) (n = min(C, N − r0)) gathered by expert and run through the experts:
+// fills in, prob, gate_up and y; returns the FFN arguments the backward reuses.
+exec::ExpertFfnArgs forward_round(const CublasContext& blas, const Dims& d, const LayerData& L, const Routing& r,
+                                  RoundBuffers& b, int64_t r0, int64_t n, cudaStream_t s) {
+  const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
+  gather_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(L.x.as<Bf16>(), r.topk_w.as<float>(),
+      r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, b.in.as<Bf16>(), b.prob.as<float>());
+  check_launch();
+  exec::ExpertFfnArgs f = ffn_args(d, L, counts, n);
+  f.x = b.in.raw();
+  f.gate_up = b.gate_up.raw();
+  f.out = b.y.raw();
+  f.workspace = b.ws.as<float>();
+  exec::expert_ffn_forward_cuda(f, blas);
+  return f;
+}
+
 }  // namespace
 
 std::vector<int32_t> balanced_topk_ids(int64_t tokens, int64_t experts, int64_t top_k, uint64_t seed) {
@@ -290,27 +319,14 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
   {
     alloc.set_phase(p + "route");
     Routing r = route(alloc, blas, d, L, topk_ids);
-    DeviceBuffer in(alloc, C * d.H * 2, kDsp, s);            // [C, H] bf16
-    DeviceBuffer gate_up(alloc, C * 2 * d.F * 2, kDsp, s);   // [C, 2F] bf16
-    DeviceBuffer y(alloc, C * d.H * 2, kDsp, s);             // [C, H] bf16
-    DeviceBuffer prob(alloc, C * 4, kDsp, s);                // [C] fp32
-    DeviceBuffer acc(alloc, d.T * d.H * 4, kDsp, s);         // [T, H] fp32 combine accumulator
-    DeviceBuffer ws(alloc, max_ffn_workspace(d, L, r, C, rounds), kDsp, s);
+    RoundBuffers b(alloc, d, L, r, C, rounds, s);
+    DeviceBuffer acc(alloc, d.T * d.H * 4, kDsp, s);  // [T, H] fp32 combine accumulator
     FLATPEAK_CUDA_CHECK(cudaMemsetAsync(acc.raw(), 0, static_cast<size_t>(d.T * d.H) * 4, s));
     for (int64_t j = 0; j < rounds; ++j) {
       alloc.set_phase(round_phase(p, j));
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
-      const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
-      gather_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(L.x.as<Bf16>(), r.topk_w.as<float>(),
-          r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, in.as<Bf16>(), prob.as<float>());
-      check_launch();
-      exec::ExpertFfnArgs f = ffn_args(d, L, counts, n);
-      f.x = in.raw();
-      f.gate_up = gate_up.raw();
-      f.out = y.raw();
-      f.workspace = ws.as<float>();
-      exec::expert_ffn_forward_cuda(f, blas);
-      combine_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(y.as<Bf16>(), prob.as<float>(),
+      forward_round(blas, d, L, r, b, r0, n, s);
+      combine_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(b.y.as<Bf16>(), b.prob.as<float>(),
           r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, acc.as<float>());
       check_launch();
     }
@@ -324,32 +340,19 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
   {
     alloc.set_phase(q + "route");
     Routing r = route(alloc, blas, d, L, topk_ids);
-    DeviceBuffer in(alloc, C * d.H * 2, kDsp, s);            // [C, H] bf16
-    DeviceBuffer gate_up(alloc, C * 2 * d.F * 2, kDsp, s);   // [C, 2F] bf16
-    DeviceBuffer y(alloc, C * d.H * 2, kDsp, s);             // [C, H] bf16
-    DeviceBuffer d_y(alloc, C * d.H * 2, kDsp, s);           // [C, H] bf16
-    DeviceBuffer d_in(alloc, C * d.H * 2, kDsp, s);          // [C, H] bf16
-    DeviceBuffer prob(alloc, C * 4, kDsp, s);                // [C] fp32
-    DeviceBuffer d_x(alloc, d.T * d.H * 4, kDsp, s);         // [T, H] fp32
-    DeviceBuffer d_topk_w(alloc, d.N * 4, kDsp, s);          // [T, k] fp32 d prob
-    DeviceBuffer ws(alloc, max_ffn_workspace(d, L, r, C, rounds), kDsp, s);
+    RoundBuffers b(alloc, d, L, r, C, rounds, s);
+    DeviceBuffer d_y(alloc, C * d.H * 2, kDsp, s);     // [C, H] bf16
+    DeviceBuffer d_in(alloc, C * d.H * 2, kDsp, s);    // [C, H] bf16
+    DeviceBuffer d_x(alloc, d.T * d.H * 4, kDsp, s);   // [T, H] fp32
+    DeviceBuffer d_topk_w(alloc, d.N * 4, kDsp, s);    // [T, k] fp32 d prob
     FLATPEAK_CUDA_CHECK(cudaMemsetAsync(d_x.raw(), 0, static_cast<size_t>(d.T * d.H) * 4, s));
     for (int64_t j = 0; j < rounds; ++j) {
       alloc.set_phase(round_phase(g, j));
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
-      const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
-      gather_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(L.x.as<Bf16>(), r.topk_w.as<float>(),
-          r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, in.as<Bf16>(), prob.as<float>());
-      check_launch();
-      exec::ExpertFfnArgs f = ffn_args(d, L, counts, n);
-      f.x = in.raw();
-      f.gate_up = gate_up.raw();
-      f.out = y.raw();
-      f.workspace = ws.as<float>();
-      exec::expert_ffn_forward_cuda(f, blas);  // recompute: gate_up and y of this round
+      exec::ExpertFfnArgs f = forward_round(blas, d, L, r, b, r0, n, s);  // recompute: gate_up and y of this round
       if (n > 0) {
         combine_backward_round_kernel<<<static_cast<unsigned>(n), kThreads, 0, s>>>(
-            L.d_out.as<Bf16>(), y.as<Bf16>(), prob.as<float>(), r.row_to_slot.as<int32_t>(), r0, d.H, d.k,
+            L.d_out.as<Bf16>(), b.y.as<Bf16>(), b.prob.as<float>(), r.row_to_slot.as<int32_t>(), r0, d.H, d.k,
             d_y.as<Bf16>(), d_topk_w.as<float>());
         check_launch();
       }
