@@ -72,6 +72,18 @@ double mean_loss_of(const DeviceBuffer& loss, int64_t tokens, cudaStream_t s) {
   return sum / static_cast<double>(tokens);
 }
 
+// Records the end of a run on the stream, waits for it, and fills the result's times (forward:
+// start..mid, backward: mid..stop) and its mean loss.
+void finish_timed_run(VocabScheduleCudaResult& result, const ScopedEvent& start, const ScopedEvent& mid, ScopedEvent& stop,
+                      const DeviceBuffer& loss, int64_t tokens, cudaStream_t s) {
+  stop.record(s);
+  FLATPEAK_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+  result.seconds = event_seconds(start.get(), stop.get());
+  result.forward_s = event_seconds(start.get(), mid.get());
+  result.backward_s = event_seconds(mid.get(), stop.get());
+  result.mean_loss = mean_loss_of(loss, tokens, s);
+}
+
 VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext& blas,
                                     const VocabScheduleConfig& c) {
   cudaStream_t s = blas.stream();
@@ -130,12 +142,7 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
       exec::blocked_cross_entropy_backward_cuda(a, blas);
     }
   }
-  stop.record(s);
-  FLATPEAK_CUDA_CHECK(cudaEventSynchronize(stop.get()));
-  result.seconds = event_seconds(start.get(), stop.get());
-  result.forward_s = event_seconds(start.get(), mid.get());
-  result.backward_s = event_seconds(mid.get(), stop.get());
-  result.mean_loss = mean_loss_of(loss, T, s);
+  finish_timed_run(result, start, mid, stop, loss, T, s);
   return result;
 }
 
@@ -175,12 +182,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   m.d_x = dx.raw();
   m.d_w = dw.raw();
   exec::materialized_cross_entropy_backward_cuda(m, blas);
-  stop.record(s);
-  FLATPEAK_CUDA_CHECK(cudaEventSynchronize(stop.get()));
-  result.seconds = event_seconds(start.get(), stop.get());
-  result.forward_s = event_seconds(start.get(), mid.get());
-  result.backward_s = event_seconds(mid.get(), stop.get());
-  result.mean_loss = mean_loss_of(loss, T, s);
+  finish_timed_run(result, start, mid, stop, loss, T, s);
   return result;
 }
 
