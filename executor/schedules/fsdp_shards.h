@@ -32,12 +32,19 @@ struct FsdpUnitShape {
 // offloaded the device keeps bf16 param and grad shards (master, m and v live on the host).
 enum class ShardPrecision { Fp32Master, Bf16 };
 
+// Who holds the grad shards: FsdpShards as one [P] buffer (reduce_scatter accumulates into it), or
+// the caller, one buffer per unit allocated when the unit's reduce-scatter lands (the step, as
+// FSDP2 does and the planner lays out: reduce_scatter_input + reduce_scatter_into).
+enum class GradShards { Whole, Caller };
+
 class FsdpShards {
  public:
   // Allocates the rank's param shard [P] and grad shard [P] (categories params and grads, zeroed)
   // where P = Σ over units of (its slice of the sharded part + its local part). `comm` may be
-  // nullptr for one rank. Throws std::invalid_argument for a negative size.
-  FsdpShards(TrackingAllocator& alloc, Communicator* comm, std::vector<FsdpUnitShape> units, ShardPrecision precision);
+  // nullptr for one rank. Throws std::invalid_argument for a negative size. With GradShards::Caller
+  // no grad shard is allocated (grads() is empty).
+  FsdpShards(TrackingAllocator& alloc, Communicator* comm, std::vector<FsdpUnitShape> units, ShardPrecision precision,
+             GradShards grads = GradShards::Whole);
 
   int ranks() const { return ranks_; }
   int rank() const { return rank_; }
@@ -52,6 +59,10 @@ class FsdpShards {
   int64_t shard_length(size_t i) const { return slice_length(i, rank_) + units_.at(i).local_params; }
   int64_t shard_offset(size_t i) const { return offsets_.at(i); }
   int64_t shard_params() const { return params_.numel(); }  // P
+  // Where this rank's slice of unit i's sharded part starts in the gathered unit.
+  int64_t slice_begin(size_t i) const;
+  // N·S + local: the fp32 reduce-scatter input of unit i (its sharded part zero padded to N slices).
+  int64_t reduce_scatter_input_params(size_t i) const;
 
   // [P] fp32 (Fp32Master) or bf16: unit i's slice at shard_offset(i), its local part after the slice.
   Tensor& params() { return params_; }
@@ -61,7 +72,9 @@ class FsdpShards {
 
   // Unit i's parameters, whole, as a bf16 compute copy [U] (category fsdp): the sharded part in
   // rank order, then this rank's local part. One all-to-allv with exact counts, so the buffer is U
-  // long, not N·S; the rank's own slice is sent from a bf16 copy (category workspace, freed here).
+  // long, not N·S. The rank's own slice is rounded (or copied) into its place in that buffer and
+  // sent from there, as FSDP2's all-gather copies in: no staging buffer (the all-to-allv sends
+  // nothing to the rank itself, so the regions sent and received never overlap).
   Tensor gather(size_t i);
 
   // Adds unit i's gradient summed over the ranks into this rank's grad shard. `unsharded_grad` is
@@ -70,6 +83,16 @@ class FsdpShards {
   // order (the Communicator contract), the local part added as is; the shard then adds the sum in
   // fp32 (rounded once to bf16 for Bf16 shards). Transients are freed before returning.
   void reduce_scatter(size_t i, const Tensor& unsharded_grad);
+
+  // The same in two steps, the input kept by the caller in between (the step keeps it in flight
+  // through the next unit's backward): the fp32 input [reduce_scatter_input_params(i)] (category
+  // fsdp) widened from the [U] bf16 gradient, then its rank-order sum written (not added) into
+  // `shard`, the rank's grad shard of unit i (shard_length(i) elements, fp32 or bf16: rounded
+  // once). The sum lands in place when the shard is fp32 and its slice a full S; otherwise through
+  // an fp32 [S] buffer (category comm, freed here). An input made by the caller (the blocked
+  // loss's fp32 dW accumulator) must have the same layout.
+  Tensor reduce_scatter_input(size_t i, const Tensor& unsharded_grad);
+  void reduce_scatter_into(size_t i, const Tensor& input, Tensor& shard);
 
  private:
   TrackingAllocator& alloc_;

@@ -34,6 +34,7 @@
 #include <utility>
 
 #include "executor/memory/tensor.h"
+#include "executor/ops/adamw.h"
 #include "executor/ops/embedding.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/schedule_util.h"
@@ -77,26 +78,16 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c) {
   return l;
 }
 
-// A tensor's init: norms (1-D [H]) around 1, matrices uniform / sqrt(fan-in), the embedding uniform.
-void fill_weight(float* dst, int64_t n, int64_t fan_in, bool norm, uint64_t seed) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float u = uniform_pm1(seed, static_cast<uint64_t>(i));
-    dst[i] = norm ? 1.0f + 0.1f * u : u / std::sqrt(static_cast<float>(fan_in));
-  }
-}
-
 void zero(Tensor& t) {
   if (!t.empty()) std::memset(t.raw(), 0, static_cast<size_t>(t.bytes()));
 }
 
 class StepRun {
  public:
-  StepRun(TrackingAllocator& alloc, const StepScheduleConfig& c)
-      : a_(alloc), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
-        lc_(layer_config(c)), unit_params_(step_unit_params(c.model)) {
-    int64_t offset = 0;
-    for (int64_t p : unit_params_) unit_offset_.push_back(offset), offset += p;
-    P_ = offset;
+  StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c)
+      : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
+        lc_(layer_config(c)), unit_params_(step_unit_params(c.model)),
+        data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)) {
     head_ = L_ + 1;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
     for (int64_t l = 0; l < L_; ++l)
@@ -108,13 +99,12 @@ class StepRun {
     loss_.seed = c.seed;
     if (c.naive) loss_.mode = VocabScheduleMode::Materialized, loss_.gradients_in_forward = false;
     opt_ = c.optimizer;
-    opt_.params = P_;
     opt_.step = 1;
     if (c.naive) opt_.placement = OptimizerPlacement::Device;
     opt_.keep_results = c.keep_results;
     for (int64_t l = 0; l < L_; ++l) offloaded_.push_back(!c.naive && !c.offloaded.empty() && c.offloaded[static_cast<size_t>(l)]);
     gathered_.resize(unit_params_.size());
-    shards_.resize(unit_params_.size());
+    grad_shards_.resize(unit_params_.size());
     device_.resize(static_cast<size_t>(L_ + 1));
   }
 
@@ -123,17 +113,21 @@ class StepRun {
     r.unit_params = unit_params_;
     const size_t first_record = a_.phase_records().size();
     init();
+    for (size_t u = 0; u < unit_params_.size(); ++u) {
+      r.shard_begin.push_back(shards_->slice_begin(u));
+      r.shard_params.push_back(shards_->shard_length(u));
+    }
     forward();
     loss(r);
     backward();
     if (c_.keep_results) {
       r.grads.reserve(static_cast<size_t>(P_));
-      for (const Tensor& s : shards_)
+      for (const Tensor& s : grad_shards_)
         for (int64_t i = 0; i < s.numel(); ++i) r.grads.push_back(s.dtype() == DType::F32 ? s.data<float>()[i] : to_f32(s.data<Bf16>()[i]));
     }
     OptimizerDeviceView d;
-    d.params = params_.raw();
-    for (Tensor& s : shards_) d.grads.emplace_back(s.raw(), s.numel());
+    d.params = shards_->params().raw();
+    for (size_t u = 0; u < grad_shards_.size(); ++u) d.grads.emplace_back(grad_shards_[u].raw(), shards_->shard_length(u));
     d.m = m_.empty() ? nullptr : m_.data<float>();
     d.v = v_.empty() ? nullptr : v_.data<float>();
     OptimizerScheduleResult o = run_optimizer_step(a_, opt_, d, host_state_.get());
@@ -153,8 +147,15 @@ class StepRun {
 
   void init() {
     if (a_.phase() != "init") a_.set_phase("init");
-    // The rank's parameter shard [P]: the fp32 master with the optimizer on the device, bf16 with offload.
-    params_ = Tensor(a_, offload_ ? DType::BF16 : DType::F32, {P_}, Category::Params);
+    // The rank's parameter shard [P]: the fp32 master with the optimizer on the device, bf16 with
+    // offload; every unit sharded over the ranks (EP = 1: each rank holds a slice of every expert).
+    std::vector<FsdpUnitShape> units;
+    for (size_t u = 0; u < unit_params_.size(); ++u) units.push_back({"unit" + std::to_string(u), unit_params_[u], 0});
+    shards_ = std::make_unique<FsdpShards>(a_, comm_, std::move(units), offload_ ? ShardPrecision::Bf16 : ShardPrecision::Fp32Master,
+                                           GradShards::Caller);
+    P_ = shards_->shard_params();
+    opt_.params = P_;
+    Tensor& params = shards_->params();
     if (offload_) {
       host_state_ = std::make_unique<OptimizerHostState>(a_, opt_);  // master, m, v, staging (host)
     } else {
@@ -166,47 +167,23 @@ class StepRun {
     for (bool off : offloaded_) slot_.push_back(off ? slots++ : -1);
     if (slots > 0) host_boundaries_ = Tensor(a_, DType::BF16, {slots, T_, H_}, Category::Boundaries, MemorySpace::Host);
     // Values: the master; m and v zero (the run's first step, t = 1).
-    float* master = offload_ ? host_state_->master.data<float>() : params_.data<float>();
-    for (size_t u = 0; u < unit_params_.size(); ++u) fill_unit(static_cast<int64_t>(u), master + unit_offset_[u]);
+    float* master = offload_ ? host_state_->master.data<float>() : params.data<float>();
+    for (size_t u = 0; u < unit_params_.size(); ++u)
+      step_initial_params(c_, static_cast<int64_t>(u), shards_->slice_begin(u), shards_->shard_length(u), master + shards_->shard_offset(u));
     if (offload_)
-      for (int64_t i = 0; i < P_; ++i) params_.data<Bf16>()[i] = f32_to_bf16(master[i]);
+      for (int64_t i = 0; i < P_; ++i) params.data<Bf16>()[i] = f32_to_bf16(master[i]);
     float* m = offload_ ? host_state_->m.data<float>() : m_.data<float>();
     float* v = offload_ ? host_state_->v.data<float>() : v_.data<float>();
     std::fill(m, m + P_, 0.0f);
     std::fill(v, v + P_, 0.0f);
   }
 
-  // Unit u's initial fp32 values: its tensors in storage order, parts the executor does not
-  // apply (after them) zero.
-  void fill_unit(int64_t u, float* dst) const {
-    std::fill(dst, dst + U(u), 0.0f);
-    const uint64_t seed = mix64(c_.seed, static_cast<uint64_t>(u) * 64);
-    if (u == 0) {  // embedding [V, H]
-      for (int64_t i = 0; i < V_ * H_; ++i) dst[i] = uniform_pm1(seed, static_cast<uint64_t>(i));
-    } else if (u == head_) {  // final norm [H], LM head [V, H]
-      fill_weight(dst, H_, H_, true, seed);
-      fill_weight(dst + H_, V_ * H_, H_, false, seed + 1);
-    } else {
-      int64_t at = 0, j = 0;
-      for (const auto& w : layer_weight_shapes(lc_)) {
-        fill_weight(dst + at, w.numel(), w.shape.back(), w.shape.size() == 1, seed + static_cast<uint64_t>(++j));
-        at += w.numel();
-      }
-    }
-  }
-
   // ---- FSDP units
 
-  // All-gather of unit u (N = 1: the shard in bf16) into one [U] buffer, unless already there.
+  // All-gather of unit u (FsdpShards: one bf16 [U] buffer) unless already there.
   void gather(int64_t u) {
     Tensor& g = gathered_[static_cast<size_t>(u)];
-    if (!g.empty()) return;
-    g = Tensor(a_, DType::BF16, {U(u)}, Category::Fsdp);
-    const int64_t off = unit_offset_[static_cast<size_t>(u)];
-    Bf16* out = g.data<Bf16>();
-    if (offload_) std::memcpy(out, params_.data<Bf16>() + off, static_cast<size_t>(U(u)) * 2);
-    else
-      for (int64_t i = 0; i < U(u); ++i) out[i] = f32_to_bf16(params_.data<float>()[off + i]);
+    if (g.empty()) g = shards_->gather(static_cast<size_t>(u));
   }
   void reshard(int64_t u) { gathered_[static_cast<size_t>(u)].reset(); }
 
@@ -216,10 +193,9 @@ class StepRun {
     zero(g);
     return g;
   }
-  // The reduce-scatter input [U] fp32 from bf16 unsharded grads, which are then freed.
-  Tensor reduce_scatter_input(Tensor& grads) {
-    Tensor in(a_, DType::F32, {grads.numel()}, Category::Fsdp);
-    for (int64_t i = 0; i < grads.numel(); ++i) in.data<float>()[i] = to_f32(grads.data<Bf16>()[i]);
+  // The reduce-scatter input [N·S] fp32 (N = 1: [U]) from bf16 unsharded grads, which are then freed.
+  Tensor reduce_scatter_input(int64_t u, Tensor& grads) {
+    Tensor in = shards_->reduce_scatter_input(static_cast<size_t>(u), grads);
     grads.reset();
     return in;
   }
@@ -227,16 +203,14 @@ class StepRun {
     rs_input_ = std::move(input);
     rs_unit_ = u;
   }
-  // The shard of the unit in flight lands (fp32, or bf16 with offload); its input stays in flight.
+  // The shard of the unit in flight lands (fp32, or bf16 with offload): the reduce-scatter runs
+  // here (every rank reaches this point in the same order); its input stays in flight.
   void land_reduce_scatter() {
-    if (rs_unit_ < 0 || !shards_[static_cast<size_t>(rs_unit_)].empty()) return;
-    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {U(rs_unit_)}, Category::Grads);
-    const float* in = rs_input_.data<float>();
-    for (int64_t i = 0; i < s.numel(); ++i) {
-      if (offload_) s.data<Bf16>()[i] = f32_to_bf16(in[i]);
-      else s.data<float>()[i] = in[i];
-    }
-    shards_[static_cast<size_t>(rs_unit_)] = std::move(s);
+    if (rs_unit_ < 0 || !grad_shards_[static_cast<size_t>(rs_unit_)].empty()) return;
+    const size_t u = static_cast<size_t>(rs_unit_);
+    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {shards_->shard_length(u)}, Category::Grads);
+    shards_->reduce_scatter_into(u, rs_input_, s);
+    grad_shards_[u] = std::move(s);
   }
   void finish_reduce_scatter() {
     land_reduce_scatter();
@@ -248,7 +222,7 @@ class StepRun {
 
   // ---- token ids (input data)
 
-  int32_t token_id(int64_t t) const { return static_cast<int32_t>(mix64(c_.seed * 7 + 11, static_cast<uint64_t>(t)) % static_cast<uint64_t>(V_)); }
+  int32_t token_id(int64_t t) const { return static_cast<int32_t>(mix64(data_seed_ * 7 + 11, static_cast<uint64_t>(t)) % static_cast<uint64_t>(V_)); }
   // [T] i32 for the CPU embedding op (its index type); workspace.
   Tensor index_copy(const Tensor& ids) {
     Tensor idx(a_, DType::I32, {T_}, Category::Workspace);
@@ -324,7 +298,7 @@ class StepRun {
     const Tensor& h_last = device_[static_cast<size_t>(L_)];  // the final hidden h_L (boundary)
     Tensor targets(a_, DType::I32, {T_}, Category::Workspace);  // input labels: the next token
     for (int64_t t = 0; t < T_; ++t)
-      targets.data<int32_t>()[t] = t + 1 < T_ ? token_id(t + 1) : static_cast<int32_t>(mix64(c_.seed * 7 + 13, 0) % static_cast<uint64_t>(V_));
+      targets.data<int32_t>()[t] = t + 1 < T_ ? token_id(t + 1) : static_cast<int32_t>(mix64(data_seed_ * 7 + 13, 0) % static_cast<uint64_t>(V_));
     Tensor& head = gathered_[static_cast<size_t>(head_)];
     head.set_category(Category::Vocab);  // the gathered head: [final norm | W]
     Tensor head_grads;                   // [U] the head's grads: dW after the final norm's [H]
@@ -347,7 +321,10 @@ class StepRun {
       rmsnorm_forward_cpu(n);
     };
     io.make_dw = [&](DType dtype) {
-      head_grads = Tensor(a_, dtype, {U(head_)}, Category::Vocab);
+      // fp32 (the blocked loss's accumulator, reduced in place): laid out as the reduce-scatter
+      // input, [N·S] (N = 1: [U]); bf16: the unsharded grads [U].
+      const int64_t n = dtype == DType::F32 ? shards_->reduce_scatter_input_params(static_cast<size_t>(head_)) : U(head_);
+      head_grads = Tensor(a_, dtype, {n}, Category::Vocab);
       zero(head_grads);
       return static_cast<void*>(static_cast<unsigned char*>(head_grads.raw()) + H_ * dtype_bytes(dtype));
     };
@@ -398,7 +375,7 @@ class StepRun {
       head_grads.set_category(Category::Fsdp);
       start_reduce_scatter(head_, std::move(head_grads));
     } else {
-      start_reduce_scatter(head_, reduce_scatter_input(head_grads));
+      start_reduce_scatter(head_, reduce_scatter_input(head_, head_grads));
     }
   }
 
@@ -431,7 +408,7 @@ class StepRun {
       }
       reshard(layer_unit(l));
       finish_reduce_scatter();
-      start_reduce_scatter(layer_unit(l), reduce_scatter_input(grads));
+      start_reduce_scatter(layer_unit(l), reduce_scatter_input(layer_unit(l), grads));
       device_[static_cast<size_t>(l)].reset();  // x_l: its layer's backward is done
       dy_ = std::move(dx);
     }
@@ -456,16 +433,17 @@ class StepRun {
     dy_.reset();
     reshard(0);
     finish_reduce_scatter();
-    start_reduce_scatter(0, reduce_scatter_input(grads));
+    start_reduce_scatter(0, reduce_scatter_input(0, grads));
     finish_reduce_scatter();  // the embedding's shard lands; every grad shard exists
   }
 
   TrackingAllocator& a_;
+  Communicator* comm_;
   const StepScheduleConfig& c_;
   const int64_t T_, H_, V_, L_;
   const LayerScheduleConfig lc_;
-  const std::vector<int64_t> unit_params_;
-  std::vector<int64_t> unit_offset_;
+  const std::vector<int64_t> unit_params_;  // gathered [U] per unit
+  const uint64_t data_seed_;
   int64_t P_ = 0, head_ = 0;
   bool offload_ = false;
   VocabScheduleConfig loss_;
@@ -473,10 +451,11 @@ class StepRun {
   std::vector<bool> offloaded_;
   std::vector<int64_t> slot_;
 
-  Tensor params_, m_, v_;
+  std::unique_ptr<FsdpShards> shards_;  // the rank's param shards; grad shards are grad_shards_
+  Tensor m_, v_;
   std::unique_ptr<OptimizerHostState> host_state_;
   Tensor host_boundaries_;
-  std::vector<Tensor> gathered_, shards_, device_;
+  std::vector<Tensor> gathered_, grad_shards_, device_;
   Tensor rs_input_;
   int64_t rs_unit_ = -1;
   Tensor dy_;
@@ -487,9 +466,91 @@ class StepRun {
 
 std::vector<int64_t> step_unit_params(const ModelSpec& model) { return rank_shard_units(model, 1, 1, false); }
 
+uint64_t step_data_seed(const StepScheduleConfig& config, int rank) {
+  const uint64_t base = config.data_seed != 0 ? config.data_seed : config.seed;
+  return rank == 0 ? base : mix64(base, 0x5eed0000u + static_cast<uint64_t>(rank));
+}
+
+void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst) {
+  const ModelSpec& m = config.model;
+  const int64_t H = m.hidden_size, V = m.vocab_size, L = m.num_layers;
+  std::fill(dst, dst + count, 0.0f);  // parts the executor does not apply stay zero
+  const uint64_t seed = mix64(config.seed, static_cast<uint64_t>(unit) * 64);
+  // One tensor at `at` of the unit: its elements that fall in [begin, begin + count).
+  auto tensor = [&](int64_t at, int64_t numel, uint64_t tensor_seed, auto value) {
+    const int64_t lo = std::max(at, begin), hi = std::min(at + numel, begin + count);
+    for (int64_t i = lo; i < hi; ++i) dst[i - begin] = value(uniform_pm1(tensor_seed, static_cast<uint64_t>(i - at)));
+  };
+  // Norms (1-D [H]) around 1, matrices uniform / sqrt(fan-in), the embedding uniform.
+  auto weight = [](int64_t fan_in, bool norm) {
+    return [fan_in, norm](float u) { return norm ? 1.0f + 0.1f * u : u / std::sqrt(static_cast<float>(fan_in)); };
+  };
+  if (unit == 0) {  // embedding [V, H]
+    tensor(0, V * H, seed, [](float u) { return u; });
+  } else if (unit == L + 1) {  // final norm [H], LM head [V, H]
+    tensor(0, H, seed, weight(H, true));
+    tensor(H, V * H, seed + 1, weight(H, false));
+  } else {
+    int64_t at = 0;
+    uint64_t j = 0;
+    for (const auto& w : layer_weight_shapes(layer_config(config))) {
+      tensor(at, w.numel(), seed + ++j, weight(w.shape.back(), w.shape.size() == 1));
+      at += w.numel();
+    }
+  }
+}
+
 StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config) {
   check(config);
-  return StepRun(alloc, config).run();
+  return StepRun(nullptr, alloc, config).run();
+}
+
+StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config) {
+  check(config);
+  return StepRun(&comm, alloc, config).run();
+}
+
+StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_t alignment_bytes) {
+  if (ranks < 1) throw std::invalid_argument("step reference: ranks must be >= 1 (got " + std::to_string(ranks) + ")");
+  StepReference ref;
+  for (int r = 0; r < ranks; ++r) {
+    StepScheduleConfig n = config;
+    n.naive = true;
+    n.keep_results = true;
+    n.data_seed = step_data_seed(config, r);
+    TrackingAllocator alloc({alignment_bytes});
+    const StepScheduleResult got = run_step_schedule(alloc, n);
+    ref.losses.push_back(got.loss);
+    if (r == 0) ref.grads.assign(got.grads.size(), 0.0f), ref.unit_params = got.unit_params;
+    for (size_t i = 0; i < got.grads.size(); ++i) ref.grads[i] = r == 0 ? got.grads[i] : ref.grads[i] + got.grads[i];
+  }
+  ref.params = step_reference_update(config, ref.grads);
+  return ref;
+}
+
+std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads) {
+  const std::vector<int64_t> units = step_unit_params(config.model);
+  std::vector<float> params;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const size_t at = params.size();
+    params.resize(at + static_cast<size_t>(units[u]));
+    step_initial_params(config, static_cast<int64_t>(u), 0, units[u], params.data() + at);
+  }
+  if (grads.size() != params.size())
+    throw std::invalid_argument("step reference: " + std::to_string(grads.size()) + " grads for " + std::to_string(params.size()) + " params");
+  std::vector<float> m(params.size(), 0.0f), v(params.size(), 0.0f);  // the run's first step
+  const OptimizerScheduleConfig& o = config.optimizer;
+  AdamWArgs a;
+  a.master = params.data();
+  a.grad = grads.data();
+  a.grad_dtype = DType::F32;
+  a.m = m.data();
+  a.v = v.data();
+  a.elems = static_cast<int64_t>(params.size());
+  a.step = 1;
+  a.lr = o.lr, a.beta1 = o.beta1, a.beta2 = o.beta2, a.eps = o.eps, a.weight_decay = o.weight_decay;
+  adamw_step_cpu(a);
+  return params;
 }
 
 }  // namespace flatpeak::exec

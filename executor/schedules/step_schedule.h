@@ -1,4 +1,6 @@
-// One training step of a small MoE transformer on one rank (N = 1 under FSDP2), every buffer from
+// One training step of a small MoE transformer on one rank (N = 1 under FSDP2) or on each of the N
+// ranks of a Communicator (FSDP across them at EP = 1: every rank holds a 1/N slice of every unit,
+// the experts included, and runs its own sequence), every buffer from
 // the TrackingAllocator with its traces/ category and the shared phase names: fwd/embed, each
 // layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
 // as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last
@@ -8,14 +10,17 @@
 //   c.offloaded = {true, false, false, false}; c.prefetch = 1;
 //   c.optimizer.placement = OptimizerPlacement::Stream; c.optimizer.bucket_params = 4096;
 //   TrackingAllocator alloc({512});  StepScheduleResult r = run_step_schedule(alloc, c);
+//   run_ranks(4, [&](int, Communicator& comm) { TrackingAllocator a({512}); run_step_schedule(comm, a, c); });
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/decoder_layer.h"
+#include "executor/schedules/fsdp_shards.h"
 #include "executor/schedules/optimizer_schedule.h"
 #include "executor/schedules/vocab_schedule.h"
 #include "spec/model_spec.h"
@@ -44,16 +49,28 @@ struct StepScheduleConfig {
   // hyperparameters (params are the step's P; the step is the run's first: m = v = 0, t = 1).
   OptimizerScheduleConfig optimizer;
   uint64_t seed = 1;          // parameters, token ids and targets: a pure function of the seed
+  uint64_t data_seed = 0;     // token ids and targets instead (0: seed); rank r > 0 derives its own (step_data_seed)
   bool keep_results = true;   // copy grads and updated params out (tests, exactness); off: only the loss
 };
 
 // Parameters of this rank's FSDP units in execution order: the embedding [V·H], each layer, the
-// head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, false).
+// head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, false). These are
+// the gathered units at any N (EP = 1); rank r holds [r·S, min((r+1)·S, U)) of each, S = ceil(U/N).
 std::vector<int64_t> step_unit_params(const ModelSpec& model);
+
+// The seed of rank `rank`'s token ids and targets: rank 0 keeps the config's (so one rank is the
+// single-rank step), the others draw their own sequences (data parallel).
+uint64_t step_data_seed(const StepScheduleConfig& config, int rank);
+
+// The fp32 initial values of unit `unit`'s elements [begin, begin + count) (the same on every
+// rank; a rank's shard is its slice of them).
+void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst);
 
 struct StepScheduleResult {
   double loss = 0.0;                  // mean cross-entropy over the T tokens (fp64 sum)
-  std::vector<int64_t> unit_params;   // step_unit_params
+  std::vector<int64_t> unit_params;   // step_unit_params (gathered)
+  std::vector<int64_t> shard_begin;   // per unit: the first element of the unit this rank holds (0 at N = 1)
+  std::vector<int64_t> shard_params;  // per unit: how many (unit_params at N = 1)
   std::vector<float> grads;           // [P] the reduced grad shards before the optimizer step (widened), unit by unit
   std::vector<float> params;          // [P] the fp32 master after the step (device fp32 params or the host master)
   std::vector<std::string> phases;    // every phase entered, in order (the allocator's records)
@@ -64,17 +81,36 @@ struct StepScheduleResult {
 //   loss/fwd[/blkI], loss/bwd[/blkI], bwd/Ll/recompute/{attn, moe/dispatch, moe/experts,
 //   moe/combine}, bwd/Ll/moe/{combine, experts, dispatch}, bwd/Ll/attn, bwd/embed, then
 //   opt/step | opt/d2h, opt/cpu_step, opt/h2d | opt/bucketI.
-// FSDP at N = 1 (category fsdp): a unit is gathered into one bf16 [U] buffer before it runs (the
+// FSDP (category fsdp; FsdpShards): a unit is all-gathered into one bf16 [U] buffer before it runs (the
 // next unit prefetched while one runs: the embedding and L0 in fwd/embed, L(l+1) or the head in
 // fwd/Ll, L(L-1) from the loss's backward, L(l-1) or the embedding in bwd/Ll) and freed after its
 // forward and after its backward; its unsharded grads are one bf16 [U] buffer from the start of
-// its backward; at its end they become the fp32 reduce-scatter input [U], which stays in flight
-// through the next unit's backward, whose start lands the grad shard (category grads: fp32 with
-// the optimizer on the device, bf16 with offload). The head's gathered buffer is the loss's W
+// its backward; at its end they become the fp32 reduce-scatter input [N·S] ([U] at N = 1), which
+// stays in flight through the next unit's backward, whose start runs the reduce-scatter and lands
+// the rank's grad shard [S] (category grads: fp32 with the optimizer on the device, bf16 with
+// offload, whose fp32 sum passes through an [S] buffer of category comm at N > 1). The head's gathered buffer is the loss's W
 // (retagged vocab at the loss); the blocked loss accumulates dW in the head's fp32 grad buffer
-// [U] (final-norm grad first), which is reduced in place; the materialised dW is the head's bf16
-// grads. The embedding's reduce-scatter runs at the end of bwd/embed.
+// [N·S] (final-norm grad first), which is reduced in place; the materialised dW is the head's bf16
+// grads. The embedding's reduce-scatter runs at the end of bwd/embed. The optimizer steps the
+// rank's shard only.
 // Throws std::invalid_argument for a model or knobs the step cannot run.
 StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config);
+// The same on every rank of `comm` (each rank calls it with the same config and its own allocator):
+// rank r runs the sequence of step_data_seed(config, r); the gathers and reduce-scatters are the
+// communicator's, the grads summed over the ranks in rank order.
+StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config);
+
+// The single-rank reference of the step on `ranks` ranks: the naive step of each rank's sequence
+// (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order), then
+// one AdamW step (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector.
+struct StepReference {
+  std::vector<int64_t> unit_params;  // step_unit_params
+  std::vector<double> losses;        // per rank
+  std::vector<float> grads;          // [P] summed over the ranks
+  std::vector<float> params;         // [P] after AdamW
+};
+StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_t alignment_bytes = 512);
+// The AdamW part alone: the initial params of the whole model stepped once with `grads` [P].
+std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads);
 
 }  // namespace flatpeak::exec

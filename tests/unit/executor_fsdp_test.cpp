@@ -71,7 +71,7 @@ TEST(ExecutorFsdp, GatherIsTheRoundedMastersInRankOrder) {
       Tensor w = s.gather(i);
       ASSERT_EQ(w.numel(), s.gathered_params(i));  // exactly U, no padding
       EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Fsdp) - fsdp_before, alloc.tracked_bytes_for(2 * s.gathered_params(i)));
-      EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Comm), 0);  // the send copy is gone
+      EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Comm), 0);  // sent from its place in the output: no send copy
       const Bf16* g = w.data<Bf16>();
       for (int64_t e = 0; e < s.unit(i).sharded_params; ++e)
         ASSERT_EQ(g[e].bits, f32_to_bf16(master_value(i, e)).bits) << "rank " << rank << " unit " << i << " element " << e;
@@ -117,6 +117,42 @@ TEST(ExecutorFsdp, ReduceScatterSumsInRankOrderAndAccumulates) {
           ASSERT_TRUE(same_bits(got, acc)) << "rank " << rank << " unit " << i << " element " << e << ": " << got << " vs " << acc;
         }
       }
+    });
+    EXPECT_TRUE(r.ok()) << r.message;
+  }
+}
+
+// The split reduce-scatter into caller-held shards (the step's): the input [N·S + local] fp32, then
+// the rank-order sum written into a fresh shard of the unit, bitwise the sum; no [P] grad buffer.
+TEST(ExecutorFsdp, ReduceScatterIntoCallerShards) {
+  for (ShardPrecision precision : {ShardPrecision::Fp32Master, ShardPrecision::Bf16}) {
+    const RunResult r = run_ranks(4, [&](int rank, Communicator& comm) {
+      TrackingAllocator alloc({1});
+      FsdpShards s(alloc, &comm, shapes(), precision, GradShards::Caller);
+      EXPECT_TRUE(s.grads().empty());
+      EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Grads), 0);
+      const DType dtype = precision == ShardPrecision::Bf16 ? DType::BF16 : DType::F32;
+      for (size_t i = 0; i < s.units(); ++i) {
+        Tensor g(alloc, DType::BF16, {s.gathered_params(i)}, Category::Fsdp);
+        for (int64_t e = 0; e < s.gathered_params(i); ++e) g.data<Bf16>()[e] = f32_to_bf16(grad_value(rank, 0, i, e));
+        Tensor in = s.reduce_scatter_input(i, g);
+        EXPECT_EQ(in.numel(), 4 * s.slice_stride(i) + s.unit(i).local_params);
+        Tensor shard(alloc, dtype, {s.shard_length(i)}, Category::Grads);
+        s.reduce_scatter_into(i, in, shard);
+        EXPECT_EQ(alloc.live_bytes(MemorySpace::Device, Category::Comm), 0);  // the [S] staging is freed
+        const int64_t begin = s.slice_begin(i), mine = s.slice_length(i, rank);
+        for (int64_t e = 0; e < s.shard_length(i); ++e) {
+          float sum = 0.0f;
+          if (e >= mine) sum = grad_value(rank, 0, i, s.unit(i).sharded_params + (e - mine));
+          else
+            for (int p = 0; p < 4; ++p) sum += grad_value(p, 0, i, begin + e);
+          const float want = dtype == DType::BF16 ? to_f32(f32_to_bf16(sum)) : sum;
+          const float got = dtype == DType::BF16 ? to_f32(shard.data<Bf16>()[e]) : shard.data<float>()[e];
+          ASSERT_TRUE(same_bits(got, want)) << "rank " << rank << " unit " << i << " element " << e;
+        }
+      }
+      Tensor g(alloc, DType::BF16, {s.gathered_params(0)}, Category::Fsdp);
+      EXPECT_THROW(s.reduce_scatter(0, g), std::invalid_argument);  // no whole [P] grad shard to add to
     });
     EXPECT_TRUE(r.ok()) << r.message;
   }
