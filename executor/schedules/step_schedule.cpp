@@ -524,17 +524,26 @@ StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_
     if (r == 0) ref.grads.assign(got.grads.size(), 0.0f), ref.unit_params = got.unit_params;
     for (size_t i = 0; i < got.grads.size(); ++i) ref.grads[i] = r == 0 ? got.grads[i] : ref.grads[i] + got.grads[i];
   }
+  // With the optimizer offloaded the grad shards are bf16: the sum rounded once.
+  if (config.optimizer.placement != OptimizerPlacement::Device)
+    for (float& g : ref.grads) g = to_f32(f32_to_bf16(g));
   ref.params = step_reference_update(config, ref.grads);
   return ref;
 }
 
-std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads) {
+std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads,
+                                         const std::vector<int64_t>& shard_begin, const std::vector<int64_t>& shard_params) {
   const std::vector<int64_t> units = step_unit_params(config.model);
+  const bool whole = shard_begin.empty();
+  if (!whole && (shard_begin.size() != units.size() || shard_params.size() != units.size()))
+    throw std::invalid_argument("step reference: slices for " + std::to_string(shard_begin.size()) + " of " +
+                                std::to_string(units.size()) + " units");
   std::vector<float> params;
   for (size_t u = 0; u < units.size(); ++u) {
     const size_t at = params.size();
-    params.resize(at + static_cast<size_t>(units[u]));
-    step_initial_params(config, static_cast<int64_t>(u), 0, units[u], params.data() + at);
+    const int64_t begin = whole ? 0 : shard_begin[u], count = whole ? units[u] : shard_params[u];
+    params.resize(at + static_cast<size_t>(count));
+    step_initial_params(config, static_cast<int64_t>(u), begin, count, params.data() + at);
   }
   if (grads.size() != params.size())
     throw std::invalid_argument("step reference: " + std::to_string(grads.size()) + " grads for " + std::to_string(params.size()) + " params");

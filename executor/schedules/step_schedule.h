@@ -101,8 +101,9 @@ StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepSchedul
 StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config);
 
 // The single-rank reference of the step on `ranks` ranks: the naive step of each rank's sequence
-// (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order), then
-// one AdamW step (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector.
+// (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order) and,
+// with the optimizer offloaded (bf16 grad shards), rounded once to bf16, then one AdamW step
+// (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector.
 struct StepReference {
   std::vector<int64_t> unit_params;  // step_unit_params
   std::vector<double> losses;        // per rank
@@ -110,7 +111,9 @@ struct StepReference {
   std::vector<float> params;         // [P] after AdamW
 };
 StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_t alignment_bytes = 512);
-// The AdamW part alone: the initial params of the whole model stepped once with `grads` [P].
-std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads);
+// The AdamW part alone: the initial params stepped once with `grads`, of the whole model ([P], no
+// slices given) or of the slices [shard_begin[u], + shard_params[u]) of each unit, concatenated.
+std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads,
+                                         const std::vector<int64_t>& shard_begin = {}, const std::vector<int64_t>& shard_params = {});
 
 }  // namespace flatpeak::exec

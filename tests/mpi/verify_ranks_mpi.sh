@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `flatpeak verify` under mpirun: 4 processes give the same report (rank 0 prints one JSON document)
-# and the same exit code as 4 thread ranks, for the dispatch component and for a default verify
-# (every component, --scale auto), both of which pass (exit 0); a job whose process count differs
+# and the same exit code as 4 thread ranks, for the dispatch component, for a default verify
+# (every component, --scale auto) and for the whole step on 4 ranks with FSDP at EP = 1 (an
+# OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64), all of which pass (exit 0); a job whose process count differs
 # from the plan's ranks ends with exit 2 and says so. Every step runs under its own timeout (then
 # SIGKILL 10 s later) and is announced first, so a hang names the step and the script always ends,
 # with a message, before CTest's limit.
@@ -20,17 +21,23 @@ limit 20 "$flatpeak" plan --model Qwen3-30B-A3B --gpus 4 --ep 4 --context 64K --
   --imbalance rho=2.5 --format json >"$dir/plan.json" 2>"$dir/plan.err"
 rc=$?
 [ $rc = 0 ] || [ $rc = 3 ] || fail "plan exited $rc: $(cat "$dir/plan.err")"
+step "plan: OLMoE-1B-7B, --gpus 4 --ep 1, flatpeak"
+limit 20 "$flatpeak" plan --model OLMoE-1B-7B --gpus 4 --ep 1 --context 16K --gpu H200 --schedule flatpeak \
+  --format json >"$dir/plan_ep1.json" 2>"$dir/plan_ep1.err"
+rc=$?
+[ $rc = 0 ] || [ $rc = 3 ] || fail "plan (EP = 1) exited $rc: $(cat "$dir/plan_ep1.err")"
+plan=$dir/plan.json  # the plan verify_both verifies
 
 # verify_both NAME LIMIT_S [VERIFY OPTIONS...]: threads, then mpirun -np 4; both exit 0 with the same report.
 verify_both() {
   local name=$1 seconds=$2
   shift 2
   step "$name: 4 thread ranks"
-  limit "$seconds" "$flatpeak" verify "$dir/plan.json" --scale auto --format json "$@" >"$dir/$name.threads.json" 2>"$dir/$name.threads.err"
+  limit "$seconds" "$flatpeak" verify "$plan" --format json "$@" >"$dir/$name.threads.json" 2>"$dir/$name.threads.err"
   local threads_rc=$?
   [ $threads_rc = 0 ] || fail "$name: threads run exited $threads_rc (expected 0): $(cat "$dir/$name.threads.err") $(grep -B2 -A6 '"relative_error"' "$dir/$name.threads.json" | head -40)"
   step "$name: mpirun $np_flag 4"
-  limit "$seconds" "$mpirun" "$np_flag" 4 "${mpirun_options[@]}" "$flatpeak" verify "$dir/plan.json" --scale auto --format json "$@" \
+  limit "$seconds" "$mpirun" "$np_flag" 4 "${mpirun_options[@]}" "$flatpeak" verify "$plan" --format json "$@" \
     >"$dir/$name.mpi.json" 2>"$dir/$name.mpi.err"
   local mpi_rc=$?
   [ $mpi_rc = 0 ] || fail "$name: mpirun $np_flag 4 exited $mpi_rc (expected 0; 124/137: timed out): $(cat "$dir/$name.mpi.err")"
@@ -42,8 +49,11 @@ verify_both() {
     fail "$name: the MPI report differs from the threads report (above)"
 }
 mpirun_options=("$@")
-verify_both dispatch 30 --component dispatch
-verify_both default 45
+verify_both dispatch 30 --scale auto --component dispatch
+verify_both default 45 --scale auto
+plan=$dir/plan_ep1.json
+verify_both step 30 --scale 64 --component step
+grep -q 'step: 4 ranks, FSDP at EP = 1' "$dir/step.mpi.json" || fail "step: the MPI report does not come from the 4-rank step"
 
 step "mpirun $np_flag 2 on the 4-rank plan"
 limit 20 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
@@ -51,4 +61,4 @@ np2_rc=$?
 [ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
-step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify); $np_flag 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify, step at EP = 1); $np_flag 2 exits 2"

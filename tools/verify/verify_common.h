@@ -16,6 +16,7 @@
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/dispatch_schedule.h"
+#include "executor/schedules/step_schedule.h"
 #include "spec/errors.h"
 #include "spec/model_spec.h"
 #include "spec/routing.h"
@@ -109,6 +110,22 @@ std::pair<int64_t, int64_t> compare_dispatch(const nlohmann::ordered_json& predi
 int64_t first_moe_layer(const VerifyInputs& in, const ScaledConfig& s);
 // `model` becomes an in-memory routing file holding `counts` ([EP][E], one layer).
 std::shared_ptr<RoutingFile> realised_routing(const CountMatrix& counts, int64_t ep, int64_t experts, RoutingModel& model);
+
+// The step (verify_step_full.cpp), shared by its one-rank and multi-rank runs.
+struct StepSetup {
+  exec::StepScheduleConfig config;  // the scaled step as every rank runs it
+  int64_t params = 0;               // P of rank 0 (the largest shard)
+  nlohmann::ordered_json predicted; // the planner's timeline: one rank of `ranks` (FSDP at EP = 1)
+  std::string note;                 // P, boundaries, optimizer (and buckets)
+};
+// The step's configuration and prediction on `ranks` ranks (1: the one-rank step); UnsupportedPlan
+// for a plan the step does not run.
+StepSetup step_setup(const VerifyContext& ctx, int64_t ranks);
+// Rows step.<column> of every predicted phase and peak, device and host, against `alloc`'s records.
+void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report);
+// Whether the multi-rank step runs the plan (EP = 1; else `why_not` says why); UnsupportedPlan for
+// a plan the step does not run at all.
+bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);
 
 // One verify component per file.
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report);

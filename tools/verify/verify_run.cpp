@@ -16,22 +16,26 @@ namespace flatpeak::cli {
 namespace {
 
 using ComponentRun = void (*)(const VerifyContext&, VerifyReport&);
+// Whether run_multi_rank runs this plan (else `why_not` says why, and rank 0 runs `run` alone);
+// throws UnsupportedPlan for a plan the component does not run at all. Same answer on every rank.
+using MultiRankCheck = bool (*)(const VerifyContext&, std::string& why_not);
 
 struct Component {
   const char* name;
   ComponentRun run;              // one rank
   ComponentRun run_multi_rank;   // every rank of a multi-rank configuration; nullptr: one rank only
+  MultiRankCheck runs_on_ranks;  // nullptr: run_multi_rank runs every multi-rank plan
   bool implemented;              // false: refused by --component, skipped by default
 };
 
 // Report order: the techniques' components first, then the layer and the whole step.
 const Component kComponents[] = {
-    {"dispatch", verify_dispatch, verify_dispatch_ranks, true},
-    {"vocab", verify_vocab, verify_vocab_ring, true},
-    {"checkpoint", verify_checkpoint, nullptr, true},
-    {"optimizer", verify_optimizer, nullptr, true},
-    {"layer", verify_layer, nullptr, true},
-    {"step", verify_step, nullptr, true},
+    {"dispatch", verify_dispatch, verify_dispatch_ranks, nullptr, true},
+    {"vocab", verify_vocab, verify_vocab_ring, nullptr, true},
+    {"checkpoint", verify_checkpoint, nullptr, nullptr, true},
+    {"optimizer", verify_optimizer, nullptr, nullptr, true},
+    {"layer", verify_layer, nullptr, nullptr, true},
+    {"step", verify_step, verify_step_ranks, step_runs_on_ranks, true},
 };
 
 // Runs a single-rank component on this process. When several components run (the default), one
@@ -79,7 +83,20 @@ VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled
   const bool skippable = requested > 1;
   for (const auto& c : kComponents) {
     if (!c.implemented || std::find(components.begin(), components.end(), c.name) == components.end()) continue;
-    if (multi_rank && c.run_multi_rank != nullptr) {
+    std::string why_not;  // why a multi-rank component runs on rank 0 alone
+    bool on_ranks = multi_rank && c.run_multi_rank != nullptr;
+    if (on_ranks && c.runs_on_ranks != nullptr) {
+      try {
+        on_ranks = c.runs_on_ranks(ctx, why_not);
+      } catch (const UnsupportedPlan& e) {
+        if (!skippable) throw;
+        std::string why;
+        for (const auto& d : e.diagnostics()) why += (why.empty() ? "" : "; ") + d.pointer + ": " + d.message;
+        report.notes.push_back(std::string(c.name) + ": not run (" + why + ")");
+        continue;
+      }
+    }
+    if (on_ranks) {
       VerifyReport part = run_component_on_ranks(c.run_multi_rank, in, scaled, adjust, static_cast<int>(scaled.ranks), world);
       report.rows.insert(report.rows.end(), part.rows.begin(), part.rows.end());
       report.max_abs_dloss = std::max(report.max_abs_dloss, part.max_abs_dloss);
@@ -90,7 +107,8 @@ VerifyReport run_verification(const VerifyInputs& in, const ScaledConfig& scaled
     }
     const size_t notes_before = report.notes.size();
     if (multi_rank)
-      report.notes.push_back(std::string(c.name) + ": no multi-rank run yet; ran on rank 0 alone, with one rank's prediction");
+      report.notes.push_back(std::string(c.name) + ": " + (why_not.empty() ? "no multi-rank run yet" : why_not) +
+                             "; ran on rank 0 alone, with one rank's prediction");
     if (world == nullptr) {
       run_single(c, ctx, report, skippable, notes_before);
       continue;

@@ -20,6 +20,8 @@
 // Against the naive step (no checkpointing, materialised loss, optimizer on the device, same data):
 // max_abs_dloss, max_abs_dgrad over every reduced grad shard, and a note with the largest
 // difference of an updated parameter; all three 0 (bitwise) when the plan's loss is materialised.
+// On N > 1 ranks at EP = 1, step_setup predicts one rank of the N-GPU plan and every rank runs
+// the step (verify_step_ranks.cpp); at EP > 1 rank 0 runs this one-rank step (verify_run.cpp).
 //   flatpeak verify p.json --component step --max-ranks 1
 #include <algorithm>
 #include <cmath>
@@ -118,7 +120,20 @@ void compare_step(exec::MemorySpace space, const std::vector<std::string>& colum
 
 }  // namespace
 
-void verify_step(const VerifyContext& ctx, VerifyReport& report) {
+void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report) {
+  compare_step(exec::MemorySpace::Device, kDeviceColumns, predicted, alloc, report);
+  compare_step(exec::MemorySpace::Host, kHostColumns, predicted, alloc, report);
+}
+
+bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
+  check_step_supported(ctx.in, ctx.scaled, layer_model(ctx));
+  if (ctx.scaled.ep == 1) return true;
+  why_not = "no multi-rank run at EP = " + std::to_string(ctx.scaled.ep) +
+            " (an MoE layer across EP ranks needs the dispatch inside the layer, not built; the multi-rank step runs EP = 1 plans)";
+  return false;
+}
+
+StepSetup step_setup(const VerifyContext& ctx, int64_t ranks) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
   const ModelSpec model = layer_model(ctx);
@@ -136,9 +151,10 @@ void verify_step(const VerifyContext& ctx, VerifyReport& report) {
   c.optimizer.placement = s.optimizer == "gpu"      ? exec::OptimizerPlacement::Device
                           : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
                                                     : exec::OptimizerPlacement::Stream;
-  c.optimizer.cpu_threads = 2;
+  c.optimizer.cpu_threads = ranks > 1 ? 1 : 2;  // thread ranks share the machine's cores
+  // The rank's P: rank 0's slices of every unit (the largest, ceil(U / N) each).
   int64_t params = 0;
-  for (int64_t p : exec::step_unit_params(model)) params += p;
+  for (int64_t p : exec::step_unit_params(model)) params += (p + ranks - 1) / ranks;
 
   FlagList flags;
   if (s.boundaries == "sco")
@@ -152,7 +168,25 @@ void verify_step(const VerifyContext& ctx, VerifyReport& report) {
     flags.emplace_back("--bucket-params", std::to_string(c.optimizer.bucket_params));
     flags.emplace_back("--bucket-depth", std::to_string(s.bucket_depth));
   }
-  const nlohmann::ordered_json predicted = predicted_timeline_for(ctx, model, flags);
+  if (ranks > 1) {  // FSDP over N ranks at EP = 1: one rank's share of the N-GPU plan
+    flags.insert(flags.end(), {{"--gpus", std::to_string(ranks)}, {"--gpus-per-node", std::to_string(ranks)}, {"--ep", "1"}, {"--micro-batch", "1"}});
+    // Ring-DTP's ring is the vocab component's; the step's loss is a ring of one (scale_config's R).
+    if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
+  }
+  StepSetup out{c, params, predicted_timeline_for(ctx, model, flags), ""};
+  out.note = "P = " + std::to_string(params) + " params on " + (ranks > 1 ? "rank 0" : "the rank") + " (" +
+             std::to_string(model.num_experts) + " experts a layer), boundaries " + s.boundaries + ", optimizer " + s.optimizer;
+  if (s.optimizer == "stream")
+    out.note += " (" + std::to_string(s.bucket_count) + " buckets of " + std::to_string(c.optimizer.bucket_params) + ", depth " +
+                std::to_string(s.bucket_depth) + ")";
+  return out;
+}
+
+void verify_step(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const StepSetup setup = step_setup(ctx, 1);
+  const exec::StepScheduleConfig& c = setup.config;
+  const nlohmann::ordered_json& predicted = setup.predicted;
 
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   const exec::StepScheduleResult got = exec::run_step_schedule(alloc, c);
@@ -166,16 +200,10 @@ void verify_step(const VerifyContext& ctx, VerifyReport& report) {
     report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.grads[i] - ref.grads[i])));
   for (size_t i = 0; i < got.params.size(); ++i) dparam = std::max(dparam, static_cast<double>(std::fabs(got.params[i] - ref.params[i])));
 
-  compare_step(exec::MemorySpace::Device, kDeviceColumns, predicted, alloc, report);
-  compare_step(exec::MemorySpace::Host, kHostColumns, predicted, alloc, report);
+  compare_step_columns(predicted, alloc, report);
   report.measured_trace = measured_trace(alloc);
 
-  std::string note = "step: P = " + std::to_string(params) + " params on the rank (" + std::to_string(model.num_experts) +
-                     " experts a layer), boundaries " + s.boundaries + ", optimizer " + s.optimizer;
-  if (s.optimizer == "stream")
-    note += " (" + std::to_string(s.bucket_count) + " buckets of " + std::to_string(c.optimizer.bucket_params) + ", depth " +
-            std::to_string(s.bucket_depth) + ")";
-  report.notes.push_back(note);
+  report.notes.push_back("step: " + setup.note);
   char buffer[64];
   std::snprintf(buffer, sizeof buffer, "%.3g", dparam);
   report.notes.push_back(std::string("step: max |updated param - naive| = ") + buffer);

@@ -1,0 +1,199 @@
+// The whole step on 4 thread ranks (step_schedule.h with a Communicator, FSDP at EP = 1): each rank
+// runs its own sequence; with the materialised loss every rank's loss is the naive step's of its
+// sequence and its reduced grad shard and updated params are bitwise the matching slice of the
+// single-rank reference (naive steps of the 4 sequences, grads summed in rank order, one AdamW),
+// for each optimizer placement and offloaded set; with the blocked loss within the one-rank
+// bounds; the FSDP, grad-shard and param bytes of chosen phases are the hand-derived N-rank sums.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "executor/comm/threads_comm.h"
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/step_schedule.h"
+#include "spec/model_loader.h"
+
+namespace flatpeak::exec {
+namespace {
+
+constexpr int kRanks = 4;
+
+// The one-rank test's shape (executor_schedule_step_test.cpp): Qwen3-30B-A3B's layout at H = 32,
+// V = 300, L = 3, E = 6 (every rank holds every expert: EP = 1), k = 2, F = 16.
+StepScheduleConfig config(uint64_t seed = 1) {
+  StepScheduleConfig c;
+  c.model = load_model("Qwen3-30B-A3B");
+  c.model.hidden_size = 32;
+  c.model.vocab_size = 300;
+  c.model.num_layers = 3;
+  c.model.layers.resize(3);
+  c.model.num_heads = 4;
+  c.model.num_kv_heads = 2;
+  c.model.head_dim = 8;
+  c.model.v_head_dim = 8;
+  c.model.num_experts = 6;
+  c.model.top_k = 2;
+  c.model.expert_ffn_width = 16;
+  c.tokens = 48;
+  c.seed = seed;
+  c.loss.mode = VocabScheduleMode::Materialized;
+  c.optimizer.placement = OptimizerPlacement::Device;
+  return c;
+}
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// Every rank's result (and allocator records when asked), run on 4 thread ranks.
+std::vector<StepScheduleResult> run_on_ranks(const StepScheduleConfig& c, std::vector<std::vector<PhaseRecord>>* records = nullptr,
+                                             int64_t alignment = 512) {
+  std::vector<StepScheduleResult> out(kRanks);
+  if (records) records->assign(kRanks, {});
+  const RunResult r = run_ranks(kRanks, [&](int rank, Communicator& comm) {
+    TrackingAllocator alloc({alignment, -1, -1});
+    out[static_cast<size_t>(rank)] = run_step_schedule(comm, alloc, c);
+    EXPECT_EQ(alloc.live_allocations(), 0) << "rank " << rank;
+    if (records) (*records)[static_cast<size_t>(rank)] = alloc.phase_records();
+  });
+  EXPECT_TRUE(r.ok()) << r.message;
+  return out;
+}
+
+// The rank's shard against the reference's slice of each unit: the largest |difference| of the
+// grads and of the params (0 and `bitwise` checked when asked).
+struct SliceDiff {
+  double grad = 0.0, param = 0.0;
+  bool bitwise = true;
+};
+SliceDiff compare_slices(const StepScheduleResult& got, const StepReference& ref) {
+  SliceDiff d;
+  size_t shard_at = 0, unit_at = 0;
+  for (size_t u = 0; u < got.unit_params.size(); ++u) {
+    for (int64_t e = 0; e < got.shard_params[u]; ++e) {
+      const size_t i = shard_at + static_cast<size_t>(e), j = unit_at + static_cast<size_t>(got.shard_begin[u] + e);
+      d.grad = std::max(d.grad, std::fabs(double(got.grads[i]) - ref.grads[j]));
+      d.param = std::max(d.param, std::fabs(double(got.params[i]) - ref.params[j]));
+      d.bitwise = d.bitwise && same_bits(got.grads[i], ref.grads[j]) && same_bits(got.params[i], ref.params[j]);
+    }
+    shard_at += static_cast<size_t>(got.shard_params[u]);
+    unit_at += static_cast<size_t>(got.unit_params[u]);
+  }
+  return d;
+}
+
+TEST(ExecutorStepRanks, EachRankHoldsItsSliceOfEveryUnit) {
+  const StepScheduleConfig c = config();
+  const std::vector<StepScheduleResult> got = run_on_ranks(c);
+  const std::vector<int64_t> units = step_unit_params(c.model);  // 9600, 12560 (x3), 9632
+  for (int r = 0; r < kRanks; ++r) {
+    const StepScheduleResult& g = got[static_cast<size_t>(r)];
+    ASSERT_EQ(g.unit_params, units);
+    for (size_t u = 0; u < units.size(); ++u) {
+      const int64_t S = (units[u] + kRanks - 1) / kRanks;
+      EXPECT_EQ(g.shard_begin[u], std::min<int64_t>(units[u], r * S)) << "rank " << r << " unit " << u;
+      EXPECT_EQ(g.shard_params[u], std::min<int64_t>(units[u], (r + 1) * S) - g.shard_begin[u]);
+    }
+    const int64_t P = std::accumulate(g.shard_params.begin(), g.shard_params.end(), int64_t{0});
+    EXPECT_EQ(static_cast<int64_t>(g.grads.size()), P);
+    EXPECT_EQ(static_cast<int64_t>(g.params.size()), P);
+  }
+  // Different sequences: different losses.
+  EXPECT_NE(got[0].loss, got[1].loss);
+  EXPECT_NE(got[2].loss, got[3].loss);
+}
+
+// Materialised loss: the same ops on the same values in the same order on every rank as in its
+// naive step, and the reduce-scatter sums the widened bf16 grads in rank order as the reference
+// does, so loss, grad shards and updated params are bitwise.
+TEST(ExecutorStepRanks, BitwiseTheSingleRankReference) {
+  struct Case {
+    std::vector<bool> offloaded;
+    int64_t prefetch;
+    OptimizerPlacement placement;
+  };
+  const Case cases[] = {{{}, 0, OptimizerPlacement::Device},
+                        {{true, false, true}, 1, OptimizerPlacement::Serial},
+                        {{true, true, true}, 2, OptimizerPlacement::Stream}};
+  for (const Case& k : cases) {
+    StepScheduleConfig c = config();
+    c.offloaded = k.offloaded;
+    c.prefetch = k.prefetch;
+    c.optimizer.placement = k.placement;
+    c.optimizer.bucket_params = 3000;
+    const StepReference ref = step_reference(c, kRanks);  // offloaded: the sums rounded to bf16 grad shards
+    ASSERT_EQ(ref.losses.size(), static_cast<size_t>(kRanks));
+    const std::vector<StepScheduleResult> got = run_on_ranks(c);
+    for (int r = 0; r < kRanks; ++r) {
+      const std::string what = "placement " + std::to_string(static_cast<int>(k.placement)) + " rank " + std::to_string(r);
+      const StepScheduleResult& g = got[static_cast<size_t>(r)];
+      EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
+      const SliceDiff d = compare_slices(g, ref);
+      EXPECT_TRUE(d.bitwise) << what << ": max |dgrad| " << d.grad << ", max |dparam| " << d.param;
+    }
+  }
+  // The reference is not one rank's step: the summed grads differ from rank 0's own.
+  const StepReference ref = step_reference(config(), kRanks), one = step_reference(config(), 1);
+  double differ = 0.0;
+  for (size_t i = 0; i < one.grads.size(); ++i) differ = std::max(differ, std::fabs(double(one.grads[i]) - ref.grads[i]));
+  EXPECT_GT(differ, 0.0);
+}
+
+// Blocked loss (fp32 dW accumulator reduced in place as an [N·S] input): the one-rank bounds
+// (executor_schedule_step_test.cpp, BlockedLossWithinStatedBounds) per rank, the grad bound
+// doubled for the sum of 4 ranks' differences (measured well inside).
+TEST(ExecutorStepRanks, BlockedLossWithinStatedBounds) {
+  StepScheduleConfig c = config(3);
+  c.loss.mode = VocabScheduleMode::Blocked;
+  c.loss.token_block_rows = 16;
+  c.loss.vocab_block_rows = 128;
+  c.offloaded = {false, true, false};
+  c.prefetch = 1;
+  c.optimizer.placement = OptimizerPlacement::Stream;
+  c.optimizer.bucket_params = 5000;
+  const StepReference ref = step_reference(c, kRanks);
+  const std::vector<StepScheduleResult> got = run_on_ranks(c);
+  double largest_grad = 0.0, largest_param = 0.0;
+  for (float g : ref.grads) largest_grad = std::max(largest_grad, std::fabs(double(g)));
+  for (float p : ref.params) largest_param = std::max(largest_param, std::fabs(double(p)));
+  for (int r = 0; r < kRanks; ++r) {
+    const StepScheduleResult& g = got[static_cast<size_t>(r)];
+    EXPECT_LE(std::fabs(g.loss - ref.losses[static_cast<size_t>(r)]), 2.0 * 1.1 * std::sqrt(32.0) * std::ldexp(1.0, -9)) << r;
+    const SliceDiff d = compare_slices(g, ref);
+    EXPECT_LE(d.grad, std::ldexp(largest_grad, -4)) << r;
+    EXPECT_LE(d.param, 2.0 * c.optimizer.lr * (1.0 + c.optimizer.weight_decay * largest_param) + 1e-6) << r;
+  }
+}
+
+// Alignment 1. U: embedding 9600, layer 12560, head 9632; S = U/4 (each divides by 4): 2400, 3140,
+// 2408. Gathered buffers stay [U]; reduce-scatter inputs are [4·S] fp32 = [U]; grad shards [S].
+TEST(ExecutorStepRanks, FsdpGradAndParamBytesAreHandDerived) {
+  StepScheduleConfig c = config();
+  std::vector<std::vector<PhaseRecord>> records;
+  run_on_ranks(c, &records, 1);
+  const int64_t Ue = 9600, Ul = 12560, Uh = 9632, Se = Ue / 4, Sl = Ul / 4, Sh = Uh / 4;
+  for (int r = 0; r < kRanks; ++r) {
+    auto col = [&](const std::string& phase, Category cat) {
+      for (const auto& rec : records[static_cast<size_t>(r)])
+        if (rec.phase == phase && rec.space == MemorySpace::Device) return rec.bytes_at_peak[static_cast<size_t>(cat)];
+      return int64_t{-1};
+    };
+    const std::string what = "rank " + std::to_string(r);
+    EXPECT_EQ(col("fwd/embed", Category::Fsdp), 2 * Ue + 2 * Ul) << what;
+    EXPECT_EQ(col("fwd/L2/moe/combine", Category::Fsdp), 2 * Ul + 2 * Uh) << what;
+    // L1, L0 prefetched, L1's unsharded grads, L2's fp32 input in flight; the head's and L2's shards.
+    EXPECT_EQ(col("bwd/L1/moe/experts", Category::Fsdp), 3 * 2 * Ul + 4 * Ul) << what;
+    EXPECT_EQ(col("bwd/L1/moe/experts", Category::Grads), 4 * (Sh + Sl)) << what;
+    EXPECT_EQ(col("bwd/L1/moe/experts", Category::Comm), 0) << what;  // fp32 shards land in place
+    const int64_t P = Se + 3 * Sl + Sh;
+    EXPECT_EQ(col("opt/step", Category::Grads), 4 * P) << what;
+    EXPECT_EQ(col("opt/step", Category::Params) + col("opt/step", Category::Optimizer), 12 * P) << what;
+  }
+}
+
+}  // namespace
+}  // namespace flatpeak::exec
