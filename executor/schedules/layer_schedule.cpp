@@ -1,11 +1,13 @@
-// The layer component run (layer_schedule.h): one DecoderLayer (decoder_layer.h) on weights
-// loaded from LayerInputs, the loss proxy Σ y ⊙ r, and the backward with recompute (or the naive
-// reference). Each weight and its gradient is its own buffer (category fsdp), allocated in the
-// order of layer_weight_shapes: the weights and x in "init", the gradients when the backward starts.
-//   LayerScheduleResult r = run_layer_schedule(alloc, config, make_layer_inputs(config));  // layer_schedule.h
+// The layer component run (layer_schedule.h): one DecoderLayer (decoder_layer.h) on weights drawn
+// from the seed straight into their tracked buffers (or given in LayerInputs), the loss proxy
+// Σ y ⊙ r, and the backward with recompute (or the naive reference). Each weight and its gradient
+// is its own buffer (category fsdp), allocated in the order of layer_weight_shapes: the weights
+// and x in "init", the gradients when the backward starts.
+//   LayerScheduleResult r = run_layer_schedule(alloc, config, {});  // layer_schedule.h
 #include "executor/schedules/layer_schedule.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <utility>
 
@@ -16,59 +18,119 @@ namespace flatpeak::exec {
 
 namespace {
 
-// A tensor of `shape` in the layer's dtype holding `values` (rounded to it).
-Tensor tensor_of(TrackingAllocator& alloc, const LayerScheduleConfig& c, const std::vector<float>& values,
-                 std::vector<int64_t> shape, Category category, const std::string& name) {
+// How an input is drawn from the seed: value(i) = offset + scale · uniform_pm1(stream, i).
+struct DrawnInput {
+  std::string name;
+  int64_t numel = 0;
+  uint64_t stream = 0;
+  float scale = 1.0f, offset = 0.0f;
+  float value(int64_t i) const { return offset + scale * uniform_pm1(stream, static_cast<uint64_t>(i)); }
+};
+
+// Every input in drawing order: input j draws from stream seed·16 + j + 1.
+std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
+  const int64_t T = c.tokens, H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
+  std::vector<DrawnInput> out;
+  auto add = [&](const char* name, int64_t n, float scale, float offset) {
+    out.push_back({name, n, c.seed * 16 + out.size() + 1, scale, offset});
+  };
+  const float inv_h = 1.0f / std::sqrt(static_cast<float>(H));
+  add("x", T * H, 1.0f, 0.0f);
+  add("r", T * H, 1.0f, 0.0f);
+  add("norm1", H, 0.1f, 1.0f);
+  add("wq", A * D * H, inv_h, 0.0f);
+  add("wk", G * D * H, inv_h, 0.0f);
+  add("wv", G * D * H, inv_h, 0.0f);
+  add("wo", H * A * D, 1.0f / std::sqrt(static_cast<float>(A * D)), 0.0f);
+  add("norm2", H, 0.1f, 1.0f);
+  add("router", E * H, inv_h, 0.0f);
+  add("w_gate_up", E * 2 * F * H, inv_h, 0.0f);
+  add("w_down", E * H * F, 1.0f / std::sqrt(static_cast<float>(F)), 0.0f);
+  if (c.shared_ffn > 0) {
+    add("shared_gate_up", 2 * c.shared_ffn * H, inv_h, 0.0f);
+    add("shared_down", H * c.shared_ffn, 1.0f / std::sqrt(static_cast<float>(c.shared_ffn)), 0.0f);
+  }
+  return out;
+}
+
+// Input `name`'s values: the caller's (LayerInputs::values) or drawn, element by element.
+class InputValues {
+ public:
+  InputValues(const LayerScheduleConfig& c, const LayerInputs& in, const std::string& name, int64_t numel) {
+    const auto given = in.values.find(name);
+    if (given != in.values.end()) {
+      given_ = &given->second;
+      if (static_cast<int64_t>(given_->size()) != numel)
+        throw std::invalid_argument("layer schedule: input '" + name + "' has " + std::to_string(given_->size()) +
+                                    " values, not " + std::to_string(numel));
+      return;
+    }
+    for (DrawnInput& d : drawn_inputs(c))
+      if (d.name == name) drawn_ = std::move(d);
+    if (drawn_.numel != numel) throw std::invalid_argument("layer schedule: no input '" + name + "' of " + std::to_string(numel) + " values");
+  }
+  float operator[](int64_t i) const { return given_ != nullptr ? (*given_)[static_cast<size_t>(i)] : drawn_.value(i); }
+
+ private:
+  const std::vector<float>* given_ = nullptr;
+  DrawnInput drawn_;
+};
+
+// A tensor of `shape` in the layer's dtype holding input `name` (rounded to it).
+Tensor tensor_of(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in, const std::string& name,
+                 std::vector<int64_t> shape, Category category) {
   Tensor t(alloc, c.dtype, std::move(shape), category);
-  if (static_cast<int64_t>(values.size()) != t.numel())
-    throw std::invalid_argument("layer schedule: input '" + name + "' has the wrong size");
+  const InputValues values(c, in, name, t.numel());
   for (int64_t i = 0; i < t.numel(); ++i) {
-    if (c.dtype == DType::F32) t.data<float>()[i] = values[static_cast<size_t>(i)];
-    else t.data<Bf16>()[i] = f32_to_bf16(values[static_cast<size_t>(i)]);
+    if (c.dtype == DType::F32) t.data<float>()[i] = values[i];
+    else t.data<Bf16>()[i] = f32_to_bf16(values[i]);
   }
   return t;
 }
 
-std::vector<float> widen(const Tensor& t) {
-  std::vector<float> out(static_cast<size_t>(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i)
-    out[static_cast<size_t>(i)] = t.dtype() == DType::F32 ? t.data<float>()[i] : to_f32(t.data<Bf16>()[i]);
+Tensor zeros(TrackingAllocator& alloc, const LayerScheduleConfig& c, std::vector<int64_t> shape, Category category) {
+  Tensor t(alloc, c.dtype, std::move(shape), category);
+  std::memset(t.raw(), 0, static_cast<size_t>(t.bytes()));  // 0.0 in bf16 and fp32
+  return t;
+}
+
+StoredValues stored(const Tensor& t) {
+  StoredValues out;
+  out.dtype = t.dtype();
+  const auto* p = static_cast<const unsigned char*>(t.raw());
+  out.bytes.assign(p, p + t.numel() * dtype_bytes(t.dtype()));
   return out;
 }
 
 }  // namespace
 
+int64_t StoredValues::size() const { return static_cast<int64_t>(bytes.size()) / dtype_bytes(dtype); }
+
+float StoredValues::operator[](int64_t i) const {
+  if (dtype == DType::F32) {
+    float v;
+    std::memcpy(&v, bytes.data() + i * 4, sizeof v);
+    return v;
+  }
+  Bf16 b;
+  std::memcpy(&b.bits, bytes.data() + i * 2, sizeof b.bits);
+  return to_f32(b);
+}
+
+int64_t layer_gradient_elements(const LayerScheduleConfig& c) { return c.tokens * c.hidden + layer_weight_elems(c); }
+
 LayerInputs make_layer_inputs(const LayerScheduleConfig& c) {
   check_layer_config(c);
   LayerInputs in;
-  const int64_t T = c.tokens, H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
-  uint64_t stream = c.seed * 16;
-  auto make = [&](const std::string& name, int64_t n, float scale, float offset) {
-    std::vector<float> v(static_cast<size_t>(n));
-    const uint64_t s = ++stream;
-    for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = offset + scale * uniform_pm1(s, static_cast<uint64_t>(i));
-    in.values[name] = std::move(v);
-  };
-  const float inv_h = 1.0f / std::sqrt(static_cast<float>(H));
-  make("x", T * H, 1.0f, 0.0f);
-  make("r", T * H, 1.0f, 0.0f);
-  make("norm1", H, 0.1f, 1.0f);
-  make("wq", A * D * H, inv_h, 0.0f);
-  make("wk", G * D * H, inv_h, 0.0f);
-  make("wv", G * D * H, inv_h, 0.0f);
-  make("wo", H * A * D, 1.0f / std::sqrt(static_cast<float>(A * D)), 0.0f);
-  make("norm2", H, 0.1f, 1.0f);
-  make("router", E * H, inv_h, 0.0f);
-  make("w_gate_up", E * 2 * F * H, inv_h, 0.0f);
-  make("w_down", E * H * F, 1.0f / std::sqrt(static_cast<float>(F)), 0.0f);
-  if (c.shared_ffn > 0) {
-    make("shared_gate_up", 2 * c.shared_ffn * H, inv_h, 0.0f);
-    make("shared_down", H * c.shared_ffn, 1.0f / std::sqrt(static_cast<float>(c.shared_ffn)), 0.0f);
+  for (const DrawnInput& d : drawn_inputs(c)) {
+    std::vector<float>& v = in.values[d.name];
+    v.resize(static_cast<size_t>(d.numel));
+    for (int64_t i = 0; i < d.numel; ++i) v[static_cast<size_t>(i)] = d.value(i);
   }
   return in;
 }
 
-LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in) {
+LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in, bool keep_output) {
   check_layer_config(c);
   const int64_t T = c.tokens, H = c.hidden;
   alloc.set_phase("init");
@@ -77,18 +139,18 @@ LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerSche
   std::vector<Tensor> weights;
   LayerWeightPtrs w;
   for (const auto& s : shapes) {
-    weights.push_back(tensor_of(alloc, c, in.values.at(s.name), s.shape, Category::Fsdp, s.name));
+    weights.push_back(tensor_of(alloc, c, in, s.name, s.shape, Category::Fsdp));
     layer_weight_ptr(w, s.name) = weights.back().raw();
   }
-  const Tensor x = tensor_of(alloc, c, in.values.at("x"), {T, H}, Category::Boundaries, "x");
+  const Tensor x = tensor_of(alloc, c, in, "x", {T, H}, Category::Boundaries);
   // The gradient stream starts from r in the storage dtype (activations).
-  const TensorSource r_stream = [&] { return tensor_of(alloc, c, in.values.at("r"), {T, H}, Category::Activations, "r"); };
+  const TensorSource r_stream = [&] { return tensor_of(alloc, c, in, "r", {T, H}, Category::Activations); };
   // The unsharded grads of the unit (fsdp, +=), zeroed, one buffer each, when the backward starts.
   std::vector<Tensor> grads;
   const GradSource make_grads = [&] {
     LayerWeightPtrs g;
     for (const auto& s : shapes) {
-      grads.push_back(tensor_of(alloc, c, std::vector<float>(static_cast<size_t>(s.numel()), 0.0f), s.shape, Category::Fsdp, s.name));
+      grads.push_back(zeros(alloc, c, s.shape, Category::Fsdp));
       layer_weight_ptr(g, s.name) = grads.back().raw();
     }
     return g;
@@ -99,23 +161,24 @@ LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerSche
   DecoderLayer run(alloc, c, w);
   Tensor y = c.checkpointed ? run.forward_no_grad(x, "fwd/" + layer + "/") : run.forward_saving(x, "fwd/" + layer + "/", true, nullptr);
   // The loss proxy Σ y ⊙ r, r rounded to the storage dtype as the gradient stream holds it.
-  const std::vector<float>& r = in.values.at("r");
-  result.y = widen(y);
+  const InputValues r(c, in, "r", T * H);
   for (int64_t i = 0; i < T * H; ++i) {
-    const float ri = c.dtype == DType::F32 ? r[static_cast<size_t>(i)] : to_f32(f32_to_bf16(r[static_cast<size_t>(i)]));
-    result.loss += static_cast<double>(result.y[static_cast<size_t>(i)]) * static_cast<double>(ri);
+    const float yi = c.dtype == DType::F32 ? y.data<float>()[i] : to_f32(y.data<Bf16>()[i]);
+    const float ri = c.dtype == DType::F32 ? r[i] : to_f32(f32_to_bf16(r[i]));
+    result.loss += static_cast<double>(yi) * static_cast<double>(ri);
   }
+  if (keep_output) result.y = stored(y);
   y.reset();
   if (c.checkpointed) {
     DecoderLayer again(alloc, c, w);
     again.forward_saving(x, "bwd/" + layer + "/recompute/", false, r_stream);
     const Tensor dx = again.backward(x, "bwd/" + layer + "/", nullptr, make_grads);
-    result.grads["x"] = widen(dx);
+    result.grads["x"] = stored(dx);
   } else {
     const Tensor dx = run.backward(x, "bwd/" + layer + "/", r_stream, make_grads);
-    result.grads["x"] = widen(dx);
+    result.grads["x"] = stored(dx);
   }
-  for (size_t i = 0; i < shapes.size(); ++i) result.grads[shapes[i].name] = widen(grads[i]);
+  for (size_t i = 0; i < shapes.size(); ++i) result.grads[shapes[i].name] = stored(grads[i]);
   return result;
 }
 

@@ -101,7 +101,7 @@ class StepRun {
     opt_ = c.optimizer;
     opt_.step = 1;
     if (c.naive) opt_.placement = OptimizerPlacement::Device;
-    opt_.keep_results = c.keep_results;
+    opt_.keep_results = false;  // run() copies the master itself: m and v are not the step's results
     for (int64_t l = 0; l < L_; ++l) offloaded_.push_back(!c.naive && !c.offloaded.empty() && c.offloaded[static_cast<size_t>(l)]);
     gathered_.resize(unit_params_.size());
     grad_shards_.resize(unit_params_.size());
@@ -120,18 +120,31 @@ class StepRun {
     forward();
     loss(r);
     backward();
-    if (c_.keep_results) {
-      r.grads.reserve(static_cast<size_t>(P_));
-      for (const Tensor& s : grad_shards_)
-        for (int64_t i = 0; i < s.numel(); ++i) r.grads.push_back(s.dtype() == DType::F32 ? s.data<float>()[i] : to_f32(s.data<Bf16>()[i]));
+    const bool keep = c_.keep_results || c_.result_sink;
+    if (keep) {
+      if (!c_.result_sink) r.grads.reserve(static_cast<size_t>(P_));
+      int64_t offset = 0;
+      for (const Tensor& s : grad_shards_) {
+        if (s.dtype() == DType::F32) {
+          emit(StepResultPart::Grads, r.grads, offset, s.data<float>(), s.numel());
+        } else {
+          float widened[1024];  // bf16 shards widened a chunk at a time
+          for (int64_t at = 0; at < s.numel(); at += 1024) {
+            const int64_t n = std::min<int64_t>(1024, s.numel() - at);
+            for (int64_t i = 0; i < n; ++i) widened[i] = to_f32(s.data<Bf16>()[at + i]);
+            emit(StepResultPart::Grads, r.grads, offset + at, widened, n);
+          }
+        }
+        offset += s.numel();
+      }
     }
     OptimizerDeviceView d;
     d.params = shards_->params().raw();
     for (size_t u = 0; u < grad_shards_.size(); ++u) d.grads.emplace_back(grad_shards_[u].raw(), shards_->shard_length(u));
     d.m = m_.empty() ? nullptr : m_.data<float>();
     d.v = v_.empty() ? nullptr : v_.data<float>();
-    OptimizerScheduleResult o = run_optimizer_step(a_, opt_, d, host_state_.get());
-    r.params = std::move(o.master);
+    run_optimizer_step(a_, opt_, d, host_state_.get());
+    if (keep) emit(StepResultPart::Params, r.params, 0, offload_ ? host_state_->master.data<float>() : shards_->params().data<float>(), P_);
     const auto records = a_.phase_records();
     for (size_t i = first_record; i < records.size(); i += kMemorySpaceCount)
       if (records[i].phase != "init") r.phases.push_back(records[i].phase);
@@ -142,6 +155,12 @@ class StepRun {
   int64_t U(int64_t unit) const { return unit_params_[static_cast<size_t>(unit)]; }
   static int64_t layer_unit(int64_t l) { return l + 1; }
   std::string layer_prefix(const char* pass, int64_t l) const { return std::string(pass) + "/L" + std::to_string(l) + "/"; }
+
+  // Values [offset, offset + count) of the grads or params: to the sink, or appended to `kept`.
+  void emit(StepResultPart part, std::vector<float>& kept, int64_t offset, const float* values, int64_t count) const {
+    if (c_.result_sink) c_.result_sink(part, offset, values, count);
+    else kept.insert(kept.end(), values, values + count);
+  }
 
   // ---- parameters, optimizer state, host arenas (phase "init", live all step)
 

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,11 @@
 #include "spec/model_spec.h"
 
 namespace flatpeak::exec {
+
+// What a StepScheduleConfig::result_sink receives: the reduced grad shards before the optimizer
+// step, or the fp32 master after it.
+enum class StepResultPart { Grads, Params };
+using StepResultSink = std::function<void(StepResultPart part, int64_t offset, const float* values, int64_t count)>;
 
 struct StepScheduleConfig {
   // The model as this rank runs it: GQA attention, every layer MoE, num_experts = the rank's local
@@ -51,6 +57,10 @@ struct StepScheduleConfig {
   uint64_t seed = 1;          // parameters, token ids and targets: a pure function of the seed
   uint64_t data_seed = 0;     // token ids and targets instead (0: seed); rank r > 0 derives its own (step_data_seed)
   bool keep_results = true;   // copy grads and updated params out (tests, exactness); off: only the loss
+  // Set: the grads and params go here instead of into the result (keep_results is then ignored),
+  // as values [offset, offset + count) of the [P] vector in fp32, in order and in chunks, while the
+  // tracked buffers hold them: verify compares them with the naive step's without a second copy.
+  StepResultSink result_sink;
 };
 
 // Parameters of this rank's FSDP units in execution order: the embedding [V·H], each layer, the

@@ -2,7 +2,7 @@
 // the same loss, output and every gradient, bit for bit, as the naive run that keeps every
 // activation; the gradients agree with central finite differences of the loss proxy (fp32
 // storage, the loss summed in fp64) on a tiny shape; the measured bytes of a phase are the
-// hand-derived sum of its buffers.
+// hand-derived sum of its buffers; the inputs drawn into the buffers are the listed ones.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,32 +21,44 @@ LayerScheduleConfig small(DType dtype) {
   return c;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
   for (DType dtype : {DType::BF16, DType::F32})
   for (int64_t shared : {0, 12}) {
     LayerScheduleConfig c = small(dtype);
     c.shared_ffn = shared;
-    const LayerInputs in = make_layer_inputs(c);
     TrackingAllocator a1({512}), a2({512});
-    const LayerScheduleResult ckpt = run_layer_schedule(a1, c, in);
+    const LayerScheduleResult ckpt = run_layer_schedule(a1, c, {});
     c.checkpointed = false;
-    const LayerScheduleResult naive = run_layer_schedule(a2, c, in);
+    const LayerScheduleResult naive = run_layer_schedule(a2, c, {});
     EXPECT_EQ(ckpt.loss, naive.loss);
-    EXPECT_TRUE(same_bits(ckpt.y, naive.y));
+    EXPECT_EQ(ckpt.y.size(), c.tokens * c.hidden);
+    EXPECT_EQ(ckpt.y.dtype, dtype);
+    EXPECT_TRUE(ckpt.y == naive.y);
     ASSERT_EQ(ckpt.grads.size(), shared > 0 ? 12u : 10u);
+    int64_t elements = 0;
     for (const auto& [name, g] : ckpt.grads) {
-      EXPECT_TRUE(same_bits(g, naive.grads.at(name))) << name;
+      EXPECT_TRUE(g == naive.grads.at(name)) << name;
       double norm = 0.0;
-      for (float v : g) norm += std::fabs(v);
+      for (int64_t i = 0; i < g.size(); ++i) norm += std::fabs(g[i]);
       EXPECT_GT(norm, 0.0) << name << " has no gradient";
+      elements += g.size();
     }
+    EXPECT_EQ(elements, layer_gradient_elements(c));
     EXPECT_EQ(a1.live_allocations(), 0);
     EXPECT_EQ(a2.live_allocations(), 0);
   }
+}
+
+// The inputs drawn straight into the tracked buffers are make_layer_inputs' values.
+TEST(ExecutorScheduleLayer, DrawnInputsAreTheGivenOnes) {
+  const LayerScheduleConfig c = small(DType::BF16);
+  TrackingAllocator a1({512}), a2({512});
+  const LayerScheduleResult drawn = run_layer_schedule(a1, c, {}, false);
+  const LayerScheduleResult given = run_layer_schedule(a2, c, make_layer_inputs(c));
+  EXPECT_EQ(drawn.loss, given.loss);
+  EXPECT_EQ(drawn.y.size(), 0);  // keep_output off
+  ASSERT_EQ(drawn.grads.size(), given.grads.size());
+  for (const auto& [name, g] : drawn.grads) EXPECT_TRUE(g == given.grads.at(name)) << name;
 }
 
 double loss_of(const LayerScheduleConfig& c, const LayerInputs& in) {
@@ -64,7 +76,7 @@ TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
   const double eps = 1e-2;
   int checked = 0;
   for (const auto& [name, g] : got.grads) {
-    const size_t n = g.size();
+    const size_t n = static_cast<size_t>(g.size());
     const size_t stride = std::max<size_t>(1, n / 3);  // 3 or 4 entries of every tensor
     for (size_t i = 0; i < n; i += stride) {
       LayerInputs plus = in, minus = in;
@@ -73,7 +85,7 @@ TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
       const double dplus = static_cast<double>(plus.values[name][i]) - static_cast<double>(in.values.at(name)[i]);
       const double dminus = static_cast<double>(in.values.at(name)[i]) - static_cast<double>(minus.values[name][i]);
       const double fd = (loss_of(c, plus) - loss_of(c, minus)) / (dplus + dminus);
-      EXPECT_NEAR(g[i], fd, 2e-3 + 2e-2 * std::fabs(fd)) << name << "[" << i << "]";
+      EXPECT_NEAR(g[static_cast<int64_t>(i)], fd, 2e-3 + 2e-2 * std::fabs(fd)) << name << "[" << i << "]";
       ++checked;
     }
   }

@@ -3,7 +3,8 @@
 // gives the naive step's loss, reduced grads and updated params bit for bit; with the blocked loss
 // (online log-sum-exp) they stay within the stated bounds over several seeds; the units are the
 // rank's shard; the phases follow traces/README.md's order; FSDP, grad-shard and boundary bytes
-// of chosen phases are the hand-derived sums of their buffers; what the step does not run is refused.
+// of chosen phases are the hand-derived sums of their buffers; result_sink gets what keep_results
+// copies; what the step does not run is refused.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -223,6 +224,30 @@ TEST(ExecutorScheduleStep, FsdpGradAndBoundaryBytesAreHandDerived) {
   // Host: the pinned arena of the two offloaded boundaries, for the whole step.
   EXPECT_EQ(col("fwd/embed", Category::Boundaries, MemorySpace::Host), 2 * xb);
   EXPECT_EQ(col("opt/step", Category::Boundaries, MemorySpace::Host), 2 * xb);
+}
+
+// result_sink receives, in order and in chunks, exactly the grads and params keep_results copies
+// (fp32 shards on the device; bf16 shards with offload, widened a chunk at a time), and the
+// result's vectors stay empty.
+TEST(ExecutorScheduleStep, ResultSinkGetsWhatKeepResultsCopies) {
+  for (OptimizerPlacement placement : {OptimizerPlacement::Device, OptimizerPlacement::Stream}) {
+    StepScheduleConfig c = config();
+    c.optimizer.placement = placement;
+    c.optimizer.bucket_params = 4096;
+    const StepScheduleResult kept = run(c);
+    std::vector<float> grads, params;
+    c.result_sink = [&](StepResultPart part, int64_t offset, const float* values, int64_t count) {
+      std::vector<float>& to = part == StepResultPart::Grads ? grads : params;
+      EXPECT_EQ(offset, static_cast<int64_t>(to.size()));  // in order, no gap
+      to.insert(to.end(), values, values + count);
+    };
+    const StepScheduleResult sunk = run(c);
+    EXPECT_EQ(sunk.loss, kept.loss);
+    EXPECT_TRUE(sunk.grads.empty() && sunk.params.empty());
+    EXPECT_TRUE(same_bits(grads, kept.grads));
+    EXPECT_TRUE(same_bits(params, kept.params));
+    EXPECT_GT(grads.size(), 1024u);  // more than one chunk
+  }
 }
 
 TEST(ExecutorScheduleStep, RefusesWhatItDoesNotRun) {

@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "executor/schedules/checkpoint_schedule.h"
+#include "executor/schedules/layer_schedule.h"
+#include "executor/schedules/step_schedule.h"
 #include "plan.h"
 #include "run_spec.h"
 #include "spec/errors.h"
@@ -237,11 +239,18 @@ int64_t measured_peak(const VerifyReport& r) {
   return peak;
 }
 
-// The copies of the outputs verify keeps to compare a technique with its naive reference
-// (VocabScheduleResult: d_x [T, H] and d_w [V, H] fp32, of both runs; per rank;
-// CheckpointScheduleResult: d_input [T, H] and every weight gradient as bf16 bits, of both runs)
-// are verify's own data, not the schedule's working memory; they are allowed on top of the limit,
-// and printed.
+// The copies of the outputs verify keeps to compare a technique with its naive reference are
+// verify's own data, not the schedule's working memory; they are allowed on top of the limit, and
+// printed. Per component, from the scaled configuration:
+//   vocab (blocked): VocabScheduleResult d_x [T, H] and d_w [V, H] fp32, of both runs, per rank;
+//   checkpoint: CheckpointScheduleResult d_input [T, H] and every weight gradient as bf16 bits, of
+//     both runs;
+//   layer: LayerScheduleResult grads (x [T, H] and every weight) as bf16 bits, of both runs (the
+//     inputs are drawn into the tracked buffers, no copy);
+//   step: the naive step's reduced grads and updated params, [P] fp32 each (the measured step
+//     hands its own to the comparison through StepScheduleConfig::result_sink, no copy).
+const PredictionAdjust kNoAdjust;
+
 int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs& in, const ScaledConfig& s) {
   if (component == "checkpoint") {
     exec::CheckpointScheduleConfig c;
@@ -249,6 +258,13 @@ int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs
     c.layers = s.layers;
     return 2 * 2 * (s.tokens * s.hidden + exec::checkpoint_weight_gradient_elements(c));
   }
+  if (component == "step") {
+    int64_t params = 0;
+    for (int64_t p : exec::step_unit_params(layer_model(VerifyContext{in, s, kNoAdjust}))) params += p;
+    return 2 * 4 * params;
+  }
+  if (component == "layer")
+    return 2 * 2 * exec::layer_gradient_elements(layer_schedule_config(in, s));
   if (component != "vocab" || in.vocab_mode == "materialized") return 0;
   return 2 * 4 * (s.tokens * s.hidden + s.vocab * s.hidden);
 }
@@ -262,11 +278,12 @@ int64_t ranks_in_process(const VerifyReport& r, const std::string& component) {
   return r.ranks;
 }
 
-// The components whose untracked heap is checked. layer keeps more than the limit outside the
-// TrackingAllocator today (printed below; executor/README.md lists the figures): its fp32 input
-// map (x, r and every weight) lives through both runs beside two fp32 gradient maps.
+// The components whose untracked heap is checked: every one. (layer and step were not until their
+// inputs were drawn into tracked buffers and their results kept as above; executor/README.md
+// lists the figures.)
 bool heap_checked(const std::string& component) {
-  return component == "vocab" || component == "dispatch" || component == "optimizer" || component == "checkpoint";
+  return component == "vocab" || component == "dispatch" || component == "optimizer" || component == "checkpoint" ||
+         component == "layer" || component == "step";
 }
 
 TEST(VerifyIndependence, UntrackedHeapStaysSmall) {

@@ -15,6 +15,7 @@
 
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/decoder_layer.h"
 #include "executor/schedules/dispatch_schedule.h"
 #include "executor/schedules/step_schedule.h"
 #include "spec/errors.h"
@@ -51,6 +52,9 @@ nlohmann::ordered_json predicted_timeline_for(const VerifyContext& ctx, const Mo
 // The model one rank's decoder layers run (verify_step.cpp): scaled_model with this rank's E/EP
 // experts and the shared and dense FFN widths scaled with H.
 ModelSpec layer_model(const VerifyContext& ctx);
+// The executor's configuration of the layer component (verify_step.cpp): layer_model's layer on
+// the scaled tokens, named after the scaled model's first MoE layer.
+exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
 // A plan whose model or layout a component's executor does not run (MLA, dense FFN layers, MTP,
 // CP > 1, ...): an input error (exit 2) when the component is asked for alone; when every
 // component runs (the default), that component is skipped with a note (verify_run.cpp).

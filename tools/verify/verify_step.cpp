@@ -88,13 +88,7 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
   if (in.shared_expert_ffn > 0) s.values.push_back({"F_s (shared expert width)", in.shared_expert_ffn, scaled_with_h(in, s, in.shared_expert_ffn)});
 }
 
-void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
-  const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
-  check_layer_supported(in, s, "layer");
-  const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
-  // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
-  const nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {});
+exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s) {
   // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
   // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
   const ModelSpec card = load_model(in.model_name);
@@ -109,22 +103,33 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   c.q_heads = s.q_heads;
   c.kv_heads = s.kv_heads;
   c.head_dim = s.head_dim;
-  c.experts = local_experts;
+  c.experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
   c.top_k = in.top_k;
   c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : scaled_with_h(in, s, in.expert_ffn_width);
   c.shared_ffn = scaled_with_h(in, s, in.shared_expert_ffn);
-  const exec::LayerInputs inputs = exec::make_layer_inputs(c);
+  return c;
+}
+
+void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  check_layer_supported(in, s, "layer");
+  // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
+  const nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {});
+  const exec::LayerScheduleConfig c = layer_schedule_config(in, s);
+  // Both runs draw their inputs from the seed into their tracked buffers; their results are the
+  // grads as bf16 bits (verify_independence_test counts them as comparison copies).
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, inputs);
+  const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, {}, false);
   // The naive reference (every activation kept from one forward) on the same data.
   exec::LayerScheduleConfig n = c;
   n.checkpointed = false;
   exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
-  const exec::LayerScheduleResult ref = exec::run_layer_schedule(naive_alloc, n, inputs);
+  const exec::LayerScheduleResult ref = exec::run_layer_schedule(naive_alloc, n, {}, false);
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
   for (const auto& [name, g] : got.grads) {
-    const std::vector<float>& r = ref.grads.at(name);
-    for (size_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
+    const exec::StoredValues& r = ref.grads.at(name);
+    for (int64_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
   }
   compare_category("layer.activations", "activations", exec::MemorySpace::Device, predicted, alloc, is_layer_phase, report);
   compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,

@@ -25,6 +25,7 @@
 //   flatpeak verify p.json --component step --max-ranks 1
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -188,17 +189,27 @@ void verify_step(const VerifyContext& ctx, VerifyReport& report) {
   const exec::StepScheduleConfig& c = setup.config;
   const nlohmann::ordered_json& predicted = setup.predicted;
 
-  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  const exec::StepScheduleResult got = exec::run_step_schedule(alloc, c);
+  // The naive step first, its grads and updated params kept ([P] fp32 each); the plan's step hands
+  // its own to the comparison while its buffers hold them (result_sink), so no second copy is kept.
   exec::StepScheduleConfig n = c;
   n.naive = true;
   exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
   const exec::StepScheduleResult ref = exec::run_step_schedule(naive_alloc, n);
-  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
   double dparam = 0.0;
-  for (size_t i = 0; i < got.grads.size(); ++i)
-    report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.grads[i] - ref.grads[i])));
-  for (size_t i = 0; i < got.params.size(); ++i) dparam = std::max(dparam, static_cast<double>(std::fabs(got.params[i] - ref.params[i])));
+  int64_t compared = 0;
+  exec::StepScheduleConfig measured = c;
+  measured.result_sink = [&](exec::StepResultPart part, int64_t offset, const float* values, int64_t count) {
+    const std::vector<float>& naive = part == exec::StepResultPart::Grads ? ref.grads : ref.params;
+    double& worst = part == exec::StepResultPart::Grads ? report.max_abs_dgrad : dparam;
+    if (offset + count > static_cast<int64_t>(naive.size())) throw std::logic_error("verify step: results beyond the naive step's [P]");
+    for (int64_t i = 0; i < count; ++i) worst = std::max(worst, static_cast<double>(std::fabs(values[i] - naive[static_cast<size_t>(offset + i)])));
+    compared += count;
+  };
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  const exec::StepScheduleResult got = exec::run_step_schedule(alloc, measured);
+  if (compared != static_cast<int64_t>(ref.grads.size() + ref.params.size()))
+    throw std::logic_error("verify step: compared " + std::to_string(compared) + " of the naive step's grads and params");
+  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
 
   compare_step_columns(predicted, alloc, report);
   report.measured_trace = measured_trace(alloc);
