@@ -346,6 +346,11 @@ class Builder {
     Acc bwd_attn = c_.acc();
     attention_backward(c_, l, bwd_attn);
     add(layer_home(false), bwd_attn, FP::Disp::None, 2);
+    out.back().or_copy_in = true;
+    // Its alternative, the grads' copy-in (base 3): d x_l [T, H] the only activation.
+    Acc copy_in = c_.acc();
+    copy_in.add(kAct, mul(c_.T, c_.H), kB16);
+    add(layer_home(false), copy_in, FP::Disp::None, 3);
     return out;
   }
 
@@ -378,6 +383,12 @@ class Builder {
       const FP::HeadRoles head = fsdp(base, unit(l), prev, b == 2 ? unit(l) : -1, in_flight_before(l));
       if (mtp) loss_saved(c_, base);
       set_base(e, b, base, head);
+    }
+    {  // 3: the grads' copy-in (timeline.cpp): the layer released, its grads and fp32 input live
+      Acc base = state(grads(reduced_before(l)));
+      const FP::HeadRoles head = fsdp(base, -1, prev, unit(l), unit(l));
+      if (mtp) loss_saved(c_, base);
+      set_base(e, 3, base, head);
     }
     order_.push_back(FP::Step{FP::Step::Type::Backward, static_cast<int32_t>(l)});
   }
@@ -662,7 +673,10 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
     const Layer& e = layers_[static_cast<size_t>(step.index)];
     const bool forward = step.type == Step::Type::Forward;
     const int64_t bnd = checked_mul(boundaries(forward ? Bnd::Forward : Bnd::Backward, e.layer), boundary_one_);
-    for (const Extra& x : kinds_[static_cast<size_t>(e.kind)]) {
+    const std::vector<Extra>& kind = kinds_[static_cast<size_t>(e.kind)];
+    for (size_t xi = 0; xi < kind.size(); ++xi) {
+      const Extra& x = kind[xi];
+      if (x.base == 3) continue;  // the copy-in: taken with the extra before it
       if ((x.base == 0) != forward) continue;
       const int64_t dsp = x.disp != Disp::None ? disp[static_cast<size_t>(e.load_index)][static_cast<size_t>(x.disp)] : 0;
       const Comps& bc = e.base_comps[x.base];
@@ -671,6 +685,17 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
       comp[kDispatch] += dsp;
       comp[kCheckpoint] += bnd;
       const int64_t total = e.base_total[x.base] + x.total + bnd + head(e.head[x.base]) + dsp;
+      if (x.or_copy_in) {  // the larger total of the attention backward and the copy-in (a tie: the backward)
+        const Extra& y = kind[xi + 1];
+        const int64_t copy_total = e.base_total[3] + y.total + bnd + head(e.head[3]);
+        if (copy_total > total) {
+          Comps copy;
+          for (size_t i = 0; i < copy.size(); ++i) copy[i] = e.base_comps[3][i] + y.comps[i];
+          copy[kCheckpoint] += bnd;
+          visit(x.home, copy, copy_total);
+          continue;
+        }
+      }
       visit(x.home, comp, total);
     }
   }

@@ -109,17 +109,20 @@ class FastPeaks {
     Comps comps{};
     int64_t total = 0;
     Disp disp = Disp::None;  // round phases: the dispatch terms come from the cap
-    uint8_t base = 0;        // 0 forward, 1 recompute, 2 backward
+    uint8_t base = 0;        // 0 forward, 1 recompute, 2 backward, 3 copy-in
+    // bwd/Ll/attn: the phase holds the larger (by total) of this and the copy-in moment, base 3
+    // plus FastPeaks::copy_in_ (timeline.cpp, backward_layer).
+    bool or_copy_in = false;
   };
   // A decoder layer or MTP module: its persistent-state + FSDP bases and its kind.
   struct Layer {
     int64_t layer = 0;
     int32_t kind = 0;
     int32_t load_index = 0;
-    std::array<Cats, 3> base{};
-    std::array<Comps, 3> base_comps{};
-    std::array<int64_t, 3> base_total{};
-    std::array<HeadRoles, 3> head{};
+    std::array<Cats, 4> base{};  // 0 forward, 1 recompute, 2 backward, 3 the grads' copy-in
+    std::array<Comps, 4> base_comps{};
+    std::array<int64_t, 4> base_total{};
+    std::array<HeadRoles, 4> head{};
   };
   // Execution order: a standalone phase, or a layer's forward or backward phases.
   struct Step {

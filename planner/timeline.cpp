@@ -338,7 +338,23 @@ class Builder {
     }
     TermList attn = c_.list();
     add_attention_backward(c_, l, attn);
-    emit(prefix + "attn", folds, bwd, attn);
+    // The layer's last moment: once its backward is done, the gathered layer released and the
+    // previous unit's reduce-scatter input freed, its unsharded grads are copied into its fp32
+    // reduce-scatter input (FSDP2's copy-in), both live beside the prefetched next unit and the
+    // gradient d x_l going to the next layer. bwd/Ll/attn holds the larger of the two (a tie keeps
+    // the backward): the copy-in holds more when the layer unit outweighs the unit in flight and the
+    // attention backward (the first layer in backward, whose in-flight unit is the LM head, with
+    // every expert in the unit at EP = 1).
+    TermList copy = persistent_state(grads(reduced_before(l)));
+    add_fsdp(c_, FsdpLive{-1, prev, unit(l), unit(l)}, copy);
+    add_boundaries(c_, resident_upto(l), in_flight, false, copy);
+    if (mtp) add_loss_saved(c_, "main loss ", copy);
+    copy.add("d layer input (to the next layer's backward)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
+             Category::Activations);
+    TermList backward = bwd;
+    backward.append(attn);
+    if (copy.bytes(Space::Device) > backward.bytes(Space::Device)) emit(prefix + "attn", folds, copy, c_.list());
+    else emit(prefix + "attn", folds, bwd, attn);
     return out;
   }
 

@@ -132,6 +132,21 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelOnTheReferenceModels) {
     }
 }
 
+// The layer grads' copy-in moment (timeline.cpp backward_layer) taking bwd/Ll/attn: the tiny MoE
+// with 32 local experts on one GPU (planner_tiny_test.cpp), and gpt-oss-120b at EP = 1, each with
+// the optimizer on the GPU and offloaded, the loss materialised and blocked, SCO on and off.
+TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelWhenTheGradCopyInIsLargest) {
+  ModelSpec tiny = tiny_moe();
+  tiny.num_experts = 32;
+  for (const char* schedule : {"baseline", "practice", "flatpeak"}) {
+    expect_fast_equals_real(tiny, tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}, {"--schedule", schedule}},
+                            std::string("tiny E = 32 ") + schedule);
+    expect_fast_equals_real(load_model("gpt-oss-120b"), load_hardware("H200"),
+                            {{"--gpus", "4"}, {"--ep", "1"}, {"--context", "16K"}, {"--schedule", schedule}},
+                            std::string("gpt-oss-120b EP = 1 ") + schedule);
+  }
+}
+
 // ---- brute force -------------------------------------------------------------------------
 
 struct Candidate {

@@ -220,6 +220,31 @@ TEST(PlannerTiny, EmbeddingReduceScatterIsBwdEmbedWhenLarger) {
   EXPECT_EQ(embed_small.terms.bytes(Category::Grads), (small.work.shard_params - 256) * 4);
 }
 
+// The last moment of a layer's backward: its grads copied into the fp32 reduce-scatter input once
+// the gathered layer and the previous unit's input are gone (what the executor's step measures).
+// One GPU, E = 32 experts all local (EP = 1): layer unit U = 192 + 16 + 8 * 32 (router) + 32 * 96 =
+// 3536, head 264. In bwd/L1/attn (the first layer in backward; the head's input 4 * 264 in flight)
+// the copy-in holds prefetched L0 2U + grads 2U + input 4U and d x_1 [16, 8] bf16, more than the
+// attention backward (gathered L1 2U + prefetched L0 2U + grads 2U + 1056 + its activations); in
+// bwd/L0/attn L1's input 4U is in flight, so the attention backward holds more and stays.
+TEST(PlannerTiny, LayerGradCopyInIsBwdAttnWhenLarger) {
+  ModelSpec m = tiny_moe();
+  m.num_experts = 32;
+  const Plan p = plan_of(m, tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}});
+  const int64_t U = 3536;
+  ASSERT_EQ(p.work.units[1].gathered_params, U);
+  const Phase& first = phase(p, "bwd/L1/attn");
+  EXPECT_EQ(first.terms.bytes(Category::Fsdp), 8 * U);
+  EXPECT_EQ(first.terms.bytes(Category::Activations), 16 * 8 * 2);
+  EXPECT_TRUE(has_term(first, "d layer input (to the next layer's backward)"));
+  const Phase& last = phase(p, "bwd/L0/attn");
+  EXPECT_EQ(last.terms.bytes(Category::Fsdp), 2 * U + 512 + 2 * U + 4 * U);
+  EXPECT_GT(last.terms.bytes(Category::Activations), 16 * 8 * 2);
+  // With the tiny model's 4 experts the attention backward holds more in every layer.
+  const Plan small = plan_of(tiny_moe(), tiny_gpu(), {{"--gpus", "1"}, {"--context", "16"}});
+  EXPECT_FALSE(has_term(phase(small, "bwd/L1/attn"), "d layer input (to the next layer's backward)"));
+}
+
 TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--schedule", "practice"}}));
   EXPECT_EQ(p.run.vocab, VocabMode::Blocked);

@@ -1,5 +1,6 @@
 // verify --component step on 4 thread ranks (FSDP at EP = 1): for plans of real cards
-// (Qwen3-30B-A3B, OLMoE-1B-7B; --gpus 4 --ep 1, baseline and flatpeak) every column of every
+// (Qwen3-30B-A3B, OLMoE-1B-7B; --gpus 4 --ep 1, baseline and flatpeak; gpt-oss-120b baseline, whose
+// first layer in backward peaks at its grads' copy-in, planner_tiny_test.cpp) every column of every
 // phase on every rank within 1 % of the planner's one-rank share of the 4-GPU plan, every baseline
 // row exact, rows tagged with the rank that measured the most; loss, grad shards and updated
 // params bitwise the single-rank reference with the materialised loss; a predicted term raised by
@@ -88,7 +89,8 @@ TEST_P(VerifyStepRanks, EveryRankEveryColumnWithinOnePercent) {
 
 INSTANTIATE_TEST_SUITE_P(Cards, VerifyStepRanks,
                          ::testing::Values(Case{"Qwen3-30B-A3B", "baseline"}, Case{"Qwen3-30B-A3B", "flatpeak"},
-                                           Case{"OLMoE-1B-7B", "baseline"}, Case{"OLMoE-1B-7B", "flatpeak"}),
+                                           Case{"OLMoE-1B-7B", "baseline"}, Case{"OLMoE-1B-7B", "flatpeak"},
+                                           Case{"gpt-oss-120b", "baseline"}),
                          [](const ::testing::TestParamInfo<Case>& param) {
                            std::string name = param.param.model + "_" + param.param.schedule;
                            for (char& ch : name)
