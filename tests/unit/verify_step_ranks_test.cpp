@@ -5,7 +5,7 @@
 // row exact, rows tagged with the rank that measured the most; loss, grad shards and updated
 // params bitwise the single-rank reference with the materialised loss; a predicted term raised by
 // 2 % fails; an EP = 4 plan runs on rank 0 alone and says why.
-// Plans at 16K context, verified at --scale 64 (T = 256, H = 32).
+// Plans at 16K context, verified at --scale 128 (T = 128, H = 16-22; fast under ASan).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,7 +36,7 @@ nlohmann::json plan_json(const std::string& model_name, Flags flags) {
 }
 
 VerifyReport verify_step_of(const VerifyInputs& in, const PredictionAdjust& adjust = nullptr) {
-  return run_verification(in, scale_config(in, 64.0, 8), {"step"}, 0.01, adjust);
+  return run_verification(in, scale_config(in, 128.0, 8), {"step"}, 0.01, adjust);
 }
 
 bool has_note(const VerifyReport& r, const std::string& text) {
@@ -76,7 +76,7 @@ TEST_P(VerifyStepRanks, EveryRankEveryColumnWithinOnePercent) {
   EXPECT_EQ(peaks.size(), 12u) << what;
   for (const char* p : {"fwd/embed", "fwd/L3/moe/combine", "bwd/L3/recompute/attn", "bwd/L1/attn", "bwd/embed"})
     EXPECT_TRUE(phases.count(p)) << what << " " << p;
-  EXPECT_GT(device_total, 1000000) << what;
+  EXPECT_GT(device_total, 500000) << what;
   if (c.schedule == "baseline") {  // materialised loss, optimizer on the device: bitwise the reference
     EXPECT_EQ(r.max_abs_dloss, 0.0) << what;
     EXPECT_EQ(r.max_abs_dgrad, 0.0) << what;
