@@ -21,18 +21,6 @@ using namespace fast_terms;
 
 namespace {
 
-// [EP][EP] rows source s sends to destination d under standard EP (expert e lives on rank
-// e / (E/EP): contiguous blocks, summed without a division per expert).
-CountMatrix ep_send_rows(const CountMatrix& copies, const RoutingShape& shape) {
-  const auto ep = static_cast<size_t>(shape.ep_ranks);
-  const auto per = static_cast<size_t>(shape.experts_per_rank());
-  CountMatrix send(ep, std::vector<int64_t>(ep, 0));
-  for (size_t s = 0; s < copies.size(); ++s)
-    for (size_t d = 0; d < ep; ++d)
-      for (size_t e = d * per; e < (d + 1) * per && e < copies[s].size(); ++e) send[s][d] += copies[s][e];
-  return send;
-}
-
 // received_rows_per_rank (routing.h), the same sums by blocks.
 std::vector<int64_t> received_rows(const CountMatrix& copies, const RoutingShape& shape) {
   const auto ep = static_cast<size_t>(shape.ep_ranks);
@@ -67,23 +55,9 @@ const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run,
   load.clamp_note = expected->clamp_note;
   std::vector<RankLoad> per_rank;
   for (int64_t r : received) per_rank.push_back(RankLoad{r, 0, 0});
-  if (run.llep) {
-    LlaKnobs knobs;
-    knobs.llep_alpha = run.llep_alpha;
-    knobs.min_rows_per_gemm = run.llep_min_rows;
-    knobs.imbalance_trigger = run.llep_lambda;
-    const LlaResult lla = least_loaded_assignment(expert_loads(expected->copies), run.ep, knobs);
-    load.lla_ran = lla.triggered;
-    load.recv_rows_llep = lla.triggered ? *std::max_element(lla.rank_rows.begin(), lla.rank_rows.end()) : load.recv_rows_ep;
-    load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
-    for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
-    for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
-    if (lla.triggered)
-      for (size_t p = 0; p < per_rank.size(); ++p)
-        per_rank[p] = RankLoad{lla.rank_rows[p], lla.foreign_experts_per_rank[p], lla.lent_weights_per_rank[p]};
-    b->send = lla.triggered ? lla_send_rows(lla, expected->copies) : ep_send_rows(expected->copies, shape);
-  }
   load.ranks = candidate_ranks(per_rank);
+  b->copies = expected->copies;
+  if (run.llep) b->send = apply_lla(load, run, expected->copies, shape, lla_knobs_of(run));
   auto& slot = entries_[key];
   slot = std::move(b);
   return *slot;
@@ -92,7 +66,7 @@ const MoeBasis& LoadCache::basis(const ModelSpec& model, const ResolvedRun& run,
 MoeLoad load_with_cap(const MoeBasis& basis, const ModelSpec& model, const ResolvedRun& run, int64_t chunk_cap_rows) {
   MoeLoad load = basis.load;
   if (!run.llep || chunk_cap_rows <= 0) return load;
-  apply_chunk_cap(load, model, run, basis.send, chunk_cap_rows);
+  apply_chunk_cap(load, model, run, basis.copies, basis.send, chunk_cap_rows);
   return load;
 }
 

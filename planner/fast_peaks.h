@@ -26,6 +26,7 @@ namespace flatpeak::planner {
 struct MoeBasis {
   MoeLoad load;       // chunk_cap_rows = 0, rounds = 1
   CountMatrix send;   // [EP][EP] rows each source sends (LLA plan when it ran, else standard EP)
+  CountMatrix copies; // [EP][E] expected copies (PipelinedLLEP's pool may need the LLA again)
 };
 
 // Expected loads and least-loaded assignments, shared by every plan of one query (the

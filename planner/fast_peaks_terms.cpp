@@ -95,6 +95,11 @@ void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t) {
 
 std::vector<MoeShape> moe_shapes(const Ctx& c, const MoeLoad& load) {
   std::vector<MoeShape> out;
+  if (pipelined(c)) {  // launch-time buffers, the same on every rank (memory_terms_dispatch.cpp)
+    out.push_back(MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, load.store_rows,
+                           load.foreign_pool, c.r.ep > 1 ? 1 : 0, c.r.ep > 1, &load});
+    return out;
+  }
   for (const RankLoad& r : load.ranks)
     out.push_back(MoeShape{c.T, c.H, c.m.num_experts, c.m.top_k, c.m.expert_ffn_width, load.send_rows, r.recv_rows,
                            c.r.llep ? r.foreign_experts : 0, c.r.llep ? r.lent_experts : 0, c.r.ep > 1, &load});

@@ -27,10 +27,17 @@ struct MoeShape {
   const MoeLoad* load;
 };
 
-// The shape of one candidate rank of the layer's load.
+bool pipelined(const Context& c) { return c.run.llep && c.run.chunk_cap_rows > 0; }
+
+// The shape of one candidate rank of the layer's load. PipelinedLLEP holds launch-time buffers
+// whatever the routing: the store's rows, the foreign-weight pool S_cap and, at EP > 1, one
+// staging slot for the lent weights' gradients coming home (so every candidate is the same).
 MoeShape shape_of(const Context& c, const MoeLoad& load, const RankLoad& r) {
   const Workload& w = c.work;
   const bool llep = c.run.llep;
+  if (pipelined(c))
+    return MoeShape{w.tokens, c.model.hidden_size, c.model.num_experts, c.model.top_k, c.model.expert_ffn_width, load.send_rows,
+                    load.store_rows, load.foreign_pool, c.run.ep > 1 ? 1 : 0, c.run.ep > 1, &load};
   return MoeShape{w.tokens, c.model.hidden_size, c.model.num_experts, c.model.top_k, c.model.expert_ffn_width, load.send_rows,
                   r.recv_rows, llep ? r.foreign_experts : 0, llep ? r.lent_experts : 0, c.run.ep > 1, &load};
 }
@@ -73,14 +80,22 @@ void add_meta(const MoeShape& s, TermList& t) {
 
 void add_foreign_weights(const Context& c, const MoeShape& s, TermList& t) {
   if (!c.run.llep) return;
-  t.add("LLEP foreign expert weights", {{"S_p", s.foreign}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
+  if (pipelined(c)) t.add("LLEP foreign expert weight pool", {{"S_cap", s.foreign}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
+  else t.add("LLEP foreign expert weights", {{"S_p", s.foreign}, {"p_e", c.work.expert_params_each}}, kBf16, kDsp);
 }
 
 // fp32: a borrowed expert's gradient is an accumulator (over PipelinedLLEP's rounds, then into the
 // native rank's fp32 accumulator), and DESIGN.md keeps every cross-block accumulator in fp32; in
 // bf16 where LLA puts an expert's rows would change its gradient (by bf16 rounding of each part).
+// PipelinedLLEP: the pool's gradients, and the lent weights' gradients come home one (expert,
+// helper) pair at a time through one fp32 staging slot (the native rank adds each in helper order).
 void add_foreign_weight_grads(const Context& c, const MoeShape& s, TermList& t) {
   if (!c.run.llep) return;
+  if (pipelined(c)) {
+    t.add("LLEP foreign weight pool grads", {{"S_cap", s.foreign}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
+    t.add("LLEP lent weight grad staging", {{"1", s.lent}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
+    return;
+  }
   t.add("LLEP foreign weight grads", {{"S_p", s.foreign}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
   t.add("LLEP lent weight grads received", {{"S_sent", s.lent}, {"p_e", c.work.expert_params_each}}, kFp32, kDsp);
 }
@@ -273,7 +288,7 @@ std::vector<PhaseTerms> pipelined_forward(const Context& c, const MoeShape& s, b
   TermList& t = out.back().terms;
   add_route(s, t);
   add_round_buffers(s, r, t);
-  if (recompute) add_saved_experts(s, s.rows_recv, "R", t, " (saved, all rounds)");
+  if (recompute) add_saved_experts(s, s.rows_recv, "R_store", t, " (saved, all rounds)");
   else add_saved_experts(s, r.B, "B", t, " (round)");
   t.add("round expert fc2 out", {{"B", r.B}, {"H", s.H}}, kBf16, kDsp);
   t.add("round unpermuted rows", {{"B", r.B}, {"H", s.H}}, kBf16, kDsp);
@@ -291,7 +306,7 @@ std::vector<PhaseTerms> pipelined_backward(const Context& c, const MoeShape& s) 
   TermList& t = out.back().terms;
   add_route(s, t);
   add_round_buffers(s, r, t);
-  if (store) add_saved_experts(s, s.rows_recv, "R", t, " (saved, all rounds)");
+  if (store) add_saved_experts(s, s.rows_recv, "R_store", t, " (saved, all rounds)");
   else add_saved_experts(s, r.B, "B", t, " (round, recomputed)");
   t.add("round grad buffers", {{"D", r.D}, {"2(B+C)", 2 * (r.B + r.C)}, {"H", s.H}}, kBf16, kDsp);
   add_expert_grads(s, r.B, "B", t);
@@ -300,8 +315,6 @@ std::vector<PhaseTerms> pipelined_backward(const Context& c, const MoeShape& s) 
   add_foreign_weight_grads(c, s, t);
   return out;
 }
-
-bool pipelined(const Context& c) { return c.run.llep && c.run.chunk_cap_rows > 0; }
 
 }  // namespace
 

@@ -31,27 +31,10 @@ MoeLoad moe_load(const ModelSpec& model, const ResolvedRun& run, int64_t tokens,
   load.clamp_note = expected.clamp_note;
   std::vector<RankLoad> per_rank;
   for (int64_t r : received) per_rank.push_back(RankLoad{r, 0, 0});
+  load.ranks = candidate_ranks(per_rank);
   if (run.llep) {
-    LlaKnobs knobs;
-    knobs.llep_alpha = run.llep_alpha;
-    knobs.min_rows_per_gemm = run.llep_min_rows;
-    knobs.imbalance_trigger = run.llep_lambda;
-    const LlaResult lla = least_loaded_assignment(expert_loads(expected.copies), run.ep, knobs);
-    load.lla_ran = lla.triggered;
-    load.recv_rows_llep = lla.triggered ? *std::max_element(lla.rank_rows.begin(), lla.rank_rows.end()) : load.recv_rows_ep;
-    load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
-    for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
-    for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
-    if (lla.triggered)
-      for (size_t p = 0; p < per_rank.size(); ++p)
-        per_rank[p] = RankLoad{lla.rank_rows[p], lla.foreign_experts_per_rank[p], lla.lent_weights_per_rank[p]};
-    load.ranks = candidate_ranks(per_rank);
-    if (run.chunk_cap_rows > 0) {
-      const CountMatrix send = lla.triggered ? lla_send_rows(lla, expected.copies) : ep_send_rows(expected.copies, shape);
-      apply_chunk_cap(load, model, run, send, run.chunk_cap_rows);
-    }
-  } else {
-    load.ranks = candidate_ranks(per_rank);
+    const CountMatrix send = apply_lla(load, run, expected.copies, shape, lla_knobs_of(run));
+    if (run.chunk_cap_rows > 0) apply_chunk_cap(load, model, run, expected.copies, send, run.chunk_cap_rows);
   }
   return load;
 }
@@ -74,19 +57,47 @@ std::vector<RankLoad> candidate_ranks(const std::vector<RankLoad>& per_rank) {
   return out;
 }
 
-void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& send, int64_t chunk_cap_rows) {
+LlaKnobs lla_knobs_of(const ResolvedRun& run) {
+  LlaKnobs knobs;
+  knobs.llep_alpha = run.llep_alpha;
+  knobs.min_rows_per_gemm = run.llep_min_rows;
+  knobs.imbalance_trigger = run.llep_lambda;
+  return knobs;
+}
+
+CountMatrix apply_lla(MoeLoad& load, const ResolvedRun& run, const CountMatrix& copies, const RoutingShape& shape,
+                      const LlaKnobs& knobs) {
+  const LlaResult lla = least_loaded_assignment(expert_loads(copies), run.ep, knobs);
+  load.lla_ran = lla.triggered;
+  load.recv_rows_llep = lla.triggered ? *std::max_element(lla.rank_rows.begin(), lla.rank_rows.end()) : load.recv_rows_ep;
+  load.rho_llep = lla.triggered ? lla.rho_l : load.rho_ep;
+  load.foreign_experts = 0;
+  load.lent_experts = 0;
+  for (int64_t s : lla.foreign_experts_per_rank) load.foreign_experts = std::max(load.foreign_experts, s);
+  for (int64_t s : lla.lent_weights_per_rank) load.lent_experts = std::max(load.lent_experts, s);
+  if (!lla.triggered) return ep_send_rows(copies, shape);
+  std::vector<RankLoad> per_rank;
+  for (size_t p = 0; p < lla.rank_rows.size(); ++p)
+    per_rank.push_back(RankLoad{lla.rank_rows[p], lla.foreign_experts_per_rank[p], lla.lent_weights_per_rank[p]});
+  load.ranks = candidate_ranks(per_rank);
+  return lla_send_rows(lla, copies);
+}
+
+void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& copies, CountMatrix send,
+                     int64_t chunk_cap_rows) {
   const int64_t C = std::min(chunk_cap_rows, load.send_rows);
   int64_t buffer = checked_mul(run.ep, C);
-  if (run.striping) {
-    LlaKnobs knobs;
-    knobs.llep_alpha = run.llep_alpha;
-    knobs.min_rows_per_gemm = run.llep_min_rows;
-    knobs.imbalance_trigger = run.llep_lambda;
-    const double rho = std::max({1.0, run.llep_lambda, run.llep_alpha}) +
-                       static_cast<double>(lla_slack_rows(knobs, run.ep, load.send_rows)) / static_cast<double>(load.send_rows);
-    const int64_t tokens = load.send_rows / model.top_k;
-    const int64_t most = checked_mul(run.ep, checked_mul(tokens, std::min(model.top_k, model.num_experts / run.ep)));
-    buffer = std::min(round_receive_bound_rows(C, run.ep, rho), most);
+  LlaKnobs knobs = lla_knobs_of(run);
+  const double rho = pipelined_rho_bound(knobs, run.ep, load.send_rows);
+  const int64_t tokens = load.send_rows / model.top_k;
+  const int64_t most = checked_mul(run.ep, checked_mul(tokens, std::min(model.top_k, model.num_experts / run.ep)));
+  if (run.striping) buffer = std::min(round_receive_bound_rows(C, run.ep, rho), most);
+  load.foreign_pool = pipelined_foreign_pool(buffer, run.ep, model.num_experts, knobs);
+  load.store_rows = pipelined_store_rows(buffer, run.ep, load.send_rows, most, rho);
+  if (load.lla_ran && load.foreign_experts > load.foreign_pool) {
+    // The pool binds: LLA again with it (the executor runs the same), so no rank borrows more.
+    knobs.max_foreign_experts = load.foreign_pool;
+    send = apply_lla(load, run, copies, RoutingShape{run.ep, model.num_experts, model.top_k}, knobs);
   }
   int64_t cap = C;
   if (run.striping && round_receive_bound_rows(send, C) > buffer) cap = std::max<int64_t>(1, shrink_chunk_cap(send, C, buffer));

@@ -11,6 +11,7 @@
 #include "run_spec.h"
 #include "spec/model_spec.h"
 #include "spec/param_count.h"
+#include "spec/least_loaded.h"
 #include "spec/routing.h"
 
 namespace flatpeak::planner {
@@ -58,15 +59,28 @@ struct MoeLoad {
   int64_t chunk_cap_rows = 0;
   int64_t round_recv_rows = 0;
   int64_t rounds = 1;
+  // PipelinedLLEP's other launch-time buffers: the foreign-weight pool S_cap every rank holds (LLA
+  // then lends no rank more experts) and the store mode's saved rows (spec/least_loaded.h).
+  int64_t foreign_pool = 0;
+  int64_t store_rows = 0;
   std::string clamp_note;         // routing model clamped (see routing.h)
 };
+
+// LLEP's knobs of a run (the foreign-expert limit off).
+LlaKnobs lla_knobs_of(const ResolvedRun& run);
+// The least-loaded assignment of `copies` ([EP][E]) into load's LLA fields and candidate ranks
+// (left as they are when the λ fall-back keeps plain EP); returns the [EP][EP] send rows.
+CountMatrix apply_lla(MoeLoad& load, const ResolvedRun& run, const CountMatrix& copies, const RoutingShape& shape,
+                      const LlaKnobs& knobs);
 
 // PipelinedLLEP's rounds for a cap (workload.cpp and the knob search's fast path): B sized at
 // launch, before any routing is known, from C = min(cap, T·k), EP and the LLA bound
 // ρ_B = max(1, λ, α) + δ/N (reference/dispatch.md §2.7, δ = lla_slack_rows):
-// B = min(ceil((C + EP)·ρ_B) + EP, EP·C, EP·T·min(k, E/EP)) with striping, EP·C without; then the
-// cap shrinks while the known loads (`send`, [EP][EP] rows) would overflow B (§5.5).
-void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& send,
+// B = min(ceil((C + EP)·ρ_B) + EP, EP·C, EP·T·min(k, E/EP)) with striping, EP·C without; the
+// foreign-weight pool and the store rows from B (spec/least_loaded.h); when the LLA of `copies`
+// lent a rank more experts than the pool holds, LLA again within it; then the cap shrinks while
+// the known loads (`send`, [EP][EP] rows) would overflow B (§5.5).
+void apply_chunk_cap(MoeLoad& load, const ModelSpec& model, const ResolvedRun& run, const CountMatrix& copies, CountMatrix send,
                      int64_t chunk_cap_rows);
 
 struct Workload {

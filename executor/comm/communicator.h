@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -68,6 +69,13 @@ class Communicator {
   virtual void all_reduce(const void* send, void* recv, int64_t count, DType dtype,
                           ReduceOp op) = 0;
   virtual void barrier() = 0;
+
+  // Collective (as MPI_Comm_split): ranks passing the same color (≥ 0) form a new communicator,
+  // ranked by key, ties in this communicator's rank order; e.g. EP groups of EP consecutive ranks:
+  // split(rank / EP, rank % EP). The new communicator keeps this one's backend and contract; its
+  // RankFailed names ranks of the whole job (the root communicator's numbering), and a failure on
+  // either side wakes the other. Destroy it before this one.
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 
   // The agreed status at a checkpoint: every rank passes its own exit code (0 = fine) and a
   // message; if any is non-zero, every rank throws RankFailed naming the lowest failing rank,

@@ -23,6 +23,11 @@ int to_int(int64_t value, int rank, const char* op) {
 
 }  // namespace
 
+struct MpiCommunicator::CommHandle {
+  MPI_Comm comm = MPI_COMM_WORLD;
+  bool owned = false;  // a split's communicator, freed with this object
+};
+
 // Marks a collective in progress for the watchdog.
 class MpiCommunicator::OpScope {
  public:
@@ -42,7 +47,7 @@ class MpiCommunicator::OpScope {
   MpiCommunicator& comm_;
 };
 
-MpiCommunicator::MpiCommunicator(MpiOptions options) : options_(options) {
+MpiCommunicator::MpiCommunicator(MpiOptions options) : options_(options), comm_(std::make_unique<CommHandle>()) {
   int initialised = 0;
   MPI_Initialized(&initialised);
   if (!initialised) {
@@ -54,7 +59,38 @@ MpiCommunicator::MpiCommunicator(MpiOptions options) : options_(options) {
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  world_rank_ = rank_;
   watchdog_ = std::thread([this]() { watchdog_loop(); });
+}
+
+MpiCommunicator::MpiCommunicator(MpiOptions options, std::unique_ptr<CommHandle> comm, int world_rank)
+    : options_(options), comm_(std::move(comm)), world_rank_(world_rank) {
+  MPI_Comm_set_errhandler(comm_->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm_->comm, &rank_);
+  MPI_Comm_size(comm_->comm, &size_);
+  watchdog_ = std::thread([this]() { watchdog_loop(); });
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  const char* op = "split";
+  OpScope scope(*this, op);
+  if (color < 0) throw CommError(rank_, op, "color must be >= 0 (got " + std::to_string(color) + ")");
+  auto handle = std::make_unique<CommHandle>();
+  check(MPI_Comm_split(comm_->comm, color, key, &handle->comm), op);
+  handle->owned = true;
+  return std::unique_ptr<Communicator>(new MpiCommunicator(options_, std::move(handle), world_rank_));
+}
+
+int MpiCommunicator::world_rank_of(int rank) const {
+  if (!comm_->owned) return rank;
+  MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  int out = rank;
+  MPI_Comm_group(comm_->comm, &mine);
+  MPI_Comm_group(MPI_COMM_WORLD, &world);
+  MPI_Group_translate_ranks(mine, 1, &rank, world, &out);
+  MPI_Group_free(&mine);
+  MPI_Group_free(&world);
+  return out;
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -66,6 +102,7 @@ MpiCommunicator::~MpiCommunicator() {
   if (watchdog_.joinable()) watchdog_.join();
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (comm_->owned && !finalized) MPI_Comm_free(&comm_->comm);
   if (initialised_here_ && !finalized) MPI_Finalize();
 }
 
@@ -106,7 +143,7 @@ void MpiCommunicator::all_to_allv(const void* send, const int64_t* send_counts,
   // truncated message.
   std::vector<int64_t> incoming(n);
   check(MPI_Alltoall(send_counts, 1, MPI_INT64_T, incoming.data(), 1, MPI_INT64_T,
-                     MPI_COMM_WORLD), op);
+                     comm_->comm), op);
   for (size_t p = 0; p < n; ++p) {
     if (incoming[p] != recv_counts[p]) {
       throw CommError(rank_, op, "expects " + std::to_string(recv_counts[p]) +
@@ -123,7 +160,7 @@ void MpiCommunicator::all_to_allv(const void* send, const int64_t* send_counts,
     rd[p] = to_int(recv_displs[p] * elem, rank_, op);
   }
   check(MPI_Alltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(), rd.data(), MPI_BYTE,
-                      MPI_COMM_WORLD), op);
+                      comm_->comm), op);
 }
 
 void MpiCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count, DType dtype,
@@ -134,14 +171,14 @@ void MpiCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count
   const int dst = ((rank_ + shift) % size_ + size_) % size_;
   const int src = ((rank_ - shift) % size_ + size_) % size_;
   check(MPI_Sendrecv(send, bytes, MPI_BYTE, dst, 71, recv, bytes, MPI_BYTE, src, 71,
-                     MPI_COMM_WORLD, MPI_STATUS_IGNORE), op);
+                     comm_->comm, MPI_STATUS_IGNORE), op);
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, int64_t count, DType dtype) {
   const char* op = "all_gather";
   OpScope scope(*this, op);
   const int bytes = to_int(count * dtype_bytes(dtype), rank_, op);
-  check(MPI_Allgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, MPI_COMM_WORLD), op);
+  check(MPI_Allgather(send, bytes, MPI_BYTE, recv, bytes, MPI_BYTE, comm_->comm), op);
 }
 
 void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t count, DType dtype) {
@@ -152,7 +189,7 @@ void MpiCommunicator::reduce_scatter(const void* send, void* recv, int64_t count
   std::vector<char> blocks(static_cast<size_t>(bytes * size_));  // [n, count]: block of rank p
   const int block_bytes = to_int(bytes, rank_, op);
   check(MPI_Alltoall(send, block_bytes, MPI_BYTE, blocks.data(), block_bytes, MPI_BYTE,
-                     MPI_COMM_WORLD), op);
+                     comm_->comm), op);
   std::vector<const void*> parts(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) parts[static_cast<size_t>(p)] = blocks.data() + p * bytes;
   reduce_in_rank_order(parts, recv, count, dtype, ReduceOp::Sum);
@@ -165,7 +202,7 @@ void MpiCommunicator::all_reduce(const void* send, void* recv, int64_t count, DT
   const int64_t bytes = count * dtype_bytes(dtype);
   std::vector<char> all(static_cast<size_t>(bytes * size_));  // [n, count]
   check(MPI_Allgather(send, to_int(bytes, rank_, op), MPI_BYTE, all.data(),
-                      to_int(bytes, rank_, op), MPI_BYTE, MPI_COMM_WORLD), op);
+                      to_int(bytes, rank_, op), MPI_BYTE, comm_->comm), op);
   std::vector<const void*> parts(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) parts[static_cast<size_t>(p)] = all.data() + p * bytes;
   reduce_in_rank_order(parts, recv, count, dtype, reduce);
@@ -173,14 +210,14 @@ void MpiCommunicator::all_reduce(const void* send, void* recv, int64_t count, DT
 
 void MpiCommunicator::barrier() {
   OpScope scope(*this, "barrier");
-  check(MPI_Barrier(MPI_COMM_WORLD), "barrier");
+  check(MPI_Barrier(comm_->comm), "barrier");
 }
 
 void MpiCommunicator::check_status(int exit_code, const std::string& message) {
   const char* op = "check_status";
   OpScope scope(*this, op);
   std::vector<int> codes(static_cast<size_t>(size_));
-  check(MPI_Allgather(&exit_code, 1, MPI_INT, codes.data(), 1, MPI_INT, MPI_COMM_WORLD), op);
+  check(MPI_Allgather(&exit_code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm_->comm), op);
   int failing = -1;
   for (int p = 0; p < size_ && failing < 0; ++p) {
     if (codes[static_cast<size_t>(p)] != 0) failing = p;
@@ -188,15 +225,15 @@ void MpiCommunicator::check_status(int exit_code, const std::string& message) {
   if (failing < 0) return;
   // The failing rank's message travels to every rank, so that rank 0 can print it.
   int length = rank_ == failing ? static_cast<int>(message.size()) : 0;
-  check(MPI_Bcast(&length, 1, MPI_INT, failing, MPI_COMM_WORLD), op);
+  check(MPI_Bcast(&length, 1, MPI_INT, failing, comm_->comm), op);
   std::string reason(static_cast<size_t>(length), '\0');
   if (rank_ == failing) reason = message;
-  if (length > 0) check(MPI_Bcast(&reason[0], length, MPI_CHAR, failing, MPI_COMM_WORLD), op);
-  throw RankFailed(failing, codes[static_cast<size_t>(failing)], reason);
+  if (length > 0) check(MPI_Bcast(&reason[0], length, MPI_CHAR, failing, comm_->comm), op);
+  throw RankFailed(world_rank_of(failing), codes[static_cast<size_t>(failing)], reason);
 }
 
 void MpiCommunicator::abort(int exit_code, const std::string& message) {
-  std::fprintf(stderr, "flatpeak: error: rank %d: %s\n", rank_, message.c_str());
+  std::fprintf(stderr, "flatpeak: error: rank %d: %s\n", world_rank_, message.c_str());
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, exit_code);
   std::_Exit(exit_code);  // MPI_Abort does not return; this is for a broken MPI

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -45,17 +46,25 @@ class MpiCommunicator final : public Communicator {
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype,
                   ReduceOp op) override;
   void barrier() override;
+  // MPI_Comm_split of this communicator (its own watchdog; MPI_Comm_free when destroyed).
+  std::unique_ptr<Communicator> split(int color, int key) override;
   void check_status(int exit_code, const std::string& message) override;
-  // Writes "flatpeak: error: rank R: message" to stderr, then MPI_Abort(exit_code): the only
-  // place the library writes, because the process ends here.
+  // Writes "flatpeak: error: rank R: message" (R: the job's rank) to stderr, then
+  // MPI_Abort(MPI_COMM_WORLD, exit_code), also from a split: the only place the library writes,
+  // because the process ends here.
   void abort(int exit_code, const std::string& message) override;
 
  private:
   class OpScope;
+  struct CommHandle;  // the MPI_Comm (mpi.h stays out of this header)
+  MpiCommunicator(MpiOptions options, std::unique_ptr<CommHandle> comm, int world_rank);
   void check(int mpi_result, const char* op) const;
+  int world_rank_of(int rank) const;
   void watchdog_loop();
 
   MpiOptions options_;
+  std::unique_ptr<CommHandle> comm_;
+  int world_rank_ = 0;
   int rank_ = 0;
   int size_ = 1;
   bool initialised_here_ = false;

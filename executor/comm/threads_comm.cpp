@@ -1,8 +1,10 @@
 #include "executor/comm/threads_comm.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <numeric>
 #include <thread>
 
 namespace flatpeak::exec {
@@ -13,24 +15,88 @@ ThreadsWorld::ThreadsWorld(int size, ThreadsOptions options)
       posts_(static_cast<size_t>(size > 0 ? size : 0)),
       arrived_(static_cast<size_t>(size > 0 ? size : 0), false) {
   if (size < 1) throw std::invalid_argument("threads world: size must be >= 1");
+  world_ranks_.resize(static_cast<size_t>(size));
+  std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
+}
+
+ThreadsWorld::ThreadsWorld(std::vector<int> world_ranks, ThreadsOptions options, ThreadsWorld* parent)
+    : ThreadsWorld(static_cast<int>(world_ranks.size()), options) {
+  world_ranks_ = std::move(world_ranks);
+  parent_ = parent;
 }
 
 void ThreadsWorld::throw_failed_locked() const {
   throw RankFailed(failing_rank_, failure_code_, failure_message_);
 }
 
-void ThreadsWorld::fail_locked(int rank, int exit_code, const std::string& message) {
-  if (failed_) return;
+bool ThreadsWorld::fail_locked(int world_rank, int exit_code, const std::string& message) {
+  if (failed_) return false;
   failed_ = true;
-  failing_rank_ = rank;
+  failing_rank_ = world_rank;
   failure_code_ = exit_code;
   failure_message_ = message;
   cv_.notify_all();
+  return true;
+}
+
+// The parent and the sub-worlds fail too, outside this world's lock (each has its own; the first
+// call in each wins, so the walk ends).
+void ThreadsWorld::propagate_failure(int world_rank, int exit_code, const std::string& message) {
+  std::vector<ThreadsWorld*> others;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (parent_ != nullptr) others.push_back(parent_);
+    for (const auto& child : children_) others.push_back(child.second.get());
+  }
+  for (ThreadsWorld* w : others) w->fail_world(world_rank, exit_code, message);
+}
+
+void ThreadsWorld::fail_world(int world_rank, int exit_code, const std::string& message) {
+  bool first = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    first = fail_locked(world_rank, exit_code, message);
+  }
+  if (first) propagate_failure(world_rank, exit_code, message);
 }
 
 void ThreadsWorld::fail(int rank, int exit_code, const std::string& message) {
+  fail_world(world_rank(rank), exit_code, message);
+}
+
+std::pair<std::shared_ptr<ThreadsWorld>, int> ThreadsWorld::split(int rank, int color, int key) {
+  Post post;
+  post.op = "split";
+  post.count = color;
+  post.shift = key;
+  arrive(rank, post);
+  // Every rank is between the two barriers: the posts and the generation are stable.
+  std::vector<int> members;  // this color's ranks by (key, rank)
+  int64_t split_id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    split_id = generation_;
+    for (int p = 0; p < size_; ++p)
+      if (posts_[static_cast<size_t>(p)].op == "split" && posts_[static_cast<size_t>(p)].count == color) members.push_back(p);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+      return posts_[static_cast<size_t>(a)].shift < posts_[static_cast<size_t>(b)].shift;
+    });
+  }
+  const auto me = std::find(members.begin(), members.end(), rank);
+  if (color < 0 || me == members.end()) {
+    arrive(rank, "split (release)");
+    throw CommError(rank, "split", "color must be >= 0 (got " + std::to_string(color) + ")");
+  }
+  if (me == members.begin()) {  // the group's first member makes its world before the release
+    std::vector<int> world_ranks;
+    for (int m : members) world_ranks.push_back(world_rank(m));
+    auto child = std::make_shared<ThreadsWorld>(std::move(world_ranks), options_, this);
+    std::lock_guard<std::mutex> lock(mutex_);
+    children_[{split_id, color}] = std::move(child);
+  }
+  arrive(rank, "split (release)");
   std::lock_guard<std::mutex> lock(mutex_);
-  fail_locked(rank, exit_code, message);
+  return {children_.at({split_id, color}), static_cast<int>(me - members.begin())};
 }
 
 bool ThreadsWorld::failed() const {
@@ -76,9 +142,9 @@ void ThreadsWorld::wait_locked(std::unique_lock<std::mutex>& lock, int rank,
           break;
         }
       }
-      fail_locked(missing, kExitRuntimeError,
+      fail_locked(world_rank(missing), kExitRuntimeError,
                   "did not reach " + op + " within " + std::to_string(options_.peer_timeout_s) +
-                      " s (rank " + std::to_string(rank) + " waited)");
+                      " s (rank " + std::to_string(world_rank(rank)) + " waited)");
     }
   }
   if (generation_ == generation) throw_failed_locked();
@@ -253,7 +319,12 @@ void ThreadsCommunicator::check_status(int exit_code, const std::string& message
     reason = world_.post(failing).status_message;
   }
   world_.arrive(rank_, "check_status (release)");
-  if (failing >= 0) throw RankFailed(failing, code, reason);
+  if (failing >= 0) throw RankFailed(world_.world_rank(failing), code, reason);
+}
+
+std::unique_ptr<Communicator> ThreadsCommunicator::split(int color, int key) {
+  auto [world, rank] = world_.split(rank_, color, key);
+  return std::make_unique<ThreadsCommunicator>(std::move(world), rank);
 }
 
 void ThreadsCommunicator::abort(int exit_code, const std::string& message) {

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -44,7 +45,10 @@ struct RunResult {
 class ThreadsWorld {
  public:
   ThreadsWorld(int size, ThreadsOptions options);
+  // A sub-world of `parent` (split): rank r here is rank world_ranks[r] of the root world.
+  ThreadsWorld(std::vector<int> world_ranks, ThreadsOptions options, ThreadsWorld* parent);
   int size() const { return size_; }
+  int world_rank(int rank) const { return world_ranks_[static_cast<size_t>(rank)]; }
 
   struct Post {
     std::string op;
@@ -64,7 +68,12 @@ class ThreadsWorld {
   void arrive(int rank, const std::string& op);
   const Post& post(int rank) const { return posts_[static_cast<size_t>(rank)]; }
 
-  // Marks the world failed (the first call wins) and wakes every waiting rank.
+  // Collective over this world (Communicator::split): the sub-world of `rank`'s color, made by
+  // the group's first member and kept alive by this world, and `rank`'s rank in it.
+  std::pair<std::shared_ptr<ThreadsWorld>, int> split(int rank, int color, int key);
+
+  // Marks the world failed (the first call wins), wakes every waiting rank, and fails its parent
+  // and sub-worlds too. `rank` is in this world's numbering; failing_rank() is the root's.
   void fail(int rank, int exit_code, const std::string& message);
   bool failed() const;
   int failing_rank() const;
@@ -73,11 +82,16 @@ class ThreadsWorld {
 
  private:
   void wait_locked(std::unique_lock<std::mutex>& lock, int rank, const std::string& op);
-  void fail_locked(int rank, int exit_code, const std::string& message);
+  bool fail_locked(int world_rank, int exit_code, const std::string& message);
+  void fail_world(int world_rank, int exit_code, const std::string& message);
+  void propagate_failure(int world_rank, int exit_code, const std::string& message);
   [[noreturn]] void throw_failed_locked() const;
 
   const int size_;
   const ThreadsOptions options_;
+  std::vector<int> world_ranks_;     // [n] root-world rank of each rank
+  ThreadsWorld* parent_ = nullptr;   // null for the root world
+  std::map<std::pair<int64_t, int>, std::shared_ptr<ThreadsWorld>> children_;  // (split, color)
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<Post> posts_;          // [n]
@@ -93,6 +107,7 @@ class ThreadsWorld {
 class ThreadsCommunicator final : public Communicator {
  public:
   ThreadsCommunicator(ThreadsWorld& world, int rank) : world_(world), rank_(rank) {}
+  ThreadsCommunicator(std::shared_ptr<ThreadsWorld> world, int rank) : world_(*world), rank_(rank), owned_(std::move(world)) {}
   int rank() const override { return rank_; }
   int size() const override { return world_.size(); }
   const char* backend_name() const override { return "threads"; }
@@ -107,6 +122,7 @@ class ThreadsCommunicator final : public Communicator {
   void all_reduce(const void* send, void* recv, int64_t count, DType dtype,
                   ReduceOp op) override;
   void barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
   void check_status(int exit_code, const std::string& message) override;
   void abort(int exit_code, const std::string& message) override;
 
@@ -116,6 +132,7 @@ class ThreadsCommunicator final : public Communicator {
 
   ThreadsWorld& world_;
   const int rank_;
+  std::shared_ptr<ThreadsWorld> owned_;  // a split's sub-world
 };
 
 // Runs fn(rank, comm) on n threads (n ≥ 1). The first rank to throw fails the world: every rank

@@ -50,7 +50,7 @@ const char* byte_ptr(const void* p, int64_t elems, exec::DType dtype) {
 
 DeviceThreadsCommunicator::DeviceThreadsCommunicator(exec::ThreadsWorld& world, int rank, int device,
                                                      DeviceAllocator::Options allocator_options)
-    : world_(world), rank_(rank) {
+    : world_(world), rank_(rank), device_(device), allocator_options_(allocator_options) {
   FLATPEAK_CUDA_CHECK(cudaSetDevice(device));
   allocator_options.device = device;
   allocator_ = std::make_unique<DeviceAllocator>(allocator_options);
@@ -235,7 +235,15 @@ void DeviceThreadsCommunicator::check_status(int exit_code, const std::string& m
     reason = world_.post(failing).status_message;
   }
   release("check_status");
-  if (failing >= 0) throw exec::RankFailed(failing, code, reason);
+  if (failing >= 0) throw exec::RankFailed(world_.world_rank(failing), code, reason);
+}
+
+std::unique_ptr<exec::Communicator> DeviceThreadsCommunicator::split(int color, int key) {
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  auto [world, rank] = world_.split(rank_, color, key);
+  auto out = std::make_unique<DeviceThreadsCommunicator>(*world, rank, device_, allocator_options_);
+  out->owned_world_ = std::move(world);
+  return out;
 }
 
 void DeviceThreadsCommunicator::abort(int exit_code, const std::string& message) {

@@ -47,6 +47,9 @@ class DeviceThreadsCommunicator final : public exec::Communicator {
   void all_reduce(const void* send, void* recv, int64_t count, exec::DType dtype,
                   exec::ReduceOp op) override;
   void barrier() override;
+  // A sub-world of this one (threads_comm.h, ThreadsWorld::split), on the same device with its
+  // own stream and allocator.
+  std::unique_ptr<exec::Communicator> split(int color, int key) override;
   void check_status(int exit_code, const std::string& message) override;
   void abort(int exit_code, const std::string& message) override;
 
@@ -60,8 +63,11 @@ class DeviceThreadsCommunicator final : public exec::Communicator {
 
   exec::ThreadsWorld& world_;
   const int rank_;
+  const int device_;
+  const DeviceAllocator::Options allocator_options_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<DeviceAllocator> allocator_;
+  std::shared_ptr<exec::ThreadsWorld> owned_world_;  // a split's sub-world
 };
 
 // run_ranks_with (threads_comm.h) with a DeviceThreadsCommunicator per rank on `device`.

@@ -66,6 +66,7 @@ class SelfComm final : public Communicator {
     if (send != recv) copy(send, recv, count, dtype);
   }
   void barrier() override {}
+  std::unique_ptr<Communicator> split(int, int) override { return std::make_unique<SelfComm>(); }
   void check_status(int exit_code, const std::string& message) override {
     if (exit_code != 0) throw RankFailed(0, exit_code, message);
   }
@@ -99,8 +100,9 @@ uint64_t seed_of(const DispatchScheduleConfig& c, uint64_t stream) { return c.se
 // This rank's slices of the single-rank run's inputs over EP·T tokens and E experts.
 void fill_inputs(const DispatchScheduleConfig& c, const Dims& d, Bf16* x, Bf16* d_out, Bf16* w_router, Bf16* w_gate_up,
                  Bf16* w_down) {
-  fill_bf16(x, d.T * d.H, seed_of(c, 1), 1.0f, d.me * d.T * d.H);
-  fill_bf16(d_out, d.T * d.H, seed_of(c, 2), 1.0f, d.me * d.T * d.H);
+  const int64_t global = c.replica * d.ep + d.me;  // this rank's tokens among every group's
+  fill_bf16(x, d.T * d.H, seed_of(c, 1), 1.0f, global * d.T * d.H);
+  fill_bf16(d_out, d.T * d.H, seed_of(c, 2), 1.0f, global * d.T * d.H);
   fill_bf16(w_router, d.E * d.H, seed_of(c, 3), 1.0f / std::sqrt(static_cast<float>(d.H)));
   fill_bf16(w_gate_up, d.L * 2 * d.F * d.H, seed_of(c, 4), 2.0f / std::sqrt(static_cast<float>(d.H)), d.me * d.L * 2 * d.F * d.H);
   fill_bf16(w_down, d.L * d.H * d.F, seed_of(c, 5), 2.0f / std::sqrt(static_cast<float>(d.F)), d.me * d.L * d.H * d.F);
@@ -573,9 +575,40 @@ void return_weight_grads(Communicator& comm, const Dims& d, const RowPlan& p, La
     }
 }
 
-// The borrowed weights of one pass: [S, P] bf16 (empty without LLEP or helpers).
-Tensor borrow_weights(Communicator& comm, TrackingAllocator& alloc, const Dims& d, const RowPlan& p, const LayerData& L) {
-  Tensor w(alloc, DType::BF16, {static_cast<int64_t>(p.foreign.size()), d.P}, kDsp);  // [S_p, P] bf16
+// LLEP, capped: the helpers' fp32 gradients of every lent expert back to its native rank one
+// (expert, helper) pair at a time through one [1, P] staging slot, added in helper-rank order
+// (the same sums in the same order as the [S_sent, P] way, in a buffer that does not depend on
+// the routing).
+void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan& p, LayerData& L, const Tensor& foreign_dw,
+                                Tensor& staging) {
+  const std::vector<int64_t> none(z(d.ep), 0);
+  for (int64_t e = 0; e < d.E; ++e) {
+    const int64_t native = e / d.L;
+    for (int64_t h : p.helpers[z(e)]) {
+      std::vector<int64_t> sc = none, sd = none, rc = none, rd = none;
+      if (d.me == h) {
+        sc[z(native)] = 1;
+        sd[z(native)] = p.local_of[z(e)] - d.L;
+      }
+      if (d.me == native) rc[z(h)] = 1;
+      exchange(comm, d.me == h ? foreign_dw.raw() : nullptr, sc, sd, d.me == native ? staging.raw() : nullptr, rc, rd, d.P,
+               DType::F32);
+      if (d.me != native) continue;
+      const float* g = staging.data<float>();
+      float* gu = L.dw_gate_up.data<float>() + (e - d.me * d.L) * 2 * d.F * d.H;
+      float* dn = L.dw_down.data<float>() + (e - d.me * d.L) * d.H * d.F;
+      for (int64_t i = 0; i < 2 * d.F * d.H; ++i) gu[i] += g[i];
+      for (int64_t i = 0; i < d.H * d.F; ++i) dn[i] += g[2 * d.F * d.H + i];
+    }
+  }
+}
+
+// The borrowed weights of one pass: [S, P] bf16 with S = `slots` (the realised S_p uncapped, the
+// launch-time pool S_cap ≥ S_p capped; empty without LLEP or helpers).
+Tensor borrow_weights(Communicator& comm, TrackingAllocator& alloc, const Dims& d, const RowPlan& p, const LayerData& L,
+                      int64_t slots) {
+  if (static_cast<int64_t>(p.foreign.size()) > slots) throw std::logic_error("dispatch schedule: more borrowed experts than weight slots");
+  Tensor w(alloc, DType::BF16, {slots, d.P}, kDsp);  // [S, P] bf16
   if (p.lla_ran) lend_weights(comm, d, p, L, w);
   return w;
 }
@@ -671,7 +704,7 @@ void run_uncapped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, L
     Routing r(alloc, d);
     compute_routing(d, L, ids, r);
     alloc.set_phase(pre + "dispatch");
-    Tensor foreign = borrow_weights(comm, alloc, d, p, L);
+    Tensor foreign = borrow_weights(comm, alloc, d, p, L, static_cast<int64_t>(p.foreign.size()));
     const std::vector<ExpertSlot> w = expert_slots(d, p, L, &foreign, nullptr);
     Meta m(alloc, d, p, r);
     Dispatched in = uncapped_dispatch(comm, alloc, d, L, p, g, m, llep);
@@ -696,7 +729,7 @@ void run_uncapped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, L
   alloc.set_phase(q + "dispatch");
   Routing r(alloc, d);
   compute_routing(d, L, ids, r);
-  Tensor foreign = borrow_weights(comm, alloc, d, p, L);
+  Tensor foreign = borrow_weights(comm, alloc, d, p, L, static_cast<int64_t>(p.foreign.size()));
   Meta m(alloc, d, p, r);
   const int64_t* sort = m.sort.data<int64_t>();
   const int64_t* eid = r.topk_ids.data<int64_t>();
@@ -933,10 +966,26 @@ void round_combine(Communicator& comm, const Dims& d, const std::vector<ExpertSl
   }
 }
 
+// Rounds [0, stored) whose rows fit in the store on every rank (prefix sums of each
+// destination's received rows ≤ store_rows); the rest are recomputed in backward.
+int64_t stored_rounds(const std::vector<CountMatrix>& counts, int64_t ep, int64_t store_rows) {
+  std::vector<int64_t> used(z(ep), 0);
+  for (size_t j = 0; j < counts.size(); ++j)
+    for (int64_t t = 0; t < ep; ++t) {
+      for (int64_t s = 0; s < ep; ++s) used[z(t)] += counts[j][z(s)][z(t)];
+      if (used[z(t)] > store_rows) return static_cast<int64_t>(j);
+    }
+  return static_cast<int64_t>(counts.size());
+}
+
 void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, LayerData& L, const RowPlan& p,
                 const std::vector<int32_t>& ids, const DispatchScheduleConfig& c, DispatchScheduleResult& res) {
   const int64_t C = std::min(c.chunk_cap_rows, d.N), D = c.depth;
+  // Launch-time sizes (spec/least_loaded.h), the same whatever the routing: round buffers of B
+  // rows, the foreign-weight pool (LLA lent no rank more: make_row_plan), the store's rows.
   const int64_t B = dispatch_round_buffer_rows(c, d.ep);
+  const int64_t pool = dispatch_foreign_pool(c, d.ep);
+  const int64_t store_rows = c.store ? dispatch_store_rows(c, d.ep) : 0;
   // The buffers hold B rows per round whatever the routing; known loads that would overflow
   // them shrink the cap (more rounds, same memory).
   int64_t cap = C;
@@ -944,16 +993,22 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     cap = shrink_chunk_cap(p.send_rows, C, B);
     if (cap < 1) throw std::logic_error("dispatch schedule: no chunk cap fits the launch-time round buffers");
   }
-  const std::vector<Round> rounds = make_rounds(p, round_counts(p, cap, c.striping));
+  const std::vector<CountMatrix> counts = round_counts(p, cap, c.striping);
+  const std::vector<Round> rounds = make_rounds(p, counts);
   const int64_t n = static_cast<int64_t>(rounds.size());
+  const int64_t stored = c.store ? stored_rounds(counts, d.ep, store_rows) : 0;
   res.rounds = n;
   res.chunk_cap_rows = cap;
   res.launch_chunk_cap_rows = C;
   res.round_buffer_rows = B;
+  res.foreign_pool = pool;
+  res.store_rows = store_rows;
+  res.stored_rounds = stored;
   for (const Round& rd : rounds) {
     res.max_round_received_rows = std::max(res.max_round_received_rows, rd.received);
     if (rd.received > B || rd.sent > C) throw std::logic_error("dispatch schedule: a round exceeds the launch-time buffers");
   }
+  if (c.store && n > stored && B > store_rows) throw std::logic_error("dispatch schedule: a recomputed round does not fit the store");
   auto round = [&](const std::string& prefix, int64_t j) { return prefix + "dispatch/r" + std::to_string(j); };
   // No-grad forward: one set of round expert buffers [B, ·], reused by every round.
   {
@@ -968,7 +1023,7 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     Tensor act(alloc, DType::BF16, {B, d.F}, kDsp);      // [B, F] bf16
     Tensor fc2(alloc, DType::BF16, {B, d.H}, kDsp);      // [B, H] bf16
     Tensor unperm(alloc, DType::BF16, {B, d.H}, kDsp);   // [B, H] bf16
-    Tensor foreign = borrow_weights(comm, alloc, d, p, L);
+    Tensor foreign = borrow_weights(comm, alloc, d, p, L, pool);
     const std::vector<ExpertSlot> w = expert_slots(d, p, L, &foreign, nullptr);
     for (int64_t j = 0; j < n; ++j) {
       if (j > 0) alloc.set_phase(round(pre, j));
@@ -980,29 +1035,29 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     res.topk_weights.assign(r.topk_w.data<float>(), r.topk_w.data<float>() + d.N);
   }
   // Recompute. Store: the rounds again, each writing its rows of the expert input, fc1 and
-  // act*prob into a store of all R rows allocated once when the recompute starts (R is known from
-  // the counts; no per-round allocation). Recompute mode: only the routing (and the borrowed
+  // act*prob into a store allocated once when the recompute starts, sized at launch; rounds past
+  // the ones that fit on every rank are skipped here and recomputed in backward into the store,
+  // by then free (no per-round allocation). Recompute mode: only the routing (and the borrowed
   // weights); each round is recomputed in the backward.
-  const int64_t R = p.received();
   std::vector<int64_t> store_row(z(n) + 1, 0);  // first store row of each round
   for (int64_t j = 0; j < n; ++j) store_row[z(j) + 1] = store_row[z(j)] + rounds[z(j)].received;
   const std::string q = "bwd/" + c.layer + "/recompute/moe/";
-  Tensor saved_in, saved_fc1, saved_act;  // store: [R, H], [R, 2F], [R, F] bf16
+  Tensor saved_in, saved_fc1, saved_act;  // store: [R_store, H], [R_store, 2F], [R_store, F] bf16
   if (!c.store) alloc.set_phase(q + "route");
   else alloc.set_phase(round(q, 0));
   Routing r(alloc, d);
   compute_routing(d, L, ids, r);
   const int64_t* eid = r.topk_ids.data<int64_t>();
-  Tensor foreign = borrow_weights(comm, alloc, d, p, L);
+  Tensor foreign = borrow_weights(comm, alloc, d, p, L, pool);
   if (c.store) {
     RoundSet rs(alloc, d, C, B, D, p, eid);
     Tensor fc2(alloc, DType::BF16, {B, d.H}, kDsp);     // [B, H] bf16
     Tensor unperm(alloc, DType::BF16, {B, d.H}, kDsp);  // [B, H] bf16
-    saved_in = Tensor(alloc, DType::BF16, {R, d.H}, kDsp);
-    saved_fc1 = Tensor(alloc, DType::BF16, {R, 2 * d.F}, kDsp);
-    saved_act = Tensor(alloc, DType::BF16, {R, d.F}, kDsp);
+    saved_in = Tensor(alloc, DType::BF16, {store_rows, d.H}, kDsp);
+    saved_fc1 = Tensor(alloc, DType::BF16, {store_rows, 2 * d.F}, kDsp);
+    saved_act = Tensor(alloc, DType::BF16, {store_rows, d.F}, kDsp);
     const std::vector<ExpertSlot> w = expert_slots(d, p, L, &foreign, nullptr);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < stored; ++j) {
       if (j > 0) alloc.set_phase(round(q, j));
       const int64_t s0 = store_row[z(j)];
       Bf16* act = saved_act.data<Bf16>() + s0 * d.F;
@@ -1028,19 +1083,24 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     fc1 = Tensor(alloc, DType::BF16, {B, 2 * d.F}, kDsp);
     act = Tensor(alloc, DType::BF16, {B, d.F}, kDsp);
   }
-  Tensor foreign_dw(alloc, DType::F32, {static_cast<int64_t>(p.foreign.size()), d.P}, kDsp);  // [S_p, P] fp32
-  Tensor lent_dw(alloc, DType::F32, {p.lla_ran ? p.lent : 0, d.P}, kDsp);                     // [S_sent, P] fp32
+  Tensor foreign_dw(alloc, DType::F32, {pool, d.P}, kDsp);                                  // [S_cap, P] fp32
+  Tensor lent_staging(alloc, DType::F32, {d.ep > 1 && c.llep ? 1 : 0, d.P}, kDsp);          // [1, P] fp32
   if (!foreign_dw.empty()) std::fill(foreign_dw.data<float>(), foreign_dw.data<float>() + foreign_dw.numel(), 0.0f);
   const std::vector<ExpertSlot> w = expert_slots(d, p, L, &foreign, &foreign_dw);
   for (int64_t j = 0; j < n; ++j) {
     if (j > 0) alloc.set_phase(round(gp, j));
     const Round& rd = rounds[z(j)];
     Bf16 *rin = nullptr, *rfc1 = nullptr, *ract = nullptr;
-    if (c.store) {
+    if (c.store && j < stored) {
       const int64_t s0 = store_row[z(j)];
       rin = saved_in.data<Bf16>() + s0 * d.H;
       rfc1 = saved_fc1.data<Bf16>() + s0 * 2 * d.F;
       ract = saved_act.data<Bf16>() + s0 * d.F;
+    } else if (c.store) {  // not stored: recomputed into the store, whose rounds are done
+      rin = saved_in.data<Bf16>();
+      rfc1 = saved_fc1.data<Bf16>();
+      ract = saved_act.data<Bf16>();
+      round_dispatch(comm, d, L, p, r, rs, rd, j, w, rin, rfc1, ract);
     } else {
       rin = in.data<Bf16>();
       rfc1 = fc1.data<Bf16>();
@@ -1052,7 +1112,7 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     Bf16* g_back = g_recv + B * d.H;                                         // [B, H] d expert input
     Bf16* g_home = g_back + B * d.H;                                         // [C, H] d dispatch rows
     pack_round(d, p, r, rs, rd, j, L.d_out.data<Bf16>(), g_send);
-    if (c.store) send_round_probs(comm, p, rs, rd, j);  // the store mode's went with the recompute
+    if (c.store && j < stored) send_round_probs(comm, p, rs, rd, j);  // the stored rounds' went with the recompute
     exchange(comm, g_send, rd.out, rd.out_begin, g_recv, rd.in, rd.in_begin, d.H, DType::BF16);
     regroup(rd.g, g_recv, d_fc2.data<Bf16>(), d.H);
     const Probs pr{rs.prob_part(j, C + B), false};
@@ -1072,7 +1132,7 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
   }
   router_backward(d, L, r, d_x.data<float>());
   res.d_x.assign(d_x.data<float>(), d_x.data<float>() + d_x.numel());
-  if (p.lla_ran) return_weight_grads(comm, d, p, L, foreign_dw, lent_dw);
+  if (p.lla_ran) return_weight_grads_staged(comm, d, p, L, foreign_dw, lent_staging);
 }
 
 DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, const DispatchScheduleConfig& c) {
@@ -1098,7 +1158,10 @@ DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, cons
   std::vector<int64_t> gathered(z(ep * d.E));
   comm.all_gather(res.expert_counts.data(), gathered.data(), d.E, DType::I64);
   for (int64_t s = 0; s < ep; ++s) res.source_counts.emplace_back(gathered.begin() + s * d.E, gathered.begin() + (s + 1) * d.E);
-  const RowPlan p = make_row_plan(d, res.source_counts, c.llep, c.lla);
+  // PipelinedLLEP: LLA lends no rank more experts than the launch-time foreign-weight pool holds.
+  LlaKnobs knobs = c.lla;
+  if (c.chunk_cap_rows > 0 && c.llep) knobs.max_foreign_experts = dispatch_foreign_pool(c, ep);
+  const RowPlan p = make_row_plan(d, res.source_counts, c.llep, knobs);
   res.received_rows = p.received();
   res.foreign_experts = static_cast<int64_t>(p.foreign.size());
   res.lent_weights = p.lla_ran ? p.lent : 0;
@@ -1128,22 +1191,42 @@ const char* dispatch_schedule_name(const DispatchScheduleConfig& c) {
 
 std::vector<int32_t> draw_dispatch_routing(const DispatchScheduleConfig& c, int64_t ep, int64_t rank) {
   const RoutingShape shape{ep, c.experts, c.top_k};
-  return generate_routing(c.routing, shape, c.tokens, seed_of(c, 6), rank, rank, c.moe_layer);
+  return generate_routing(c.routing, shape, c.tokens, seed_of(c, 6), c.replica * ep + rank, rank, c.moe_layer);
 }
+
+namespace {
+
+// ρ the capped run's launch-time buffers are sized for: rho_bound, or the LLA bound
+// (reference/dispatch.md §2.7), or plain EP's ρ_max.
+double launch_rho(const DispatchScheduleConfig& c, int64_t ep) {
+  if (c.rho_bound > 0.0) return c.rho_bound;
+  if (c.llep) return pipelined_rho_bound(c.lla, ep, c.tokens * c.top_k);
+  return rho_max(RoutingShape{ep, c.experts, c.top_k});
+}
+
+int64_t most_received_rows(const DispatchScheduleConfig& c, int64_t ep) {  // every copy a rank can receive
+  return ep * c.tokens * std::min(c.top_k, c.experts / ep);
+}
+
+}  // namespace
 
 int64_t dispatch_round_buffer_rows(const DispatchScheduleConfig& c, int64_t ep) {
   const int64_t N = c.tokens * c.top_k;
   const int64_t C = std::min(c.chunk_cap_rows, N);
   if (ep == 1) return C;
   if (!c.striping) return ep * C;
-  // R_p ≤ N·max(λ, α) + δ when LLA may run (reference/dispatch.md §2.7); plain EP: ρ_max.
-  const RoutingShape shape{ep, c.experts, c.top_k};
-  const double rho = c.rho_bound > 0.0 ? c.rho_bound
-                     : c.llep          ? std::max({1.0, c.lla.imbalance_trigger, c.lla.llep_alpha}) +
-                                    static_cast<double>(lla_slack_rows(c.lla, ep, N)) / static_cast<double>(N)
-                                       : rho_max(shape);
-  const int64_t most = ep * c.tokens * std::min(c.top_k, c.experts / ep);  // every copy a rank can receive
-  return std::min(round_receive_bound_rows(C, ep, rho), most);
+  return std::min(round_receive_bound_rows(C, ep, launch_rho(c, ep)), most_received_rows(c, ep));
+}
+
+int64_t dispatch_foreign_pool(const DispatchScheduleConfig& c, int64_t ep) {
+  if (c.chunk_cap_rows <= 0 || !c.llep) return 0;
+  return pipelined_foreign_pool(dispatch_round_buffer_rows(c, ep), ep, c.experts, c.lla);
+}
+
+int64_t dispatch_store_rows(const DispatchScheduleConfig& c, int64_t ep) {
+  if (c.chunk_cap_rows <= 0) return 0;
+  return pipelined_store_rows(dispatch_round_buffer_rows(c, ep), ep, c.tokens * c.top_k, most_received_rows(c, ep),
+                              launch_rho(c, ep));
 }
 
 DispatchInputs make_dispatch_inputs(const DispatchScheduleConfig& c) {

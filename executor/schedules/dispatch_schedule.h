@@ -49,6 +49,10 @@ struct DispatchScheduleConfig {
   RoutingModel routing;      // the routing model the top-k ids are drawn from (routing.h)
   int64_t moe_layer = 0;     // MoE layer index the routing is drawn for
   uint64_t seed = 1;         // inputs, weights, routing: a pure function of the seed
+  // The EP group (data-parallel replica) this communicator is, when EP < N: its ranks hold the
+  // tokens (and draw the routing streams) of global ranks replica·EP + r; weights are the same
+  // in every group. 0: the first group (and the single-rank reference's numbering).
+  int64_t replica = 0;
   // When set, this rank's [T, k] ids instead of drawing them (a single-rank reference over the
   // EP ranks' tokens gives the concatenation of every rank's draw_dispatch_routing).
   const std::vector<int32_t>* topk_ids = nullptr;
@@ -61,13 +65,20 @@ struct DispatchScheduleConfig {
 const char* dispatch_schedule_name(const DispatchScheduleConfig& config);
 
 // Rank `rank` of `ep`'s [T, k] ids as the schedule draws them (generate_routing with the shape
-// {ep, E, k}, rank = ep_rank = rank).
+// {ep, E, k}, rank = config.replica·ep + rank, ep_rank = rank).
 std::vector<int32_t> draw_dispatch_routing(const DispatchScheduleConfig& config, int64_t ep, int64_t rank);
 
 // Launch-time receive rows per round of a capped run on `ep` ranks (before any routing is
 // known): C at one rank; with striping min(EP·C, ceil((C + EP)·ρ_B) + EP, EP·T·min(k, E/EP)),
 // ρ_B = rho_bound or max(1, λ, α) + δ/N; without striping EP·C. C = min(chunk_cap_rows, T·k).
 int64_t dispatch_round_buffer_rows(const DispatchScheduleConfig& config, int64_t ep);
+// The other launch-time sizes of a capped run (spec/least_loaded.h): S_cap, the foreign-weight
+// pool every rank holds with LLEP at EP > 1 (LLA then lends no rank more experts; 0 otherwise),
+// and the store mode's saved rows (rounds that do not fit on every rank are recomputed in
+// backward). With these and a [1, P] staging slot for the lent weights' gradients, a capped
+// run's buffers do not depend on the routing.
+int64_t dispatch_foreign_pool(const DispatchScheduleConfig& config, int64_t ep);
+int64_t dispatch_store_rows(const DispatchScheduleConfig& config, int64_t ep);
 
 // The inputs of a one-rank run as values (bf16 inputs widened exactly), for references.
 struct DispatchInputs {
@@ -89,6 +100,9 @@ struct DispatchScheduleResult {
   int64_t launch_chunk_cap_rows = 0;   // C the round buffers were sized for (0: uncapped)
   int64_t round_buffer_rows = 0;       // B, receive rows per round the buffers hold (0: uncapped)
   int64_t max_round_received_rows = 0; // most rows this rank received in one round
+  int64_t foreign_pool = 0;            // capped: S_cap, borrowed-expert slots held (≥ foreign_experts)
+  int64_t store_rows = 0;              // capped, store: rows of the saved activations
+  int64_t stored_rounds = 0;           // capped, store: rounds kept (the rest recomputed in backward)
   int64_t received_rows = 0;           // R_p: rows this rank computed
   int64_t foreign_experts = 0;         // S_p: experts whose weights this rank borrowed
   int64_t lent_weights = 0;            // S_sent: (expert, helper) pairs this rank lent

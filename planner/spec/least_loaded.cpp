@@ -27,8 +27,9 @@ class Planner {
   Planner(const std::vector<int64_t>& loads, int64_t ep_ranks, const LlaKnobs& knobs,
           int64_t cap, LlaResult& out)
       : loads_(loads), ep_(ep_ranks), local_(static_cast<int64_t>(loads.size()) / ep_ranks),
-        m_(knobs.min_rows_per_gemm), cap_(cap), out_(out),
-        pending_(idx(ep_ranks), 0), assigned_(idx(ep_ranks), 0) {
+        m_(knobs.min_rows_per_gemm), cap_(cap), max_foreign_(knobs.max_foreign_experts), out_(out),
+        pending_(idx(ep_ranks), 0), assigned_(idx(ep_ranks), 0), borrowed_(idx(ep_ranks), 0),
+        holds_(idx(ep_ranks), -1) {
     for (size_t e = 0; e < loads.size(); ++e) {
       pending_[idx(static_cast<int64_t>(e) / local_)] += loads[e];
     }
@@ -60,7 +61,28 @@ class Planner {
   void give(int64_t expert, int64_t native, int64_t rank, int64_t start, int64_t rows) {
     out_.assignment[idx(expert)].push_back(LlaRange{rank, start, rows});
     assigned_[idx(rank)] += rows;
-    if (rank != native) out_.weight_transfers.push_back(LlaWeightTransfer{expert, native, rank, start, rows});
+    if (rank == native) return;
+    out_.weight_transfers.push_back(LlaWeightTransfer{expert, native, rank, start, rows});
+    if (holds_[idx(rank)] != expert) {  // experts are planned one at a time: a new borrowed one
+      holds_[idx(rank)] = expert;
+      ++borrowed_[idx(rank)];
+    }
+  }
+
+  // A helper may take rows of `expert` while it borrows fewer than max_foreign experts, or when
+  // it already holds this one (max_foreign < 0: no limit).
+  bool may_borrow(int64_t helper, int64_t expert) const {
+    return max_foreign_ < 0 || borrowed_[idx(helper)] < max_foreign_ || holds_[idx(helper)] == expert;
+  }
+
+  // Where rows no helper accepted go: `preferred` (the reference's choice) when it may borrow the
+  // expert, else the first helper in `helpers` that may, else the native rank (the rows stay
+  // home, beyond the cap, rather than a helper exceeding its foreign-expert pool).
+  int64_t forced_target(int64_t expert, int64_t native, int64_t preferred, const std::vector<int64_t>& helpers) const {
+    if (may_borrow(preferred, expert)) return preferred;
+    for (int64_t h : helpers)
+      if (may_borrow(h, expert)) return h;
+    return native;
   }
 
   // The accept rule: room left, and a partial chunk below m only when it is the final remainder.
@@ -92,7 +114,7 @@ class Planner {
         bool placed = false;
         for (int64_t h : helpers) {
           const int64_t avail = cap_ - eff(h);
-          if (!accepts(avail, rest)) continue;
+          if (!may_borrow(h, e) || !accepts(avail, rest)) continue;
           const int64_t chunk = std::min(rest, avail);
           give(e, g, h, offset, chunk);
           offset += chunk;
@@ -101,7 +123,7 @@ class Planner {
           break;
         }
         if (!placed) {  // forced: the least-loaded helper takes all of it
-          give(e, g, helpers.front(), offset, rest);
+          give(e, g, forced_target(e, g, helpers.front(), helpers), offset, rest);
           out_.forced_rows += rest;
           rest = 0;
         }
@@ -115,22 +137,24 @@ class Planner {
     for (int64_t h : helpers) {
       if (rest <= 0) break;
       const int64_t avail = cap_ - eff(h);
-      if (!accepts(avail, rest)) continue;
+      if (!may_borrow(h, e) || !accepts(avail, rest)) continue;
       const int64_t chunk = std::min(rest, avail);
       give(e, g, h, offset, chunk);
       offset += chunk;
       rest -= chunk;
     }
     if (rest > 0) {  // forced onto the first helper of the stale sort
-      give(e, g, helpers.front(), offset, rest);
+      give(e, g, forced_target(e, g, helpers.front(), helpers), offset, rest);
       out_.forced_rows += rest;
     }
   }
 
   const std::vector<int64_t>& loads_;
-  int64_t ep_, local_, m_, cap_;
+  int64_t ep_, local_, m_, cap_, max_foreign_;
   LlaResult& out_;
   std::vector<int64_t> pending_, assigned_;
+  std::vector<int64_t> borrowed_;  // [EP] distinct experts each rank borrows so far
+  std::vector<int64_t> holds_;     // [EP] the last expert a rank borrowed (−1: none)
 };
 
 void check_send_rows(const CountMatrix& send_rows) {
@@ -252,6 +276,28 @@ int64_t lla_slack_rows(const LlaKnobs& knobs, int64_t ep_ranks, int64_t rows_per
   const double delta = static_cast<double>(ep_ranks - 1) * static_cast<double>(knobs.min_rows_per_gemm) +
                        (a + 1.0) * p - (a - 1.0) * p * static_cast<double>(rows_per_rank);
   return delta > 0.0 ? static_cast<int64_t>(std::ceil(delta)) : 0;
+}
+
+double pipelined_rho_bound(const LlaKnobs& knobs, int64_t ep_ranks, int64_t rows_per_rank) {
+  const double slack = rows_per_rank > 0 ? static_cast<double>(lla_slack_rows(knobs, ep_ranks, rows_per_rank)) /
+                                               static_cast<double>(rows_per_rank)
+                                         : 0.0;
+  return std::max({1.0, knobs.imbalance_trigger, knobs.llep_alpha}) + slack;
+}
+
+int64_t pipelined_foreign_pool(int64_t round_rows, int64_t ep_ranks, int64_t experts, const LlaKnobs& knobs) {
+  if (ep_ranks <= 1) return 0;
+  const int64_t local = experts / ep_ranks, others = experts - local;
+  const int64_t by_gemm_rows = knobs.min_rows_per_gemm > 0 ? round_rows / knobs.min_rows_per_gemm - local : others;
+  return std::clamp<int64_t>(std::min({by_gemm_rows, local, others}), 1, std::max<int64_t>(1, others));
+}
+
+int64_t pipelined_store_rows(int64_t round_rows, int64_t ep_ranks, int64_t rows_per_rank, int64_t most_rows,
+                             double rho_bound) {
+  if (ep_ranks <= 1) return rows_per_rank;
+  const double bound = std::ceil(rho_bound * static_cast<double>(rows_per_rank));
+  const int64_t rows = bound < static_cast<double>(most_rows) ? static_cast<int64_t>(bound) : most_rows;
+  return std::min(most_rows, std::max(round_rows, rows));
 }
 
 std::vector<std::vector<LlaRange>> lla_source_ranges(const LlaResult& plan,

@@ -19,6 +19,10 @@ struct LlaKnobs {
   int64_t min_rows_per_gemm = 1024;  // m: a helper is skipped when its partial chunk would be < m
   double imbalance_trigger = 1.3;    // λ: LLA runs only when max/mean native rank load ≥ λ;
                                      //    λ = 0 runs it always
+  // Most distinct experts a rank may borrow (a helper that holds this many takes no rows of
+  // another expert; rows no helper may take stay on their native rank, beyond the cap). −1: no
+  // limit (the reference). PipelinedLLEP sets its launch-time pool (pipelined_foreign_pool).
+  int64_t max_foreign_experts = -1;
 };
 
 // Adds a Diagnostic per bad knob, pointers named after the flags: --llep-alpha (finite, ≥ 1),
@@ -137,6 +141,22 @@ int64_t round_receive_bound_rows(int64_t chunk_cap_rows, int64_t ep_ranks, doubl
 // Returns 0 when not even C' = 1 fits (buffer_rows < the destinations' source count).
 int64_t shrink_chunk_cap(const CountMatrix& send_rows, int64_t chunk_cap_rows,
                          int64_t buffer_rows);
+
+// PipelinedLLEP's launch-time sizes (§5.5), from the knobs alone, before any routing is known; the
+// planner and the executor size the same buffers with them.
+// ρ_B = max(1, λ, α) + δ/N: the LLA bound on rows a rank computes over the mean N (§2.7).
+double pipelined_rho_bound(const LlaKnobs& knobs, int64_t ep_ranks, int64_t rows_per_rank);
+// S_cap, the foreign-weight pool of every rank (§5.5 steps 3 and 4): a round's `round_rows`
+// received rows spread over the rank's E/EP native experts and S_cap borrowed ones should give
+// each GEMM about m rows (floor(round_rows/m) − E/EP; m = 0: no limit from it), and the pool
+// holds no more experts than the rank's own E/EP (its weights at most double); then kept in
+// [1, E − E/EP] (at least one, so LLA can always spill the hottest expert). 0 at one rank.
+int64_t pipelined_foreign_pool(int64_t round_rows, int64_t ep_ranks, int64_t experts, const LlaKnobs& knobs);
+// Rows of the store mode's saved expert activations, allocated once: all N at one rank; at
+// EP > 1 min(most_rows, max(round_rows, ceil(ρ_B·N))). Rounds whose rows would not fit on some
+// rank are not stored but recomputed in backward into the store, then free (round_rows ≤ it).
+int64_t pipelined_store_rows(int64_t round_rows, int64_t ep_ranks, int64_t rows_per_rank, int64_t most_rows,
+                             double rho_bound);
 
 // Adds a Diagnostic when chunk_cap_rows < 1 (pointer --chunk-cap-rows).
 void validate_chunk_cap(int64_t chunk_cap_rows, InputErrors& errors);

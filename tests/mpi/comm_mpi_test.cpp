@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -142,6 +143,90 @@ void check_dispatch(Communicator& comm) {
   }
 }
 
+// split(rank / 2, rank % 2): EP groups of two consecutive ranks, each an MPI communicator of its
+// own (MPI_Comm_split): its ranks, an all_gather and a rank-order all_reduce over the group only,
+// a key-ordered split, and the parent unchanged after.
+void check_split(Communicator& comm) {
+  const int r = comm.rank();
+  const std::unique_ptr<Communicator> group = comm.split(r / 2, r % 2);
+  expect(group->size() == 2 && group->rank() == r % 2, "split: group rank and size", r);
+  const int64_t me = r;
+  std::vector<int64_t> all(2, -1);
+  group->all_gather(&me, all.data(), 1, DType::I64);
+  expect(all[0] == r / 2 * 2 && all[1] == r / 2 * 2 + 1, "split: all_gather sees the group only", r);
+  float x = 0.1f * static_cast<float>(r + 1), sum = 0.0f;
+  group->all_reduce(&x, &sum, 1, DType::F32, ReduceOp::Sum);
+  const float a = 0.1f * static_cast<float>(r / 2 * 2 + 1), b = 0.1f * static_cast<float>(r / 2 * 2 + 2);
+  expect(sum == a + b, "split: all_reduce over the group in rank order", r);
+  const std::unique_ptr<Communicator> reversed = comm.split(0, -r);
+  expect(reversed->rank() == comm.size() - 1 - r, "split: ranked by key", r);
+  int64_t total = 1;
+  comm.all_reduce(&total, &total, 1, DType::I64, ReduceOp::Sum);
+  expect(total == comm.size(), "split: the parent unchanged", r);
+}
+
+// PipelinedLLEP's buffers do not depend on the routing: under two hot experts of rank 0 with a
+// one-expert foreign-weight pool (m = 16; the store overflows and its last rounds are recomputed
+// in backward) each rank's dispatch peak equals its peak under a balanced routing, and the results
+// keep PipelinedLLEP's bounds against the single-rank run (executor_dispatch_ranks_test, threads).
+int64_t dispatch_peak(const TrackingAllocator& alloc) {
+  int64_t peak = 0;
+  for (const auto& rec : alloc.phase_records())
+    if (rec.space == MemorySpace::Device) peak = std::max(peak, rec.bytes_at_peak[static_cast<size_t>(Category::Dispatch)]);
+  return peak;
+}
+
+void check_pipelined_bound(Communicator& comm) {
+  const int64_t ep = comm.size(), r = comm.rank();
+  for (bool store : {false, true}) {
+    DispatchScheduleConfig c;
+    c.tokens = 64;
+    c.hidden = 32;
+    c.ffn = 16;
+    c.experts = 16;
+    c.top_k = 4;
+    c.seed = 11;
+    c.llep = true;
+    c.chunk_cap_rows = 48;
+    c.store = store;
+    c.lla.llep_alpha = 1.0;
+    c.lla.min_rows_per_gemm = 16;
+    c.lla.imbalance_trigger = 0.0;
+    const std::string name = std::string("pipelined_llep ") + (store ? "store" : "recompute");
+    c.routing = parse_routing_model("balanced");
+    TrackingAllocator balanced_alloc;
+    run_dispatch_schedule(comm, balanced_alloc, c);
+    c.routing = parse_routing_model("hot-expert=0.9,2");
+    std::vector<int32_t> ids;
+    for (int64_t p = 0; p < ep; ++p) {
+      const std::vector<int32_t> mine = draw_dispatch_routing(c, ep, p);
+      ids.insert(ids.end(), mine.begin(), mine.end());
+    }
+    DispatchScheduleConfig whole = c;
+    whole.tokens *= ep;
+    whole.topk_ids = &ids;
+    whole.llep = false;
+    whole.chunk_cap_rows = 0;
+    TrackingAllocator ref_alloc;
+    const DispatchScheduleResult ref = run_dispatch_schedule(ref_alloc, whole);
+    TrackingAllocator alloc;
+    const DispatchScheduleResult got = run_dispatch_schedule(comm, alloc, c);
+    float out_scale = 0.0f, dx_scale = 0.0f, dw_scale = 0.0f;
+    for (float v : ref.out) out_scale = std::max(out_scale, std::fabs(v));
+    for (float v : ref.d_x) dx_scale = std::max(dx_scale, std::fabs(v));
+    for (float v : ref.d_w_gate_up) dw_scale = std::max(dw_scale, std::fabs(v));
+    const size_t tok = static_cast<size_t>(r * c.tokens * c.hidden);
+    const int64_t L = c.experts / ep;
+    expect(dispatch_peak(alloc) == dispatch_peak(balanced_alloc), name + " peak independent of the routing", static_cast<int>(r));
+    expect(got.foreign_experts <= got.foreign_pool && got.foreign_pool == 1, name + " foreign pool", static_cast<int>(r));
+    expect(!store || got.stored_rounds < got.rounds, name + " recomputes the rounds the store does not hold", static_cast<int>(r));
+    expect(max_diff(got.out, ref.out, tok) <= 0x1.0p-8f * out_scale, name + " out", static_cast<int>(r));
+    expect(max_diff(got.d_x, ref.d_x, tok) <= 1e-6f * dx_scale, name + " d_x", static_cast<int>(r));
+    expect(max_diff(got.d_w_gate_up, ref.d_w_gate_up, static_cast<size_t>(r * L * 2 * c.ffn * c.hidden)) <= 1e-5f * dw_scale,
+           name + " dW", static_cast<int>(r));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -149,6 +234,8 @@ int main() {
   const RankStatus status = run_mpi_rank(comm, [&](int rank, Communicator& c) {
     check_collectives(c);
     check_dispatch(c);
+    check_pipelined_bound(c);
+    check_split(c);
     int64_t total = errors;
     c.all_reduce(&total, &total, 1, DType::I64, ReduceOp::Sum);
     if (rank == 0) std::printf("comm_mpi_test: %d ranks, %lld failed checks\n", c.size(), static_cast<long long>(total));

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # `flatpeak verify` under mpirun: 4 processes give the same report (rank 0 prints one JSON document)
 # and the same exit code as 4 thread ranks, for the dispatch component, for a default verify
-# (every component, --scale auto) and for the whole step on 4 ranks with FSDP at EP = 1 (an
-# OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64), all of which pass (exit 0); a job whose process count differs
+# (every component, --scale auto), for the whole step on 4 ranks with FSDP at EP = 1 (an
+# OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64) and for the dispatch component of a --gpus 4
+# --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator), all of which pass
+# (exit 0); a job whose process count differs
 # from the plan's ranks ends with exit 2 and says so. Every step runs under its own timeout (then
 # SIGKILL 10 s later) and is announced first, so a hang names the step and the script always ends,
 # with a message, before CTest's limit.
@@ -55,10 +57,19 @@ plan=$dir/plan_ep1.json
 verify_both step 30 --scale 64 --component step
 grep -q 'step: 4 ranks, FSDP at EP = 1' "$dir/step.mpi.json" || fail "step: the MPI report does not come from the 4-rank step"
 
+step "plan: Qwen3-30B-A3B, --gpus 4 --ep 2 (two EP groups), flatpeak, rho=1.8"
+limit 20 "$flatpeak" plan --model Qwen3-30B-A3B --gpus 4 --ep 2 --context 64K --gpu H200 --schedule flatpeak \
+  --imbalance rho=1.8 --format json >"$dir/plan_ep2.json" 2>"$dir/plan_ep2.err"
+rc=$?
+[ $rc = 0 ] || [ $rc = 3 ] || fail "plan (--ep 2) exited $rc: $(cat "$dir/plan_ep2.err")"
+plan=$dir/plan_ep2.json
+verify_both dispatch_ep2 30 --scale auto --component dispatch
+grep -q '2 EP groups of 2 ranks' "$dir/dispatch_ep2.mpi.json" || fail "dispatch_ep2: the EP groups did not run: $(grep -A3 '"notes"' "$dir/dispatch_ep2.mpi.json")"
+
 step "mpirun $np_flag 2 on the 4-rank plan"
 limit 20 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
 np2_rc=$?
 [ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
-step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify, step at EP = 1); $np_flag 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify, step at EP = 1, dispatch at EP = 2 of N = 4); $np_flag 2 exits 2"

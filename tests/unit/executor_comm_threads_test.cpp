@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -215,6 +216,76 @@ TEST(CommThreadsFailure, AbortStopsOthersWithItsCode) {
   EXPECT_EQ(result.failing_rank, 0);
   EXPECT_EQ(result.exit_code, kExitInputError);
   EXPECT_EQ(result.message, "rank 0: no such plan");
+}
+
+// split(rank / 2, rank % 2) on 4 ranks: EP groups {0, 1} and {2, 3}, each a communicator of its
+// own (collectives see only the group), ranked by key; a nested split; the parent unchanged.
+TEST(CommThreadsSplit, GroupsOfConsecutiveRanksAreCommunicatorsOfTheirOwn) {
+  std::atomic<int> checked{0};
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    const std::unique_ptr<Communicator> group = comm.split(rank / 2, rank % 2);
+    ASSERT_EQ(group->size(), 2);
+    ASSERT_EQ(group->rank(), rank % 2);
+    EXPECT_STREQ(group->backend_name(), "threads");
+    // all_gather: the group's world ranks in group order.
+    const int64_t me = rank;
+    std::vector<int64_t> all(2, -1);
+    group->all_gather(&me, all.data(), 1, DType::I64);
+    EXPECT_EQ(all, (std::vector<int64_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
+    // all_reduce over the group only, in rank order.
+    int64_t sum = value(rank, 7);
+    group->all_reduce(&sum, &sum, 1, DType::I64, ReduceOp::Sum);
+    EXPECT_EQ(sum, value(rank / 2 * 2, 7) + value(rank / 2 * 2 + 1, 7));
+    // all_to_allv: 3 elements to the peer, value(rank, i).
+    std::vector<int64_t> send = {value(rank, 0), value(rank, 1), value(rank, 2)}, recv(3, 0);
+    const int peer = 1 - group->rank();
+    std::vector<int64_t> sc(2, 0), sd(2, 0), rc(2, 0), rd(2, 0);
+    sc[static_cast<size_t>(peer)] = 3;
+    rc[static_cast<size_t>(peer)] = 3;
+    group->all_to_allv(send.data(), sc.data(), sd.data(), recv.data(), rc.data(), rd.data(), DType::I64);
+    const int peer_world = rank / 2 * 2 + peer;
+    EXPECT_EQ(recv, (std::vector<int64_t>{value(peer_world, 0), value(peer_world, 1), value(peer_world, 2)}));
+    // Key order: one group of all four, ranked in reverse.
+    const std::unique_ptr<Communicator> reversed = comm.split(0, -rank);
+    EXPECT_EQ(reversed->rank(), 3 - rank);
+    // Nested: every group split into single ranks.
+    const std::unique_ptr<Communicator> single = group->split(group->rank(), 0);
+    EXPECT_EQ(single->size(), 1);
+    single->barrier();
+    // The parent is unaffected.
+    int64_t total = 1;
+    comm.all_reduce(&total, &total, 1, DType::I64, ReduceOp::Sum);
+    EXPECT_EQ(total, 4);
+    ++checked;
+  });
+  EXPECT_TRUE(result.ok()) << result.message;
+  EXPECT_EQ(checked.load(), 4);
+}
+
+// A failure wakes ranks blocked in any group's collective: rank 3 fails; rank 2 waits for it in
+// group 1, rank 1 in the parent, and rank 0 in group 0 for rank 1, which only the failure's
+// spreading from the parent into the groups ends (else the 60 s peer timeout). The failure names
+// the job's rank (3), also through a group's check_status.
+TEST(CommThreadsSplit, FailureInOneGroupEndsEveryGroupNamingTheJobsRank) {
+  const auto start = std::chrono::steady_clock::now();
+  RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
+    const std::unique_ptr<Communicator> group = comm.split(rank / 2, rank % 2);
+    if (rank == 3) throw std::runtime_error("injected failure in group 1");
+    if (rank == 1) comm.barrier();
+    group->barrier();
+  });
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  EXPECT_EQ(result.failing_rank, 3);
+  EXPECT_EQ(result.message, "rank 3: injected failure in group 1");
+  for (const RankStatus& s : result.ranks) EXPECT_EQ(s.exit_code, kExitRuntimeError) << "rank " << s.rank;
+
+  result = run_ranks(4, [&](int rank, Communicator& comm) {
+    const std::unique_ptr<Communicator> group = comm.split(rank / 2, rank % 2);
+    group->check_status(rank == 3 ? kExitInputError : 0, "bad input on rank " + std::to_string(rank));
+  });
+  EXPECT_EQ(result.failing_rank, 3);
+  EXPECT_EQ(result.exit_code, kExitInputError);
+  EXPECT_EQ(result.message, "rank 3: bad input on rank 3");
 }
 
 }  // namespace

@@ -233,6 +233,68 @@ TEST(DispatchRanksPipelined, ShrinksCapWhenKnownLoadsWouldOverflow) {
   }
 }
 
+// Device dispatch peak of each rank over its phases.
+std::vector<int64_t> dispatch_peaks(const Ranks& ranks) {
+  std::vector<int64_t> out;
+  for (const auto& records : ranks.records) {
+    int64_t peak = 0;
+    for (const PhaseRecord& rec : records)
+      if (rec.space == MemorySpace::Device) peak = std::max(peak, rec.bytes_at_peak[static_cast<size_t>(Category::Dispatch)]);
+    out.push_back(peak);
+  }
+  return out;
+}
+
+// m = 16 makes the foreign-weight pool one expert (floor(B/m) − E/EP = 68/16 − 4 < 1): with experts
+// 0 and 1 (both rank 0's) on about every token, LLA lends each helper one expert, the first hot
+// one, and the second one's rows that no helper may take stay on rank 0, beyond the store's
+// launch-time rows; the rounds that no longer fit are recomputed in
+// backward (store) — the same buffers, the same peak as under a balanced routing, exact results.
+TEST(DispatchRanksPipelined, ForeignPoolAndStoreHoldWhateverTheRouting) {
+  for (Kind kind : {Kind::Pipelined, Kind::PipelinedStore}) {
+    DispatchScheduleConfig c = config_for(kind, "hot-expert=0.9,2");
+    c.lla.min_rows_per_gemm = 16;
+    EXPECT_EQ(dispatch_foreign_pool(c, kEp), 1);
+    const Ranks hot = run_threads(c);
+    const DispatchScheduleResult ref = reference(c);
+    DispatchScheduleConfig balanced = c;
+    balanced.routing = parse_routing_model("balanced");
+    const std::vector<int64_t> hot_peaks = dispatch_peaks(hot), balanced_peaks = dispatch_peaks(run_threads(balanced));
+    EXPECT_TRUE(hot.results[0].lla_triggered);
+    EXPECT_GT(hot.results[0].received_rows, dispatch_store_rows(c, kEp));  // kept home, beyond the store
+    if (kind == Kind::PipelinedStore) {
+      EXPECT_EQ(hot.results[0].store_rows, dispatch_store_rows(c, kEp));
+      EXPECT_LT(hot.results[0].stored_rounds, hot.results[0].rounds);  // some rounds recomputed in backward
+      EXPECT_GT(hot.results[0].stored_rounds, 0);
+    }
+    const float out_scale = max_abs(ref.out), dx_scale = max_abs(ref.d_x);
+    const float dw_scale = std::max(max_abs(ref.d_w_gate_up), max_abs(ref.d_w_down));
+    const int64_t T = c.tokens, H = c.hidden, F = c.ffn, L = c.experts / kEp;
+    for (int64_t r = 0; r < kEp; ++r) {
+      const DispatchScheduleResult& got = hot.results[z(r)];
+      EXPECT_EQ(got.foreign_pool, 1);
+      EXPECT_LE(got.foreign_experts, 1) << "rank " << r;
+      EXPECT_EQ(hot_peaks[z(r)], balanced_peaks[z(r)]) << "rank " << r;
+      EXPECT_EQ(hot.live_after[z(r)], 0);
+      EXPECT_LE(max_diff(got.out, ref.out, z(r * T * H)), 0x1.0p-8f * out_scale) << "rank " << r;
+      EXPECT_LE(max_diff(got.d_x, ref.d_x, z(r * T * H)), 1e-6f * dx_scale) << "rank " << r;
+      EXPECT_LE(max_diff(got.d_w_gate_up, ref.d_w_gate_up, z(r * L * 2 * F * H)), 1e-5f * dw_scale) << "rank " << r;
+      EXPECT_LE(max_diff(got.d_w_down, ref.d_w_down, z(r * L * H * F)), 1e-5f * dw_scale) << "rank " << r;
+    }
+  }
+}
+
+// EP groups (config.replica) hold their own tokens: group g's rank r draws the routing stream and
+// the inputs of global rank g·EP + r, so two groups of 2 ranks are the ranks of one group of 4.
+TEST(DispatchRanksReplica, EachGroupDrawsItsOwnTokensAndRouting) {
+  DispatchScheduleConfig c = config_for(Kind::Uncapped, "rho=2.5");
+  c.routing = parse_routing_model("balanced");
+  DispatchScheduleConfig second = c;
+  second.replica = 1;
+  EXPECT_NE(draw_dispatch_routing(c, 2, 0), draw_dispatch_routing(second, 2, 0));
+  EXPECT_EQ(draw_dispatch_routing(second, 2, 1), draw_dispatch_routing(c, 4, 3));  // balanced: ep_rank unused
+}
+
 // Every rank records the one-rank schedule's phase names (rounds folded r0..rN).
 TEST(DispatchRanksPhases, EveryRankRecordsTheSchedulesPhases) {
   for (Kind kind : {Kind::Uncapped, Kind::Llep, Kind::Pipelined}) {

@@ -371,15 +371,22 @@ TEST(PlannerTiny, PipelinedLlepAlone) {
   // receive 2*16*8*2 = 512, combine send 512, combine receive 256, probs 2*48*4 = 384, indices
   // 2*48*8 = 768, dest/sort/unsort 3*32*8 = 768, combine acc 16*8*4 = 512 (3968); round expert
   // input 16*8*2 = 256, fc1 256, act 128; grad buffers 2*48*8*2 = 1536; d fc2 256, d act 128,
-  // d fc1 256; d norm-2 acc 512.
+  // d fc1 256; d norm-2 acc 512; launch-time LLEP buffers whatever LLA does (here it does not
+  // run): the foreign-weight pool S_cap = 1 (floor(B/m) − E/EP < 1, kept at one) of p_e = 3*8*4
+  // = 96 parameters, bf16 192 and its fp32 gradients 384, and the lent-gradient staging slot
+  // [1, p_e] fp32 384 (960).
   const Phase& r0 = phase(p, "bwd/L0/moe/dispatch/r0");
   EXPECT_EQ(r0.folds, "L0-L1 x r0-r3");
-  EXPECT_EQ(r0.terms.bytes(Category::Dispatch), 1216 + 3968 + 640 + 1536 + 640 + 512);
-  // Recompute mode recomputes only the routing before the backward rounds.
-  EXPECT_EQ(phase(p, "bwd/L0/recompute/moe/route").terms.bytes(Category::Dispatch), 1216);
-  // Store mode keeps every round's expert activations (R = 32 rows: 1280).
+  EXPECT_EQ(load.foreign_pool, 1);
+  EXPECT_EQ(r0.terms.bytes(Category::Dispatch), 1216 + 3968 + 640 + 1536 + 640 + 512 + 960);
+  // Recompute mode recomputes only the routing before the backward rounds (and borrows into the
+  // pool, 192).
+  EXPECT_EQ(phase(p, "bwd/L0/recompute/moe/route").terms.bytes(Category::Dispatch), 1216 + 192);
+  // Store mode keeps every round's expert activations in a store sized at launch: ceil(ρ_B*N)
+  // above every copy a rank can receive, so EP*T*min(k, E/EP) = 64 rows of 8*2 + 8*2 + 4*2 B (2560).
   const Plan st = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--dispatch-mode", "store"}}));
-  EXPECT_EQ(phase(st, "bwd/L0/moe/dispatch/r3").terms.bytes(Category::Dispatch), 1216 + 3968 + 1280 + 1536 + 640 + 512);
+  EXPECT_EQ(st.work.moe_loads[0].store_rows, 64);
+  EXPECT_EQ(phase(st, "bwd/L0/moe/dispatch/r3").terms.bytes(Category::Dispatch), 1216 + 3968 + 2560 + 1536 + 640 + 512 + 960);
   // Without striping the receive buffer is EP*C = 16 rows.
   const Plan o1 = plan_of(tiny_moe(), tiny_gpu(), with({{"--llep", "on"}, {"--chunk-cap-rows", "8"}, {"--striping", "off"}}));
   EXPECT_EQ(o1.work.moe_loads[0].round_recv_rows, 16);
@@ -569,8 +576,9 @@ TEST(PlannerTiny, FlatpeakScheduleByHand) {
   EXPECT_EQ(phase(p, "loss/bwd/blk0").device_bytes(), 1768 + 256 + 864 + 3968);
   // PipelinedLLEP forward round in the no-grad forward: bf16 params, L1 gathered 864, head
   // prefetched 264 (Ring-DTP gathers only the V/R shard: 528/2), x1 being copied 256; h1, norm-2 out 512; routing 1216 + round buffers 3968 +
-  // round expert input, fc1, act 640 + round fc2 out, unpermuted 2*16*8*2 = 512 (B = 16, PipelinedLlepAlone).
-  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch/r0").device_bytes(), 1768 + 864 + 264 + 256 + 512 + 1216 + 3968 + 640 + 512);
+  // round expert input, fc1, act 640 + round fc2 out, unpermuted 2*16*8*2 = 512 (B = 16, PipelinedLlepAlone)
+  // + the foreign-weight pool 192.
+  EXPECT_EQ(phase(p, "fwd/L1/moe/dispatch/r0").device_bytes(), 1768 + 864 + 264 + 256 + 512 + 1216 + 3968 + 640 + 512 + 192);
   // Host per GPU: 16 B per shard param + bucket staging 2*2*884*2 (bucket = min(64Mi, 884)) + 2
   // offloaded boundaries.
   EXPECT_EQ(p.summary.host_per_gpu_bytes, 16 * 884 + 2 * 2 * 884 * 2 + 2 * 256);

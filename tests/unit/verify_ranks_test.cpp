@@ -231,5 +231,53 @@ TEST(VerifyDispatchRanksEpOne, EveryRankRunsItsLocalDispatch) {
   }
 }
 
+// 1 < EP < N: a plan with --gpus 4 --ep 2 runs two EP groups {0, 1} and {2, 3}, each on its own
+// sub-communicator with its own tokens and routing draw. The planner predicts one EP group's
+// worst rank; so, per group, every phase's largest measurement over the group's ranks is within
+// 1 % of that group's prediction on its realised routing (PipelinedLLEP's bound row at or over
+// every rank's peak), and the merged report (verify's rows) passes: uncapped EP and PipelinedLLEP.
+TEST(VerifyDispatchRanksEpGroups, EveryGroupWithinOnePercentOfThePlan) {
+  for (const char* schedule : {"baseline", "flatpeak"}) {
+    const VerifyInputs in = inputs_of({{"--gpus", "4"}, {"--ep", "2"}, {"--context", "64K"}, {"--schedule", schedule},
+                                       {"--imbalance", "rho=1.8"}});
+    const ScaledConfig s = scale_config(in, std::nullopt, 8);
+    ASSERT_EQ(s.ranks, 4);
+    ASSERT_EQ(s.ep, 2);
+    std::vector<VerifyReport> reports(4);
+    const exec::RunResult run = exec::run_ranks(4, [&](int rank, exec::Communicator& comm) {
+      const VerifyContext ctx{in, s, nullptr, &comm};
+      verify_dispatch_ranks(ctx, reports[static_cast<size_t>(rank)]);
+    });
+    ASSERT_TRUE(run.ok()) << run.message;
+    for (const auto& note : reports[0].notes) std::printf("%s\n", note.c_str());
+    for (int group = 0; group < 2; ++group) {
+      const VerifyReport& a = reports[static_cast<size_t>(2 * group)];
+      const VerifyReport& b = reports[static_cast<size_t>(2 * group + 1)];
+      ASSERT_EQ(a.rows.size(), b.rows.size());
+      ASSERT_FALSE(a.rows.empty());
+      for (size_t i = 0; i < a.rows.size(); ++i) {
+        ASSERT_EQ(a.rows[i].phase, b.rows[i].phase);
+        EXPECT_EQ(a.rows[i].predicted_bytes, b.rows[i].predicted_bytes) << "one prediction per group";
+        const VerifyRow& most = b.rows[i].measured_bytes > a.rows[i].measured_bytes ? b.rows[i] : a.rows[i];
+        std::printf("%s group %d %s predicted %lld measured %lld (ranks %lld, %lld) rel %+.4f\n", schedule, group,
+                    most.phase.c_str(), static_cast<long long>(most.predicted_bytes), static_cast<long long>(most.measured_bytes),
+                    static_cast<long long>(a.rows[i].measured_bytes), static_cast<long long>(b.rows[i].measured_bytes),
+                    most.relative_error);
+        if (most.phase == "bound") {
+          EXPECT_LE(a.rows[i].measured_bytes, a.rows[i].predicted_bytes) << schedule << " group " << group;
+          EXPECT_LE(b.rows[i].measured_bytes, b.rows[i].predicted_bytes) << schedule << " group " << group;
+        } else {
+          EXPECT_LE(std::fabs(most.relative_error), 0.01) << schedule << " group " << group << " " << most.phase;
+        }
+      }
+    }
+    const VerifyReport merged = run_component_on_ranks(verify_dispatch_ranks, in, s, nullptr, 4, nullptr);
+    for (const auto& row : merged.rows) {
+      if (row.phase == "bound") EXPECT_LE(row.measured_bytes, row.predicted_bytes);
+      else EXPECT_LE(std::fabs(row.relative_error), 0.01) << schedule << " merged " << row.phase;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flatpeak::cli

@@ -6,8 +6,11 @@
 // Every rank compares its own measurement with the prediction (the planner's worst rank); the
 // merge keeps, per phase, the rank that measured the most (results[].rank). For PipelinedLLEP a
 // row "bound" compares the rank's measured peak with the bound the planner states for the plan's
-// own routing model (passes when measured ≤ predicted). Run by verify_ranks.h on every rank.
+// own routing model (passes when measured ≤ predicted). With 1 < EP < N every EP group of EP
+// consecutive ranks runs on its own sub-communicator (Communicator::split) with its own tokens
+// and routing draw. Run by verify_ranks.h on every rank.
 //   VerifyReport r = run_component_on_ranks(verify_dispatch_ranks, in, scaled, nullptr, 4, nullptr);
+#include <memory>
 #include <string>
 
 #include <fmt/format.h>
@@ -39,13 +42,13 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
     for (size_t i = first; i < report.rows.size(); ++i) report.rows[i].rank = comm.rank();
     return;
   }
-  if (s.ranks != s.ep) {
-    // One EP group per N/EP replica would need a communicator per group (not built).
-    if (lead)
-      report.notes.push_back(fmt::format("dispatch: N/EP = {} > 1 needs one communicator per EP group, not built yet; not run",
-                                         s.ranks / s.ep));
-    return;
-  }
+  // 1 < EP < N: N/EP EP groups of consecutive ranks {g·EP .. g·EP+EP−1}, each on its own
+  // sub-communicator with its own tokens and routing draw (the planner's EP group stands for
+  // every one); each rank compares with its group's prediction on its group's realised routing.
+  std::unique_ptr<exec::Communicator> group;
+  if (s.ranks != s.ep) group = comm.split(static_cast<int>(comm.rank() / s.ep), static_cast<int>(comm.rank() % s.ep));
+  exec::Communicator& ep_comm = group ? *group : comm;
+  const int64_t replica = comm.rank() / s.ep;
   const int64_t layer = first_moe_layer(in, s);
   if (layer < 0) {
     if (lead) report.notes.push_back(fmt::format("dispatch: the first {} layers of {} are dense; no MoE layer to run", s.layers, in.model_name));
@@ -57,8 +60,9 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
 
   exec::DispatchScheduleConfig c = dispatch_config(ctx, knobs, layer, plan_routing);
   c.outputs = false;  // memory only: the exactness across ranks is executor_dispatch_ranks_test's
+  c.replica = replica;
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  const exec::DispatchScheduleResult got = exec::run_dispatch_schedule(comm, alloc, c);
+  const exec::DispatchScheduleResult got = exec::run_dispatch_schedule(ep_comm, alloc, c);
 
   // Routing is data: the planner predicts on the count matrix the ranks drew (every rank has it).
   RoutingModel realised;
@@ -70,6 +74,10 @@ void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
   report.measured_trace = measured_trace(alloc);
   if (lead) {
     const double rho_ep = imbalance_rho(received_rows_per_rank(got.source_counts, RoutingShape{s.ep, s.num_experts, in.top_k}));
+    if (group)
+      report.notes.push_back(fmt::format("dispatch: {} EP groups of {} ranks (sub-communicators of consecutive ranks), each "
+                                         "its own tokens and routing draw; notes below are group 0's",
+                                         s.ranks / s.ep, s.ep));
     report.notes.push_back(fmt::format("dispatch: {} on {} ranks, routing {} realised rho = {:.3f} (seed {}), F = {} -> {}, C = {}, m = {}",
                                        exec::dispatch_schedule_name(c), s.ep, in.imbalance, rho_ep, c.seed,
                                        in.expert_ffn_width, c.ffn, c.chunk_cap_rows, c.llep ? c.lla.min_rows_per_gemm : 0));

@@ -55,6 +55,24 @@ NcclCommunicator::NcclCommunicator(exec::Communicator& host, cudaStream_t stream
   FLATPEAK_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
 }
 
+NcclCommunicator::NcclCommunicator(std::unique_ptr<exec::Communicator> host, cudaStream_t stream, ncclComm_t comm)
+    : host_(*host), owned_host_(std::move(host)), stream_(stream), comm_(comm), rank_(host_.rank()), size_(host_.size()) {}
+
+std::unique_ptr<exec::Communicator> NcclCommunicator::split(int color, int key) {
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::unique_ptr<exec::Communicator> host = host_.split(color, key);
+#if defined(NCCL_VERSION_CODE) && NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  // Ranks ordered by key, ties by this communicator's rank: the host split's order too.
+  ncclComm_t sub = nullptr;
+  FLATPEAK_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+  return std::unique_ptr<exec::Communicator>(new NcclCommunicator(std::move(host), stream_, sub));
+#else
+  auto out = std::make_unique<NcclCommunicator>(*host, stream_);
+  out->owned_host_ = std::move(host);
+  return out;
+#endif
+}
+
 NcclCommunicator::~NcclCommunicator() {
   if (comm_ != nullptr) (void)ncclCommDestroy(comm_);
 }

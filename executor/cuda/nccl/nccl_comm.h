@@ -23,6 +23,7 @@
 #include <nccl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "executor/comm/communicator.h"
@@ -54,12 +55,18 @@ class NcclCommunicator final : public exec::Communicator {
                   exec::ReduceOp op) override;
   // Waits for this rank's queued collectives, then for every rank (host barrier).
   void barrier() override;
+  // The host communicator's split and ncclCommSplit (NCCL ≥ 2.18; older: a new NCCL communicator
+  // bootstrapped over the host's split), on the same stream.
+  std::unique_ptr<exec::Communicator> split(int color, int key) override;
   void check_status(int exit_code, const std::string& message) override;
   // Aborts the NCCL communicator (unblocking queued collectives), then the host's abort.
   void abort(int exit_code, const std::string& message) override;
 
  private:
+  NcclCommunicator(std::unique_ptr<exec::Communicator> host, cudaStream_t stream, ncclComm_t comm);
+
   exec::Communicator& host_;
+  std::unique_ptr<exec::Communicator> owned_host_;  // a split's host communicator
   cudaStream_t stream_;
   ncclComm_t comm_ = nullptr;
   int rank_ = 0;
