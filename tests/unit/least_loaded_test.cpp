@@ -58,6 +58,30 @@ TEST(LeastLoaded, SpillsTheHotExpertsTail) {
             (std::vector<int64_t>{25, 25}));
 }
 
+// The foreign-expert limit (PipelinedLLEP's pool). E = 6, EP = 3, α = 1: cap 20. e0 (30 rows,
+// rank 0 full): one pass, rank 1 takes [0,20), rank 2 [20,30). e1: native [0,20), the other 10
+// to rank 2 (eff 10, avail 10) without a limit; with max_foreign_experts = 1 rank 2 already
+// borrows e0 and rank 1 is full, so the 10 rows stay on rank 0, beyond the cap (forced).
+TEST(LeastLoaded, ForeignExpertLimitKeepsRowsHome) {
+  LlaKnobs k = knobs(1.0, 0, 0.0);
+  const LlaResult free = least_loaded_assignment({30, 30, 0, 0, 0, 0}, 3, k);
+  EXPECT_EQ(free.rank_rows, (std::vector<int64_t>{20, 20, 20}));
+  EXPECT_EQ(free.foreign_experts_per_rank, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_TRUE(same_ranges(free.assignment[1], {{0, 0, 20}, {2, 20, 10}}));
+  k.max_foreign_experts = 1;
+  const LlaResult capped = least_loaded_assignment({30, 30, 0, 0, 0, 0}, 3, k);
+  EXPECT_TRUE(same_ranges(capped.assignment[0], {{1, 0, 20}, {2, 20, 10}}));
+  EXPECT_TRUE(same_ranges(capped.assignment[1], {{0, 0, 20}, {0, 20, 10}}));
+  EXPECT_EQ(capped.rank_rows, (std::vector<int64_t>{30, 20, 10}));
+  EXPECT_EQ(capped.foreign_experts_per_rank, (std::vector<int64_t>{0, 1, 1}));
+  EXPECT_EQ(capped.forced_rows, 10);
+  // Every source's copies still go somewhere (e1's two native ranges): 10 copies of each expert
+  // per source; e0 [0,20) is sources 0, 1 (to rank 1), [20,30) source 2 (to rank 2); e1 all home.
+  const CountMatrix copies{{10, 10, 0, 0, 0, 0}, {10, 10, 0, 0, 0, 0}, {10, 10, 0, 0, 0, 0}};
+  const CountMatrix send = lla_send_rows(capped, copies);
+  EXPECT_EQ(send, (CountMatrix{{10, 10, 0}, {10, 10, 0}, {10, 0, 10}}));
+}
+
 TEST(LeastLoaded, AlphaRaisesTheCap) {
   // α = 1.2, cap 30: e0 room = 30 − 10 = 20: native [0,20), rank 1 takes [20,30); loads 30 | 20.
   const LlaResult r = least_loaded_assignment({30, 10, 5, 5}, 2, knobs(1.2, 0, 0.0));
