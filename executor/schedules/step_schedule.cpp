@@ -1,13 +1,15 @@
-// One training step on one rank (step_schedule.h): the decoder layers are DecoderLayer
-// (decoder_layer.h), the loss run_vocab_loss (vocab_schedule.h), the optimizer run_optimizer_step
-// (optimizer_schedule.h); this file adds what only a whole step has: the parameters and their
-// FSDP units (gather, prefetch, unsharded grads, reduce-scatter into the grad shards), the
+// One training step on one rank or on each rank of a Communicator (step_schedule.h): the decoder
+// layers are DecoderLayer (decoder_layer.h), the loss run_vocab_loss (vocab_schedule.h), the
+// optimizer run_optimizer_step (optimizer_schedule.h), the shards FsdpShards (fsdp_shards.h); this
+// file adds what only a whole step has: the parameters and their FSDP units (gather, prefetch,
+// unsharded grads, reduce-scatter into the grad shards), the
 // embedding, the checkpoint boundaries across layers (kept or offloaded, fetched and prefetched as
 // the checkpoint component does), the final norm around the loss, and the gradient stream from
 // the loss down to the embedding.
 //
-// When each buffer comes and goes (N = 1: an all-gather is a bf16 copy of the shard, a
-// reduce-scatter an fp32 copy into the shard):
+// When each buffer comes and goes (at N = 1 an all-gather is a bf16 copy of the shard and a
+// reduce-scatter an fp32 copy into the shard; at N > 1 they are the communicator's, every rank
+// reaching them in the same order):
 //   fwd/embed      gather embedding, prefetch L0; token ids [T] i64 and the output x_0 [T, H]
 //                  (activations), x_0 becomes boundary x_0; embedding released.
 //   fwd/Ll         prefetch L(l+1) (the head after the last layer) as the phase starts; an
