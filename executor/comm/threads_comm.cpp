@@ -73,9 +73,16 @@ std::pair<std::shared_ptr<ThreadsWorld>, int> ThreadsWorld::split(int rank, int 
   // Every rank is between the two barriers: the posts and the generation are stable.
   std::vector<int> members;  // this color's ranks by (key, rank)
   int64_t split_id = 0;
+  int other = -1;            // a rank that called another collective, and which
+  std::string other_op;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     split_id = generation_;
+    for (int p = 0; p < size_ && other < 0; ++p)
+      if (posts_[static_cast<size_t>(p)].op != "split") {
+        other = p;
+        other_op = posts_[static_cast<size_t>(p)].op;
+      }
     for (int p = 0; p < size_; ++p)
       if (posts_[static_cast<size_t>(p)].op == "split" && posts_[static_cast<size_t>(p)].count == color) members.push_back(p);
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
@@ -83,6 +90,11 @@ std::pair<std::shared_ptr<ThreadsWorld>, int> ThreadsWorld::split(int rank, int 
     });
   }
   const auto me = std::find(members.begin(), members.end(), rank);
+  if (other >= 0) {
+    arrive(rank, "split (release)");
+    throw CommError(rank, "split", "rank " + std::to_string(other) + " called " + other_op +
+                                       " (collectives must be called in the same order)");
+  }
   if (color < 0 || me == members.end()) {
     arrive(rank, "split (release)");
     throw CommError(rank, "split", "color must be >= 0 (got " + std::to_string(color) + ")");

@@ -1008,7 +1008,8 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
     res.max_round_received_rows = std::max(res.max_round_received_rows, rd.received);
     if (rd.received > B || rd.sent > C) throw std::logic_error("dispatch schedule: a round exceeds the launch-time buffers");
   }
-  if (c.store && n > stored && B > store_rows) throw std::logic_error("dispatch schedule: a recomputed round does not fit the store");
+  if (c.store && n > stored && res.max_round_received_rows > store_rows)
+    throw std::logic_error("dispatch schedule: a recomputed round does not fit the store");
   auto round = [&](const std::string& prefix, int64_t j) { return prefix + "dispatch/r" + std::to_string(j); };
   // No-grad forward: one set of round expert buffers [B, ·], reused by every round.
   {
