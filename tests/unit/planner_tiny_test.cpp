@@ -413,7 +413,7 @@ TEST(PlannerTiny, LlepUnderImbalanceUsesTheLeastLoadedAssignment) {
   EXPECT_LT(ll.summary.peak(PeakKind::Dispatch).component_bytes, ep.summary.peak(PeakKind::Dispatch).component_bytes);
 }
 
-// EP > 1 (executor/schedules/dispatch_schedule.cpp does the same): the received rows arrive
+// EP > 1 (executor/schedules/dispatch_uncapped.cpp does the same): the received rows arrive
 // source-major and are copied into expert order, so the dispatch phase holds the larger of its
 // two moments (send + receive, then receive + expert input), and the probs as received [R] fp32
 // stay beside the experts until their backward has used them (they are other ranks' tokens'
