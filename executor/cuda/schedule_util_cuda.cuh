@@ -71,4 +71,18 @@ class ScopedEvent {
   cudaEvent_t event_ = nullptr;
 };
 
+// A non-blocking CUDA stream owned by scope; declared before the allocator and buffers that use
+// it, it outlives them. As with ScopedEvent, a failed destroy is ignored (destructors do not throw).
+class ScopedStream {
+ public:
+  ScopedStream() { FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~ScopedStream() { (void)cudaStreamDestroy(stream_); }
+  ScopedStream(const ScopedStream&) = delete;
+  ScopedStream& operator=(const ScopedStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 }  // namespace flatpeak::exec::cuda_detail

@@ -50,6 +50,7 @@ using flatpeak::cuda::DeviceBuffer;
 using flatpeak::exec::Bf16;
 using flatpeak::exec::Category;
 using flatpeak::exec::cuda_detail::ScopedEvent;
+using flatpeak::exec::cuda_detail::ScopedStream;
 using flatpeak::exec::cuda_detail::event_seconds;
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -212,136 +213,130 @@ void print_vocab(const char* name, const flatpeak::exec::VocabScheduleConfig& c,
 }
 
 void vocab_section(const Options& o) {
-  cudaStream_t s = nullptr;
-  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  {
-    DeviceAllocator alloc;
-    CublasContext blas(alloc, s);
-    flatpeak::exec::VocabScheduleConfig c;
-    c.tokens = o.vocab_tokens;
-    c.hidden = o.hidden;
-    c.vocab = o.vocab;
-    c.token_block_rows = o.t_blk;
-    c.vocab_block_rows = o.v_blk;
-    std::printf("== vocab: H=%lld V=%lld T=%lld, blocks T_blk=%lld V_blk=%lld, bf16, one warm-up run each\n",
-                static_cast<long long>(c.hidden), static_cast<long long>(c.vocab),
-                static_cast<long long>(c.tokens), static_cast<long long>(c.token_block_rows),
-                static_cast<long long>(c.vocab_block_rows));
-    c.mode = flatpeak::exec::VocabScheduleMode::Materialized;
-    const VocabRun mat = run_vocab(alloc, blas, c, true);
-    print_vocab("materialised", c, mat);
-    c.mode = flatpeak::exec::VocabScheduleMode::Blocked;
-    c.gradients_in_forward = true;
-    const VocabRun gif = run_vocab(alloc, blas, c, true);
-    print_vocab("blocked grads-in-fwd", c, gif);
-    c.gradients_in_forward = false;
-    const VocabRun rec = run_vocab(alloc, blas, c, true);
-    print_vocab("blocked recompute", c, rec);
-    char detail[512];
-    if (mat.ran && gif.ran && rec.ran) {
-      const double red_gif = 100.0 * (1.0 - static_cast<double>(gif.vocab_peak) / static_cast<double>(mat.vocab_peak));
-      const double red_rec = 100.0 * (1.0 - static_cast<double>(rec.vocab_peak) / static_cast<double>(mat.vocab_peak));
-      std::printf("vocab T=%lld: peak reduction %.2f%% (grads-in-fwd), %.2f%% (recompute) [issue: >= 86.6%%]; "
-                  "time ratio %.3fx (grads-in-fwd) [<= 1.05x], %.3fx (recompute) [<= 1.40x]\n",
-                  static_cast<long long>(c.tokens), red_gif, red_rec, gif.seconds / mat.seconds,
+  const ScopedStream stream;
+  const cudaStream_t s = stream.get();
+  DeviceAllocator alloc;
+  CublasContext blas(alloc, s);
+  flatpeak::exec::VocabScheduleConfig c;
+  c.tokens = o.vocab_tokens;
+  c.hidden = o.hidden;
+  c.vocab = o.vocab;
+  c.token_block_rows = o.t_blk;
+  c.vocab_block_rows = o.v_blk;
+  std::printf("== vocab: H=%lld V=%lld T=%lld, blocks T_blk=%lld V_blk=%lld, bf16, one warm-up run each\n",
+              static_cast<long long>(c.hidden), static_cast<long long>(c.vocab),
+              static_cast<long long>(c.tokens), static_cast<long long>(c.token_block_rows),
+              static_cast<long long>(c.vocab_block_rows));
+  c.mode = flatpeak::exec::VocabScheduleMode::Materialized;
+  const VocabRun mat = run_vocab(alloc, blas, c, true);
+  print_vocab("materialised", c, mat);
+  c.mode = flatpeak::exec::VocabScheduleMode::Blocked;
+  c.gradients_in_forward = true;
+  const VocabRun gif = run_vocab(alloc, blas, c, true);
+  print_vocab("blocked grads-in-fwd", c, gif);
+  c.gradients_in_forward = false;
+  const VocabRun rec = run_vocab(alloc, blas, c, true);
+  print_vocab("blocked recompute", c, rec);
+  char detail[512];
+  if (mat.ran && gif.ran && rec.ran) {
+    const double red_gif = 100.0 * (1.0 - static_cast<double>(gif.vocab_peak) / static_cast<double>(mat.vocab_peak));
+    const double red_rec = 100.0 * (1.0 - static_cast<double>(rec.vocab_peak) / static_cast<double>(mat.vocab_peak));
+    std::printf("vocab T=%lld: peak reduction %.2f%% (grads-in-fwd), %.2f%% (recompute) [issue: >= 86.6%%]; "
+                "time ratio %.3fx (grads-in-fwd) [<= 1.05x], %.3fx (recompute) [<= 1.40x]\n",
+                static_cast<long long>(c.tokens), red_gif, red_rec, gif.seconds / mat.seconds,
+                rec.seconds / mat.seconds);
+    std::snprintf(detail, sizeof detail,
+                  "T=%lld: vocab peak %s -> %s (-%.1f%%) / %s (-%.1f%%) [>= 86.6%%]; time %.3fx gif [<= 1.05x], %.3fx recompute [<= 1.40x]",
+                  static_cast<long long>(c.tokens), gib(mat.vocab_peak).c_str(), gib(gif.vocab_peak).c_str(),
+                  red_gif, gib(rec.vocab_peak).c_str(), red_rec, gif.seconds / mat.seconds,
                   rec.seconds / mat.seconds);
-      std::snprintf(detail, sizeof detail,
-                    "T=%lld: vocab peak %s -> %s (-%.1f%%) / %s (-%.1f%%) [>= 86.6%%]; time %.3fx gif [<= 1.05x], %.3fx recompute [<= 1.40x]",
-                    static_cast<long long>(c.tokens), gib(mat.vocab_peak).c_str(), gib(gif.vocab_peak).c_str(),
-                    red_gif, gib(rec.vocab_peak).c_str(), red_rec, gif.seconds / mat.seconds,
-                    rec.seconds / mat.seconds);
-      summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "measured", detail);
-      std::snprintf(detail, sizeof detail,
-                    "materialised: tracked %s, pool used high %s, reserved high %s; blocked gif: tracked %s, pool used high %s",
-                    gib(mat.tracked_high).c_str(), gib(mat.view.pool_used_high_bytes).c_str(),
-                    gib(mat.view.pool_reserved_high_bytes).c_str(), gib(gif.tracked_high).c_str(),
-                    gib(gif.view.pool_used_high_bytes).c_str());
-      summary("vocab T=" + std::to_string(c.tokens) + " device view", "measured", detail);
-    } else {
-      summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "skipped",
-              (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
-                  (gif.ran ? std::string() : "blocked " + gif.skipped));
-    }
-    for (int64_t tokens : o.big) {
-      c.tokens = tokens;
-      std::string line;
-      bool any_ran = false;
-      for (bool g : {true, false}) {
-        c.gradients_in_forward = g;
-        const VocabRun r = run_vocab(alloc, blas, c, false);
-        any_ran = any_ran || r.ran;
-        print_vocab(g ? "blocked grads-in-fwd" : "blocked recompute", c, r);
-        char secs[32];
-        std::snprintf(secs, sizeof secs, "%.3f s", r.seconds);
-        line += std::string(line.empty() ? "" : "; ") + (g ? "gif: " : "recompute: ") +
-                (r.ran ? gib(r.vocab_peak) + " vocab peak, " + secs : r.skipped);
-      }
-      summary("vocab blocked T=" + std::to_string(tokens), any_ran ? "measured" : "skipped", line);
-    }
+    summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "measured", detail);
+    std::snprintf(detail, sizeof detail,
+                  "materialised: tracked %s, pool used high %s, reserved high %s; blocked gif: tracked %s, pool used high %s",
+                  gib(mat.tracked_high).c_str(), gib(mat.view.pool_used_high_bytes).c_str(),
+                  gib(mat.view.pool_reserved_high_bytes).c_str(), gib(gif.tracked_high).c_str(),
+                  gib(gif.view.pool_used_high_bytes).c_str());
+    summary("vocab T=" + std::to_string(c.tokens) + " device view", "measured", detail);
+  } else {
+    summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "skipped",
+            (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
+                (gif.ran ? std::string() : "blocked " + gif.skipped));
   }
-  FLATPEAK_CUDA_CHECK(cudaStreamDestroy(s));
+  for (int64_t tokens : o.big) {
+    c.tokens = tokens;
+    std::string line;
+    bool any_ran = false;
+    for (bool g : {true, false}) {
+      c.gradients_in_forward = g;
+      const VocabRun r = run_vocab(alloc, blas, c, false);
+      any_ran = any_ran || r.ran;
+      print_vocab(g ? "blocked grads-in-fwd" : "blocked recompute", c, r);
+      char secs[32];
+      std::snprintf(secs, sizeof secs, "%.3f s", r.seconds);
+      line += std::string(line.empty() ? "" : "; ") + (g ? "gif: " : "recompute: ") +
+              (r.ran ? gib(r.vocab_peak) + " vocab peak, " + secs : r.skipped);
+    }
+    summary("vocab blocked T=" + std::to_string(tokens), any_ran ? "measured" : "skipped", line);
+  }
 }
 
 // ---- dispatch --------------------------------------------------------------------------------
 
 void dispatch_section(const Options& o) {
-  cudaStream_t s = nullptr;
-  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  {
-    DeviceAllocator alloc;
-    CublasContext blas(alloc, s);
-    flatpeak::exec::DispatchScheduleConfig c;
-    c.tokens = o.dispatch_tokens;
-    c.hidden = o.hidden;
-    c.experts = o.experts;
-    c.top_k = o.top_k;
-    c.ffn = o.ffn;
-    const std::vector<int32_t> ids = flatpeak::cuda::balanced_topk_ids(c.tokens, c.experts, c.top_k, c.seed);
-    std::printf("== dispatch: EP=1, T=%lld H=%lld E=%lld k=%lld F=%lld, balanced routing, cap C=%lld, one warm-up run each\n",
-                static_cast<long long>(c.tokens), static_cast<long long>(c.hidden), static_cast<long long>(c.experts),
-                static_cast<long long>(c.top_k), static_cast<long long>(c.ffn), static_cast<long long>(o.cap));
-    struct Run { flatpeak::cuda::DispatchScheduleCudaResult r; int64_t high = 0, dispatch_peak = 0; bool ran = false; std::string skipped; };
-    auto run = [&](int64_t cap) {
-      Run out;
-      c.chunk_cap_rows = cap;
-      trim(alloc, s);
-      const int64_t need = flatpeak::cuda::dispatch_schedule_cuda_peak_bytes(c, kAlign);
-      if (need + kMarginBytes > free_device_bytes()) {
-        out.skipped = "skipped: needs " + gib(need) + ", " + gib(free_device_bytes()) + " free";
-        return out;
-      }
-      (void)flatpeak::cuda::run_dispatch_schedule_cuda(alloc, blas, c, ids);
-      alloc.reset_records();
-      out.r = flatpeak::cuda::run_dispatch_schedule_cuda(alloc, blas, c, ids);
-      out.high = alloc.high_water_bytes();
-      out.dispatch_peak = category_peak(alloc, Category::Dispatch);
-      out.ran = true;
-      std::printf("dispatch %-9s rounds=%lld C=%lld: %.4f s (fwd %.4f, bwd %.4f), %.0f tokens/s, tracked high-water %s, "
-                  "dispatch peak %s, output sum %.6e\n",
-                  cap == 0 ? "uncapped" : "capped", static_cast<long long>(out.r.rounds),
-                  static_cast<long long>(out.r.chunk_cap_rows), out.r.seconds, out.r.forward_s, out.r.backward_s,
-                  static_cast<double>(c.tokens) / out.r.seconds, gib(out.high).c_str(), gib(out.dispatch_peak).c_str(),
-                  out.r.out_sum);
+  const ScopedStream stream;
+  const cudaStream_t s = stream.get();
+  DeviceAllocator alloc;
+  CublasContext blas(alloc, s);
+  flatpeak::exec::DispatchScheduleConfig c;
+  c.tokens = o.dispatch_tokens;
+  c.hidden = o.hidden;
+  c.experts = o.experts;
+  c.top_k = o.top_k;
+  c.ffn = o.ffn;
+  const std::vector<int32_t> ids = flatpeak::cuda::balanced_topk_ids(c.tokens, c.experts, c.top_k, c.seed);
+  std::printf("== dispatch: EP=1, T=%lld H=%lld E=%lld k=%lld F=%lld, balanced routing, cap C=%lld, one warm-up run each\n",
+              static_cast<long long>(c.tokens), static_cast<long long>(c.hidden), static_cast<long long>(c.experts),
+              static_cast<long long>(c.top_k), static_cast<long long>(c.ffn), static_cast<long long>(o.cap));
+  struct Run { flatpeak::cuda::DispatchScheduleCudaResult r; int64_t high = 0, dispatch_peak = 0; bool ran = false; std::string skipped; };
+  auto run = [&](int64_t cap) {
+    Run out;
+    c.chunk_cap_rows = cap;
+    trim(alloc, s);
+    const int64_t need = flatpeak::cuda::dispatch_schedule_cuda_peak_bytes(c, kAlign);
+    if (need + kMarginBytes > free_device_bytes()) {
+      out.skipped = "skipped: needs " + gib(need) + ", " + gib(free_device_bytes()) + " free";
       return out;
-    };
-    const Run unc = run(0);
-    const Run cap = run(o.cap);
-    char detail[512];
-    if (unc.ran && cap.ran) {
-      const double ratio = unc.r.seconds / cap.r.seconds;
-      std::printf("dispatch: capped/uncapped throughput %.3fx [issue: >= 0.95x]; dispatch peak %s -> %s (%.3fx)\n", ratio,
-                  gib(unc.dispatch_peak).c_str(), gib(cap.dispatch_peak).c_str(),
-                  static_cast<double>(cap.dispatch_peak) / static_cast<double>(unc.dispatch_peak));
-      std::snprintf(detail, sizeof detail, "T=%lld, %lld rounds of C=%lld: throughput %.3fx uncapped [>= 0.95x]; dispatch peak %s -> %s; high-water %s -> %s",
-                    static_cast<long long>(c.tokens), static_cast<long long>(cap.r.rounds),
-                    static_cast<long long>(cap.r.chunk_cap_rows), ratio, gib(unc.dispatch_peak).c_str(),
-                    gib(cap.dispatch_peak).c_str(), gib(unc.high).c_str(), gib(cap.high).c_str());
-      summary("dispatch EP=1 capped", "measured", detail);
-    } else {
-      summary("dispatch EP=1 capped", "skipped", unc.ran ? cap.skipped : unc.skipped);
     }
+    (void)flatpeak::cuda::run_dispatch_schedule_cuda(alloc, blas, c, ids);
+    alloc.reset_records();
+    out.r = flatpeak::cuda::run_dispatch_schedule_cuda(alloc, blas, c, ids);
+    out.high = alloc.high_water_bytes();
+    out.dispatch_peak = category_peak(alloc, Category::Dispatch);
+    out.ran = true;
+    std::printf("dispatch %-9s rounds=%lld C=%lld: %.4f s (fwd %.4f, bwd %.4f), %.0f tokens/s, tracked high-water %s, "
+                "dispatch peak %s, output sum %.6e\n",
+                cap == 0 ? "uncapped" : "capped", static_cast<long long>(out.r.rounds),
+                static_cast<long long>(out.r.chunk_cap_rows), out.r.seconds, out.r.forward_s, out.r.backward_s,
+                static_cast<double>(c.tokens) / out.r.seconds, gib(out.high).c_str(), gib(out.dispatch_peak).c_str(),
+                out.r.out_sum);
+    return out;
+  };
+  const Run unc = run(0);
+  const Run cap = run(o.cap);
+  char detail[512];
+  if (unc.ran && cap.ran) {
+    const double ratio = unc.r.seconds / cap.r.seconds;
+    std::printf("dispatch: capped/uncapped throughput %.3fx [issue: >= 0.95x]; dispatch peak %s -> %s (%.3fx)\n", ratio,
+                gib(unc.dispatch_peak).c_str(), gib(cap.dispatch_peak).c_str(),
+                static_cast<double>(cap.dispatch_peak) / static_cast<double>(unc.dispatch_peak));
+    std::snprintf(detail, sizeof detail, "T=%lld, %lld rounds of C=%lld: throughput %.3fx uncapped [>= 0.95x]; dispatch peak %s -> %s; high-water %s -> %s",
+                  static_cast<long long>(c.tokens), static_cast<long long>(cap.r.rounds),
+                  static_cast<long long>(cap.r.chunk_cap_rows), ratio, gib(unc.dispatch_peak).c_str(),
+                  gib(cap.dispatch_peak).c_str(), gib(unc.high).c_str(), gib(cap.high).c_str());
+    summary("dispatch EP=1 capped", "measured", detail);
+  } else {
+    summary("dispatch EP=1 capped", "skipped", unc.ran ? cap.skipped : unc.skipped);
   }
-  FLATPEAK_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
 // ---- offload ---------------------------------------------------------------------------------
@@ -421,92 +416,85 @@ OffloadRun offload_step(const flatpeak::cuda::OffloadAdamWConfig& cfg, const Bf1
 }
 
 void offload_section(const Options& o) {
-  cudaStream_t compute = nullptr, d2h = nullptr, h2d = nullptr;
-  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
-  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking));
-  FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking));
+  const ScopedStream compute_stream, d2h_stream, h2d_stream;
+  const cudaStream_t compute = compute_stream.get(), d2h = d2h_stream.get(), h2d = h2d_stream.get();
+  const int64_t n = o.offload_params;
+  DeviceAllocator alloc;
+  DeviceBuffer grads(alloc, n * 2, Category::Grads, compute);    // [n] bf16
+  DeviceBuffer params(alloc, n * 2, Category::Params, compute);  // [n] bf16
+  flatpeak::exec::cuda_detail::fill_bf16_cuda(grads.as<Bf16>(), n, 11, 1e-3f, compute);
+  flatpeak::exec::cuda_detail::fill_bf16_cuda(params.as<Bf16>(), n, 12, 0.5f, compute);
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(compute));
+  flatpeak::cuda::OffloadAdamWConfig cfg;
+  cfg.hyper.lr = 1e-4f;
+  cfg.hyper.weight_decay = 0.01f;
+  cfg.elems = n;
+  cfg.bucket_elems = std::min(o.bucket, n);
+  cfg.depth = o.depth;
+  cfg.cpu_threads = o.threads;
+  std::printf("== offload: %lld parameters (bf16 on the device, fp32 master/m/v pinned on the host), "
+              "bucket %lld, depth %d, %d CPU threads\n",
+              static_cast<long long>(n), static_cast<long long>(cfg.bucket_elems), cfg.depth, cfg.cpu_threads);
+  auto arena_for = [&](bool stream) {
+    cfg.stream = stream;
+    flatpeak::cuda::PinnedArenaOptions ao;
+    ao.bytes = flatpeak::cuda::offload_adamw_host_bytes(cfg);
+    auto arena = std::make_unique<flatpeak::cuda::PinnedArena>(ao);
+    flatpeak::cuda::OffloadAdamWHost host = flatpeak::cuda::carve_offload_adamw_host(*arena, cfg);
+    std::fill(host.master, host.master + n, 0.5f);
+    std::memset(host.m, 0, static_cast<size_t>(n) * 4);
+    std::memset(host.v, 0, static_cast<size_t>(n) * 4);
+    return std::make_pair(std::move(arena), host);
+  };
+  OffloadRun stream_alone, stream_bwd, serial_alone, serial_bwd;
   {
-    const int64_t n = o.offload_params;
-    DeviceAllocator alloc;
-    DeviceBuffer grads(alloc, n * 2, Category::Grads, compute);    // [n] bf16
-    DeviceBuffer params(alloc, n * 2, Category::Params, compute);  // [n] bf16
-    flatpeak::exec::cuda_detail::fill_bf16_cuda(grads.as<Bf16>(), n, 11, 1e-3f, compute);
-    flatpeak::exec::cuda_detail::fill_bf16_cuda(params.as<Bf16>(), n, 12, 0.5f, compute);
-    FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(compute));
-    flatpeak::cuda::OffloadAdamWConfig cfg;
-    cfg.hyper.lr = 1e-4f;
-    cfg.hyper.weight_decay = 0.01f;
-    cfg.elems = n;
-    cfg.bucket_elems = std::min(o.bucket, n);
-    cfg.depth = o.depth;
-    cfg.cpu_threads = o.threads;
-    std::printf("== offload: %lld parameters (bf16 on the device, fp32 master/m/v pinned on the host), "
-                "bucket %lld, depth %d, %d CPU threads\n",
-                static_cast<long long>(n), static_cast<long long>(cfg.bucket_elems), cfg.depth, cfg.cpu_threads);
-    auto arena_for = [&](bool stream) {
-      cfg.stream = stream;
-      flatpeak::cuda::PinnedArenaOptions ao;
-      ao.bytes = flatpeak::cuda::offload_adamw_host_bytes(cfg);
-      auto arena = std::make_unique<flatpeak::cuda::PinnedArena>(ao);
-      flatpeak::cuda::OffloadAdamWHost host = flatpeak::cuda::carve_offload_adamw_host(*arena, cfg);
-      std::fill(host.master, host.master + n, 0.5f);
-      std::memset(host.m, 0, static_cast<size_t>(n) * 4);
-      std::memset(host.v, 0, static_cast<size_t>(n) * 4);
-      return std::make_pair(std::move(arena), host);
-    };
-    OffloadRun stream_alone, stream_bwd, serial_alone, serial_bwd;
-    {
-      auto [arena, host] = arena_for(true);
-      cfg.hyper.step = 1;
-      (void)offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);  // warm-up
-      cfg.hyper.step = 2;
-      stream_alone = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);
-      cfg.hyper.step = 3;
-      stream_bwd = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d,
-                                stream_alone.t.total_s);
-    }
-    {
-      auto [arena, host] = arena_for(false);
-      cfg.hyper.step = 2;
-      serial_alone = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);
-      cfg.hyper.step = 3;
-      serial_bwd = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d,
-                                stream_alone.t.total_s);
-    }
-    const flatpeak::cuda::OffloadAdamWTimes& t = stream_alone.t;
-    const double slowest = std::max({t.d2h_s, t.cpu_s, t.h2d_s});
-    const double fill = (t.d2h_s + t.cpu_s + t.h2d_s - slowest) / static_cast<double>(std::max<int64_t>(1, t.buckets));
-    std::printf("offload stream: %.4f s over %lld buckets (D2H %.4f, CPU %.4f, H2D %.4f summed); slowest stage + one "
-                "bucket fill %.4f s; ratio %.3f [issue: <= 1.1 x slowest + fill: %.4f s]\n",
-                t.total_s, static_cast<long long>(t.buckets), t.d2h_s, t.cpu_s, t.h2d_s, slowest + fill,
-                t.total_s / (slowest + fill), 1.1 * slowest + fill);
-    std::printf("offload serial: %.4f s (D2H %.4f, CPU %.4f, H2D %.4f)\n", serial_alone.t.total_s,
-                serial_alone.t.d2h_s, serial_alone.t.cpu_s, serial_alone.t.h2d_s);
-    const double ratio = stream_bwd.exposed_s > 0 ? serial_bwd.exposed_s / stream_bwd.exposed_s : 0.0;
-    std::printf("offload exposed after a simulated %.4f s backward: stream %.4f s, serial %.4f s, serial/stream %.2fx "
-                "(paper: 2.05x)\n",
-                stream_bwd.backward_s, stream_bwd.exposed_s, serial_bwd.exposed_s, ratio);
-    // Bytes per parameter of the CPU step (adamw_bench's count): master, m, v read and written
-    // (24), bf16 grad read (2), bf16 param written (2).
-    const double adamw_gbps = 28.0 * static_cast<double>(n) / serial_alone.t.cpu_s / 1e9;
-    const double bucket_gbps = 28.0 * static_cast<double>(n) / t.cpu_s / 1e9;
-    const double stream_gbps = stream_copy_gbps(int64_t{256} << 20, o.threads);
-    std::printf("CPU AdamW: %.1f GB/s full vector, %.1f GB/s per bucket in the pipeline; STREAM copy %.1f GB/s "
-                "(%d threads); %.1f%% [issue: >= 70%%]\n",
-                adamw_gbps, bucket_gbps, stream_gbps, o.threads, 100.0 * adamw_gbps / stream_gbps);
-    char detail[512];
-    std::snprintf(detail, sizeof detail, "%lld params: stream %.3f s [<= 1.1 x slowest %.3f + fill %.3f = %.3f s], serial %.3f s; "
-                  "exposed after bwd: stream %.3f s, serial %.3f s (%.2fx, paper 2.05x)",
-                  static_cast<long long>(n), t.total_s, slowest, fill, 1.1 * slowest + fill, serial_alone.t.total_s,
-                  stream_bwd.exposed_s, serial_bwd.exposed_s, ratio);
-    summary("OffloadStreamAdamW " + std::to_string(n), "measured", detail);
-    std::snprintf(detail, sizeof detail, "%.1f GB/s vs STREAM copy %.1f GB/s (%.1f%%) [>= 70%%], %d threads", adamw_gbps,
-                  stream_gbps, 100.0 * adamw_gbps / stream_gbps, o.threads);
-    summary("CPU AdamW vs STREAM", "measured", detail);
+    auto [arena, host] = arena_for(true);
+    cfg.hyper.step = 1;
+    (void)offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);  // warm-up
+    cfg.hyper.step = 2;
+    stream_alone = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);
+    cfg.hyper.step = 3;
+    stream_bwd = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d,
+                              stream_alone.t.total_s);
   }
-  FLATPEAK_CUDA_CHECK(cudaStreamDestroy(compute));
-  FLATPEAK_CUDA_CHECK(cudaStreamDestroy(d2h));
-  FLATPEAK_CUDA_CHECK(cudaStreamDestroy(h2d));
+  {
+    auto [arena, host] = arena_for(false);
+    cfg.hyper.step = 2;
+    serial_alone = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d, 0);
+    cfg.hyper.step = 3;
+    serial_bwd = offload_step(cfg, grads.as<Bf16>(), params.as<Bf16>(), host, compute, d2h, h2d,
+                              stream_alone.t.total_s);
+  }
+  const flatpeak::cuda::OffloadAdamWTimes& t = stream_alone.t;
+  const double slowest = std::max({t.d2h_s, t.cpu_s, t.h2d_s});
+  const double fill = (t.d2h_s + t.cpu_s + t.h2d_s - slowest) / static_cast<double>(std::max<int64_t>(1, t.buckets));
+  std::printf("offload stream: %.4f s over %lld buckets (D2H %.4f, CPU %.4f, H2D %.4f summed); slowest stage + one "
+              "bucket fill %.4f s; ratio %.3f [issue: <= 1.1 x slowest + fill: %.4f s]\n",
+              t.total_s, static_cast<long long>(t.buckets), t.d2h_s, t.cpu_s, t.h2d_s, slowest + fill,
+              t.total_s / (slowest + fill), 1.1 * slowest + fill);
+  std::printf("offload serial: %.4f s (D2H %.4f, CPU %.4f, H2D %.4f)\n", serial_alone.t.total_s,
+              serial_alone.t.d2h_s, serial_alone.t.cpu_s, serial_alone.t.h2d_s);
+  const double ratio = stream_bwd.exposed_s > 0 ? serial_bwd.exposed_s / stream_bwd.exposed_s : 0.0;
+  std::printf("offload exposed after a simulated %.4f s backward: stream %.4f s, serial %.4f s, serial/stream %.2fx "
+              "(paper: 2.05x)\n",
+              stream_bwd.backward_s, stream_bwd.exposed_s, serial_bwd.exposed_s, ratio);
+  // Bytes per parameter of the CPU step (adamw_bench's count): master, m, v read and written
+  // (24), bf16 grad read (2), bf16 param written (2).
+  const double adamw_gbps = 28.0 * static_cast<double>(n) / serial_alone.t.cpu_s / 1e9;
+  const double bucket_gbps = 28.0 * static_cast<double>(n) / t.cpu_s / 1e9;
+  const double stream_gbps = stream_copy_gbps(int64_t{256} << 20, o.threads);
+  std::printf("CPU AdamW: %.1f GB/s full vector, %.1f GB/s per bucket in the pipeline; STREAM copy %.1f GB/s "
+              "(%d threads); %.1f%% [issue: >= 70%%]\n",
+              adamw_gbps, bucket_gbps, stream_gbps, o.threads, 100.0 * adamw_gbps / stream_gbps);
+  char detail[512];
+  std::snprintf(detail, sizeof detail, "%lld params: stream %.3f s [<= 1.1 x slowest %.3f + fill %.3f = %.3f s], serial %.3f s; "
+                "exposed after bwd: stream %.3f s, serial %.3f s (%.2fx, paper 2.05x)",
+                static_cast<long long>(n), t.total_s, slowest, fill, 1.1 * slowest + fill, serial_alone.t.total_s,
+                stream_bwd.exposed_s, serial_bwd.exposed_s, ratio);
+  summary("OffloadStreamAdamW " + std::to_string(n), "measured", detail);
+  std::snprintf(detail, sizeof detail, "%.1f GB/s vs STREAM copy %.1f GB/s (%.1f%%) [>= 70%%], %d threads", adamw_gbps,
+                stream_gbps, 100.0 * adamw_gbps / stream_gbps, o.threads);
+  summary("CPU AdamW vs STREAM", "measured", detail);
 }
 
 }  // namespace
