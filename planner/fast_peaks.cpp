@@ -104,6 +104,7 @@ class Builder {
     L_ = c.m.num_layers;
     M_ = c.r.mtp ? c.m.mtp_layers : 0;
     all_grads_ = c.w.accumulation_steps > 1;
+    staged_ = c.r.optimizer != OptimizerPlacement::Gpu && c.w.gpus > 1;  // reduce_scatter_output_staged
     head_ = c.w.head_unit;
     // reduced_before(l) for every l: MTP modules from the last, then the head, then L-1 down.
     reduced_.assign(static_cast<size_t>(L_ + M_), 0);
@@ -154,7 +155,15 @@ class Builder {
       Acc shard = state(grads(all));
       fsdp(shard, -1, -1, -1, 0);
       const Acc* most = &backward;
-      for (const Acc* m : {&copy, &shard})
+      Acc landing = state(grads(before));
+      if (staged_) {  // L0's shard lands first, through its staged reduce-scatter output
+        shard.add(Category::Fsdp, c_.w.units[0].shard_params, kF32);
+        fsdp(landing, 0, -1, -1, unit(0));
+        landing.add(Category::Fsdp, c_.w.units[static_cast<size_t>(unit(0))].shard_params, kF32);
+        landing.add(kAct, mul(c_.T, c_.H), kB16);
+        most = &landing;
+      }
+      for (const Acc* m : {&backward, &copy, &shard})
         if (m->total() > most->total()) most = m;
       phase(home_bit(PeakKind::Layer), *most, c_.acc(), B::None, 0, most == &backward ? head : FP::HeadRoles{});
     }
@@ -285,6 +294,11 @@ class Builder {
     ring_attention(c_, l, false, attn_rec);
     layer_grad_stream(c_, attn_rec);
     add(layer_home(false), attn_rec, FP::Disp::None, 1);
+    out.back().or_landing = true;
+    // Its alternative, the landing of the unit in flight (base 4): dy [T, H] the only activation.
+    Acc landing = c_.acc();
+    landing.add(kAct, mul(c_.T, c_.H), kB16);
+    add(layer_home(false), landing, FP::Disp::None, 4);
     Acc block = c_.acc();
     if (mtp) block.add(kAct, mul(c_.T, 2 * c_.H), kB16);
     attention_saved(c_, block);
@@ -364,6 +378,15 @@ class Builder {
       if (mtp) loss_saved(c_, base);
       set_base(e, 3, base, head);
     }
+    const int64_t landing = in_flight_before(l);
+    e.landing = landing >= 0 && staged_;
+    if (e.landing) {  // 4: the unit in flight lands (timeline.cpp): the layer gathered, its output staged
+      Acc base = state(grads(reduced_before(l)));
+      const FP::HeadRoles head = fsdp(base, unit(l), -1, -1, landing);
+      base.add(Category::Fsdp, shard(landing), kF32);
+      if (mtp) loss_saved(c_, base);
+      set_base(e, 4, base, head);
+    }
     order_.push_back(FP::Step{FP::Step::Type::Backward, static_cast<int32_t>(l)});
   }
 
@@ -421,6 +444,7 @@ class Builder {
   std::vector<FP::Step>& order_;
   int64_t L_ = 0, M_ = 0, head_ = 0;
   bool all_grads_ = false;
+  bool staged_ = false;  // grad shards land through an fp32 reduce-scatter output (memory_model.h)
   std::vector<int64_t> reduced_;
   std::map<Kind, int32_t> kind_index_;
   mutable std::map<int64_t, int64_t> grad_bytes_;  // grad shard params -> their bytes
@@ -650,7 +674,7 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
     const std::vector<Extra>& kind = kinds_[static_cast<size_t>(e.kind)];
     for (size_t xi = 0; xi < kind.size(); ++xi) {
       const Extra& x = kind[xi];
-      if (x.base == 3) continue;  // the copy-in: taken with the extra before it
+      if (x.base >= 3) continue;  // the copy-in and the landing: taken with the extra before them
       if ((x.base == 0) != forward) continue;
       const int64_t dsp = x.disp != Disp::None ? disp[static_cast<size_t>(e.load_index)][static_cast<size_t>(x.disp)] : 0;
       const Comps& bc = e.base_comps[x.base];
@@ -659,6 +683,22 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
       comp[kDispatch] += dsp;
       comp[kCheckpoint] += bnd;
       const int64_t total = e.base_total[x.base] + x.total + bnd + head(e.head[x.base]) + dsp;
+      if (x.or_landing && e.landing) {  // the larger total of the recompute and the landing (a tie: the recompute)
+        const Extra& y = kind[xi + 1];
+        const int64_t l = e.layer;
+        // Boundaries then: the resident ones and those the previous layer's prefetch fetched.
+        int64_t fetched = resident(l);
+        if (l + 1 < L_) fetched += prefix[static_cast<size_t>(l + 1)] - prefix[static_cast<size_t>(std::max<int64_t>(0, l + 1 - k.sco_prefetch))];
+        const int64_t landing_bnd = checked_mul(fetched, boundary_one_);
+        const int64_t landing_total = e.base_total[4] + y.total + landing_bnd + head(e.head[4]);
+        if (landing_total > total) {
+          Comps landing;
+          for (size_t i = 0; i < landing.size(); ++i) landing[i] = e.base_comps[4][i] + y.comps[i];
+          landing[kCheckpoint] += landing_bnd;
+          visit(x.home, landing, landing_total);
+          continue;
+        }
+      }
       if (x.or_copy_in) {  // the larger total of the attention backward and the copy-in (a tie: the backward)
         const Extra& y = kind[xi + 1];
         const int64_t copy_total = e.base_total[3] + y.total + bnd + head(e.head[3]);

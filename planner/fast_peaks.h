@@ -110,20 +110,26 @@ class FastPeaks {
     Comps comps{};
     int64_t total = 0;
     Disp disp = Disp::None;  // round phases: the dispatch terms come from the cap
-    uint8_t base = 0;        // 0 forward, 1 recompute, 2 backward, 3 copy-in
+    uint8_t base = 0;        // 0 forward, 1 recompute, 2 backward, 3 copy-in, 4 landing
     // bwd/Ll/attn: the phase holds the larger (by total) of this and the copy-in moment, base 3
-    // plus FastPeaks::copy_in_ (timeline.cpp, backward_layer).
+    // plus the extra after this one (timeline.cpp, backward_layer).
     bool or_copy_in = false;
+    // bwd/Ll/recompute/attn: the larger (by total) of this and the landing of the unit in flight
+    // through its staged reduce-scatter output, base 4 plus the extra after this one, where the
+    // layer has that moment (Layer::landing).
+    bool or_landing = false;
   };
   // A decoder layer or MTP module: its persistent-state + FSDP bases and its kind.
   struct Layer {
     int64_t layer = 0;
     int32_t kind = 0;
     int32_t load_index = 0;
-    std::array<Cats, 4> base{};  // 0 forward, 1 recompute, 2 backward, 3 the grads' copy-in
-    std::array<Comps, 4> base_comps{};
-    std::array<int64_t, 4> base_total{};
-    std::array<HeadRoles, 4> head{};
+    // 0 forward, 1 recompute, 2 backward, 3 the grads' copy-in, 4 the landing of the unit in flight
+    std::array<Cats, 5> base{};
+    std::array<Comps, 5> base_comps{};
+    std::array<int64_t, 5> base_total{};
+    std::array<HeadRoles, 5> head{};
+    bool landing = false;  // a unit in flight lands through a staged reduce-scatter output (base 4)
   };
   // Execution order: a standalone phase, or a layer's forward or backward phases.
   struct Step {

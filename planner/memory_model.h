@@ -75,6 +75,14 @@ struct FsdpLive {
   int64_t gathered = -1, prefetch = -1, grad = -1, reduce_scatter = -1;
 };
 void add_fsdp(const Context& c, const FsdpLive& live, TermList& t);
+// Whether a unit's grad shard lands through an fp32 reduce-scatter output: with the optimizer
+// offloaded (bf16 grad shards) on N > 1 GPUs, the rank-order fp32 sum of the unit, [S] (S: this
+// GPU's shard of the unit), is received into its own buffer, rounded into the new bf16 shard and
+// freed (FSDP2 with reduce_dtype fp32 and bf16 sharded grads; the executor's FsdpShards::
+// reduce_scatter_into). fp32 shards (optimizer on the GPU) receive the sum in place.
+bool reduce_scatter_output_staged(const Context& c);
+// That output for `unit` (fsdp, fp32 [S]) when it is staged; nothing otherwise.
+void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t);
 // Checkpoint boundaries resident on the device: `resident` layer inputs, `in_flight` offloaded
 // boundaries being copied or prefetched, and the final hidden state when `final_hidden`.
 void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool final_hidden, TermList& t);

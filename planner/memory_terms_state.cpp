@@ -75,6 +75,15 @@ void add_fsdp(const Context& c, const FsdpLive& live, TermList& t) {
                Category::Fsdp);
 }
 
+bool reduce_scatter_output_staged(const Context& c) { return offload_optimizer(c) && c.work.gpus > 1; }
+
+void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t) {
+  if (unit < 0 || !reduce_scatter_output_staged(c)) return;
+  const FsdpUnit& u = c.work.units[static_cast<size_t>(unit)];
+  t.add_flat("reduce-scatter output " + u.name + " (fp32, rounded into its bf16 grad shard)", "S", u.shard_params, kFp32,
+             Category::Fsdp);
+}
+
 void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool final_hidden, TermList& t) {
   const int64_t T = c.work.tokens;
   const int64_t H = c.model.hidden_size;

@@ -304,7 +304,32 @@ class Builder {
     add_attention_saved(c_, l, attn_rec, false);
     add_ring_attention(c_, l, false, attn_rec);
     add_layer_grad_stream(c_, attn_rec);
-    emit(prefix + "recompute/attn", folds, rec, attn_rec);
+    // The phase's first moment: the unit in flight lands its grad shard as the recompute starts,
+    // before the previous unit is prefetched and this layer's input fetched. With a staged
+    // reduce-scatter output (memory_model.h) its fp32 [S] is live beside the gathered layer, the
+    // fp32 input in flight, the new shard, dy and the boundaries already on the device (those
+    // the previous layer's SCO prefetch fetched). recompute/attn holds the larger of the two (a tie
+    // keeps the recompute): the landing holds more when that output outweighs the prefetched unit
+    // and the attention's saved set (the first layer in backward, whose prefetch is the
+    // embedding, with every expert in the unit in flight at EP = 1).
+    const int64_t landing_unit = in_flight_before(l);
+    if (landing_unit >= 0 && reduce_scatter_output_staged(c_)) {
+      int64_t fetched = 0;  // offloaded inputs among [l+1-p, l]: the previous layer's prefetch
+      if (!mtp && l + 1 < L_)
+        for (int64_t i = std::max<int64_t>(0, l + 1 - c_.run.sco_prefetch); i <= l; ++i) fetched += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
+      TermList landing = persistent_state(grads(reduced_before(l)));
+      add_fsdp(c_, FsdpLive{unit(l), -1, -1, landing_unit}, landing);
+      add_reduce_scatter_output(c_, landing_unit, landing);
+      add_boundaries(c_, resident_upto(l), fetched, false, landing);
+      if (mtp) add_loss_saved(c_, "main loss ", landing);
+      landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      TermList recompute = rec;
+      recompute.append(attn_rec);
+      if (landing.bytes(Space::Device) > recompute.bytes(Space::Device)) emit(prefix + "recompute/attn", folds, landing, c_.list());
+      else emit(prefix + "recompute/attn", folds, rec, attn_rec);
+    } else {
+      emit(prefix + "recompute/attn", folds, rec, attn_rec);
+    }
 
     // The FFN block's saved inputs and the attention saved set stay live through its backward.
     TermList block = c_.list();
@@ -358,12 +383,14 @@ class Builder {
     return out;
   }
 
-  // bwd/embed holds the largest of three moments, in time order (a tie keeps the earlier): the
-  // embedding's backward; then, once the gathered table, d embedding output and L0's
-  // reduce-scatter input are gone, its unsharded grads copied into the fp32 reduce-scatter input
-  // [U]; then, those grads freed, the new grad shard allocated beside that input. At N GPUs the
-  // shard is U/N and the backward holds the most; at N = 1 (a one-GPU run, every verify-scaled
-  // plan) the input with the grads or the shard can hold more.
+  // bwd/embed holds the largest of its moments, in time order (a tie keeps the earlier): with a
+  // staged reduce-scatter output (memory_model.h), L0's shard landing as the phase starts, its
+  // fp32 [S] output beside the gathered table, L0's input and d embedding output; the embedding's
+  // backward; then, once the gathered table, d embedding output and L0's reduce-scatter input are
+  // gone, its unsharded grads copied into the fp32 reduce-scatter input [U]; then, those grads
+  // freed, the new grad shard allocated beside that input (and, staged, the embedding's fp32
+  // output). At N GPUs the shard is U/N and the backward or L0's landing holds the most; at N = 1
+  // (a one-GPU run, every verify-scaled plan) the input with the grads or the shard can hold more.
   void backward_embedding() {
     const int64_t all = c_.work.shard_params, before = all - c_.work.units[0].shard_params;
     TermList backward = persistent_state(grads(before));
@@ -373,8 +400,16 @@ class Builder {
     add_fsdp(c_, FsdpLive{-1, -1, 0, 0}, copy);
     TermList shard = persistent_state(grads(all));
     add_fsdp(c_, FsdpLive{-1, -1, -1, 0}, shard);
+    add_reduce_scatter_output(c_, 0, shard);
     const TermList* most = &backward;
-    for (const TermList* m : {&copy, &shard})
+    TermList landing = persistent_state(grads(before));
+    if (reduce_scatter_output_staged(c_)) {
+      add_fsdp(c_, FsdpLive{0, -1, -1, unit(0)}, landing);
+      add_reduce_scatter_output(c_, unit(0), landing);
+      landing.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      most = &landing;
+    }
+    for (const TermList* m : {&backward, &copy, &shard})
       if (m->bytes(Space::Device) > most->bytes(Space::Device)) most = m;
     emit("bwd/embed", "", *most, c_.list());
   }

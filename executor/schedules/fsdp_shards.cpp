@@ -122,7 +122,7 @@ void FsdpShards::reduce_scatter(size_t i, const Tensor& unsharded_grad) {
   std::fill(in + u.sharded_params, in + sharded_span, 0.0f);
   for (int64_t e = 0; e < u.local_params; ++e) in[sharded_span + e] = to_f32(g[u.sharded_params + e]);
   if (comm_ != nullptr && ranks_ > 1 && stride > 0) {
-    Tensor summed(alloc_, DType::F32, {stride}, Category::Comm);  // [S] fp32, this rank's block
+    Tensor summed(alloc_, DType::F32, {stride}, Category::Fsdp);  // [S] fp32, this rank's block (the unit's reduce-scatter output)
     comm_->reduce_scatter(in, summed.raw(), stride, DType::F32);
     accumulate(0, mine, summed.data<float>());
   } else {
@@ -172,7 +172,7 @@ void FsdpShards::reduce_scatter_into(size_t i, const Tensor& input, Tensor& shar
     if (want == DType::F32 && mine == stride) {
       comm_->reduce_scatter(in, shard.raw(), stride, DType::F32);  // lands in the shard itself
     } else {
-      Tensor summed(alloc_, DType::F32, {stride}, Category::Comm);  // [S] fp32, this rank's block
+      Tensor summed(alloc_, DType::F32, {stride}, Category::Fsdp);  // [S] fp32, this rank's block (the unit's reduce-scatter output)
       comm_->reduce_scatter(in, summed.raw(), stride, DType::F32);
       store(0, mine, summed.data<float>());
     }

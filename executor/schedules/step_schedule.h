@@ -98,7 +98,8 @@ struct StepScheduleResult {
 // its backward; at its end they become the fp32 reduce-scatter input [N·S] ([U] at N = 1), which
 // stays in flight through the next unit's backward, whose start runs the reduce-scatter and lands
 // the rank's grad shard [S] (category grads: fp32 with the optimizer on the device, bf16 with
-// offload, whose fp32 sum passes through an [S] buffer of category comm at N > 1). The head's gathered buffer is the loss's W
+// offload, whose fp32 sum passes through an [S] buffer of category fsdp at N > 1: the unit's
+// reduce-scatter output, live while the shard lands). The head's gathered buffer is the loss's W
 // (retagged vocab at the loss); the blocked loss accumulates dW in the head's fp32 grad buffer
 // [N·S] (final-norm grad first), which is reduced in place; the materialised dW is the head's bf16
 // grads. The embedding's reduce-scatter runs at the end of bwd/embed. The optimizer steps the

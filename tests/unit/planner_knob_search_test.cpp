@@ -147,6 +147,36 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelWhenTheGradCopyInIsLargest) 
   }
 }
 
+// A unit's grad shard landing through its fp32 reduce-scatter output (timeline.cpp: the start of
+// bwd/Ll/recompute/attn and of bwd/embed) taking the phase: the tiny MoE with 32 experts at EP = 1
+// on four GPUs (planner_tiny_test.cpp) with the optimizer offloaded, SCO's offloaded sets and
+// prefetch depths (the boundaries the previous layer fetched are live then), blocked and
+// materialised losses; and a vocabulary of 4096 on two GPUs, where the LM head's landing (its
+// fp32 input and output beside the small last layer) is the checkpoint peak.
+TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelWhenAShardLandingIsLargest) {
+  ModelSpec wide = tiny_moe(2);
+  wide.vocab_size = 4096;
+  for (const char* optimizer : {"serial", "stream"})
+    for (const char* schedule : {"baseline", "practice", "flatpeak"})
+      expect_fast_equals_real(wide, tiny_gpu(),
+                              {{"--gpus", "2"}, {"--context", "16"}, {"--schedule", schedule}, {"--optimizer", optimizer}},
+                              std::string("tiny V = 4096 ") + schedule + " " + optimizer);
+  ModelSpec tiny = tiny_moe(3);
+  tiny.num_experts = 32;
+  for (const char* optimizer : {"serial", "stream"})
+    for (const char* schedule : {"baseline", "practice", "flatpeak"}) {
+      const bool sco = std::string(schedule) == "flatpeak";
+      for (const char* layers : sco ? std::vector<const char*>{"0", "1", "all", "0,2"} : std::vector<const char*>{""})
+        for (const char* prefetch : sco ? std::vector<const char*>{"0", "1", "2"} : std::vector<const char*>{""}) {
+          Flags flags{{"--gpus", "4"}, {"--ep", "1"}, {"--context", "16"}, {"--schedule", schedule}, {"--optimizer", optimizer}};
+          if (sco) flags.insert(flags.end(), {{"--sco-layers", layers}, {"--sco-prefetch", prefetch}});
+          expect_fast_equals_real(tiny, tiny_gpu(), flags,
+                                  std::string("tiny E = 32 ") + schedule + " " + optimizer + " sco " + layers + " prefetch " + prefetch);
+          if (HasFailure()) return;
+        }
+    }
+}
+
 // ---- brute force -------------------------------------------------------------------------
 
 struct Candidate {

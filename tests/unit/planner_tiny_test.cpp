@@ -245,6 +245,50 @@ TEST(PlannerTiny, LayerGradCopyInIsBwdAttnWhenLarger) {
   EXPECT_FALSE(has_term(phase(small, "bwd/L1/attn"), "d layer input (to the next layer's backward)"));
 }
 
+// Four GPUs at EP = 1 with E = 32: layer unit U = 3536 (dense 464 + experts 3072), shard S =
+// ceil(464/4) + ceil(3072/4) = 884; embedding 256 (shard 64), head 264 (shard 66). With the
+// optimizer offloaded the grad shards are bf16 and each lands through its unit's fp32
+// reduce-scatter output [S]. bwd/embed starts with L0's landing: gathered embedding 2 * 256, L0's
+// input 4U, its output 4S and d embedding output [16, 8] bf16, more than the backward (whose
+// embedding grads 2 * 256 are smaller than 4S). bwd/L0/recompute/attn starts with L1's landing:
+// gathered L0 2U, L1's input 4U, its output 4S, dy and x_0, more than the recompute (prefetched
+// embedding 512 and the attention's saved set instead of 4S); in bwd/L1 the head's output 4 * 66
+// is smaller than prefetched L0, so the recompute stays. With the optimizer on the GPU the fp32
+// shards receive the sum in place: no output term anywhere; on one GPU nothing is reduce-scattered.
+TEST(PlannerTiny, OffloadedGradShardsLandThroughAnFp32ReduceScatterOutput) {
+  ModelSpec m = tiny_moe();
+  m.num_experts = 32;
+  const int64_t U = 3536, S = 884;
+  const std::string L0_out = "reduce-scatter output L0 (fp32, rounded into its bf16 grad shard)";
+  const std::string L1_out = "reduce-scatter output L1 (fp32, rounded into its bf16 grad shard)";
+  for (const char* optimizer : {"serial", "stream"}) {
+    const Plan p = plan_of(m, tiny_gpu(), {{"--gpus", "4"}, {"--ep", "1"}, {"--context", "16"}, {"--optimizer", optimizer}});
+    ASSERT_EQ(p.work.units[1].gathered_params, U) << optimizer;
+    ASSERT_EQ(p.work.units[1].shard_params, S) << optimizer;
+    const Phase& embed = phase(p, "bwd/embed");
+    EXPECT_EQ(term_bytes(embed, L0_out), 4 * S) << optimizer;
+    EXPECT_EQ(embed.terms.bytes(Category::Fsdp), 2 * 256 + 4 * U + 4 * S) << optimizer;
+    EXPECT_EQ(embed.terms.bytes(Category::Activations), 16 * 8 * 2) << optimizer;
+    const Phase& first = phase(p, "bwd/L0/recompute/attn");
+    EXPECT_EQ(term_bytes(first, L1_out), 4 * S) << optimizer;
+    EXPECT_EQ(first.terms.bytes(Category::Fsdp), 2 * U + 4 * U + 4 * S) << optimizer;
+    EXPECT_EQ(first.terms.bytes(Category::Activations), 16 * 8 * 2) << optimizer;
+    EXPECT_EQ(first.terms.bytes(Category::Boundaries), 16 * 8 * 2) << optimizer;
+    EXPECT_EQ(first.terms.bytes(Category::Grads), 2 * (66 + S)) << optimizer;  // the head's and L1's bf16 shards
+    const Phase& last = phase(p, "bwd/L1/recompute/attn");
+    EXPECT_FALSE(has_term(last, "reduce-scatter output head (fp32, rounded into its bf16 grad shard)")) << optimizer;
+    EXPECT_TRUE(has_term(last, "prefetched params L0")) << optimizer;
+  }
+  for (const auto& flags : std::vector<std::vector<std::pair<std::string, std::string>>>{
+           {{"--gpus", "4"}, {"--ep", "1"}, {"--context", "16"}, {"--optimizer", "gpu"}},
+           {{"--gpus", "1"}, {"--context", "16"}, {"--optimizer", "serial"}}}) {
+    const Plan p = plan_of(m, tiny_gpu(), flags);
+    for (const auto& ph : p.timeline.phases)
+      for (const auto& t : ph.terms.terms()) EXPECT_EQ(t.name.rfind("reduce-scatter output", 0), std::string::npos) << ph.name << " " << t.name;
+    EXPECT_TRUE(has_term(phase(p, "bwd/L0/recompute/attn"), "prefetched params embedding"));
+  }
+}
+
 TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   const Plan p = plan_of(tiny_moe(), tiny_gpu(), with({{"--schedule", "practice"}}));
   EXPECT_EQ(p.run.vocab, VocabMode::Blocked);
