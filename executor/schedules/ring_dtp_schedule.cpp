@@ -348,13 +348,18 @@ void gradients_weights(TrackingAllocator& alloc, const Dims& d, Ring& ring, Rank
 }
 
 void copy_out(const Dims& d, const Ring& ring, Communicator& comm, const LossState& ls, const Tensor& d_x,
-              const Tensor& d_w, RingDtpResult& r) {
+              const Tensor& d_w, const RingDtpResultSink& sink, RingDtpResult& r) {
   const float* loss = ls.loss.data<float>();
   r.loss.assign(loss, loss + d.T);
-  r.d_x.assign(d_x.data<float>(), d_x.data<float>() + d.T * d.H);
   r.shard_first_row = ring.position * d.shard;
   r.shard_rows = d.rows_of(ring.position);
-  r.d_w.assign(d_w.data<float>(), d_w.data<float>() + r.shard_rows * d.H);
+  if (sink) {
+    sink(RingDtpResultPart::Dx, 0, d_x.data<float>(), d.T * d.H);
+    sink(RingDtpResultPart::Dw, 0, d_w.data<float>(), r.shard_rows * d.H);
+  } else {
+    r.d_x.assign(d_x.data<float>(), d_x.data<float>() + d.T * d.H);
+    r.d_w.assign(d_w.data<float>(), d_w.data<float>() + r.shard_rows * d.H);
+  }
   // The mean in global token order, as the single-rank schedule sums it.
   std::vector<float> all(static_cast<size_t>(comm.size() * d.T));
   comm.all_gather(loss, all.data(), d.T, DType::F32);
@@ -403,7 +408,7 @@ RingDtpResult run_ring_dtp_schedule(Communicator& comm, TrackingAllocator& alloc
     alloc.set_phase("loss/bwd");
   }
   RingDtpResult result;
-  copy_out(d, ring, comm, ls, d_x, d_w, result);
+  copy_out(d, ring, comm, ls, d_x, d_w, config.result_sink, result);
   return result;
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "executor/comm/communicator.h"
@@ -21,6 +22,11 @@ namespace flatpeak::exec {
 //   Weights: each rank keeps its tokens; every W shard visits every rank, carrying its fp32 dW
 //     accumulator in the backward, and arrives home after R hops with its complete gradient.
 enum class RingRotation { Activations, Weights };
+
+// What a RingDtpConfig::result_sink receives: this rank's dX [T, H] or its W shard's dW
+// [shard_rows, H], fp32.
+enum class RingDtpResultPart { Dx, Dw };
+using RingDtpResultSink = std::function<void(RingDtpResultPart part, int64_t offset, const float* values, int64_t count)>;
 
 struct RingDtpConfig {
   int64_t tokens = 0;            // T, tokens per rank (equal on every rank)
@@ -38,9 +44,14 @@ struct RingDtpConfig {
   // A ring's data is the single-rank schedule's (vocab_schedule.h) on R·T tokens with the same
   // seed: rank p of the ring holds tokens [p·T, (p+1)·T) and rows [p·ceil(V/R), ...) of W.
   uint64_t seed = 1;
+  // Set: dX and dW go here instead of into the result (RingDtpResult::d_x and d_w stay empty), as
+  // values [offset, offset + count) of the part, while the tracked buffers hold them: verify
+  // compares them with the reference's without a copy of its own.
+  RingDtpResultSink result_sink;
 };
 
-// This rank's results, copied out of the tracked buffers.
+// This rank's results, copied out of the tracked buffers (dX and dW handed to the config's
+// result_sink instead when it is set).
 struct RingDtpResult {
   double mean_loss = 0.0;   // over the ring's R·T tokens, summed in global token order (fp64)
   std::vector<float> loss;  // [T] fp32, this rank's tokens

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <numeric>
 #include <new>
 #include <string>
 #include <thread>
@@ -241,8 +242,13 @@ int64_t measured_peak(const VerifyReport& r) {
 
 // The copies of the outputs verify keeps to compare a technique with its naive reference are
 // verify's own data, not the schedule's working memory; they are allowed on top of the limit, and
-// printed. Per component, from the scaled configuration:
-//   vocab (blocked): VocabScheduleResult d_x [T, H] and d_w [V, H] fp32, of both runs, per rank;
+// printed. Per component, from the scaled configuration, on each of the `ranks` that ran it:
+//   vocab (blocked, or Ring-DTP on rings of one rank): VocabScheduleResult d_x [T, H] and d_w
+//     [V, H] fp32, of both runs, per rank;
+//   vocab (Ring-DTP on rings of R > 1 ranks): the reference's values of each rank's slice, d_x
+//     [T, H] and d_w [ceil(V/R), H] fp32, per rank, and the whole reference (d_x [R·T, H], d_w
+//     [V, H] fp32) on rank 0 while it is cut into them (the ring hands its own results to the
+//     comparison through RingDtpConfig::result_sink, no copy);
 //   checkpoint: CheckpointScheduleResult d_input [T, H] and every weight gradient as bf16 bits, of
 //     both runs;
 //   layer: LayerScheduleResult grads (x [T, H] and every weight) as bf16 bits, of both runs (the
@@ -251,7 +257,7 @@ int64_t measured_peak(const VerifyReport& r) {
 //     hands its own to the comparison through StepScheduleConfig::result_sink, no copy).
 const PredictionAdjust kNoAdjust;
 
-int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs& in, const ScaledConfig& s) {
+int64_t comparison_copies_bytes_per_rank(const std::string& component, const VerifyInputs& in, const ScaledConfig& s) {
   if (component == "checkpoint") {
     exec::CheckpointScheduleConfig c;
     c.hidden = s.hidden;
@@ -267,6 +273,15 @@ int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs
     return 2 * 2 * exec::layer_gradient_elements(layer_schedule_config(in, s));
   if (component != "vocab" || in.vocab_mode == "materialized") return 0;
   return 2 * 4 * (s.tokens * s.hidden + s.vocab * s.hidden);
+}
+
+int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs& in, const ScaledConfig& s, int64_t ranks) {
+  const int64_t R = std::gcd(in.ring_size, ranks);  // verify_vocab_ring.cpp's ring
+  if (component == "vocab" && in.vocab_mode == "ring-dtp" && ranks > 1 && in.ring_size > 1 && R > 1) {
+    const int64_t shard = (s.vocab + R - 1) / R;
+    return ranks * 4 * (s.tokens * s.hidden + shard * s.hidden) + 4 * (R * s.tokens * s.hidden + s.vocab * s.hidden);
+  }
+  return ranks * comparison_copies_bytes_per_rank(component, in, s);  // each rank keeps its own
 }
 
 // Thread ranks share this process's heap: the limit holds per rank, so a component that ran on
@@ -296,7 +311,7 @@ TEST(VerifyIndependence, UntrackedHeapStaysSmall) {
       const int64_t untracked = meter.high_water_above_start();
       const int64_t peak = measured_peak(r);
       const int64_t ranks = ranks_in_process(r, component);
-      const int64_t copies = ranks * comparison_copies_bytes(component, in, s);  // each rank keeps its own
+      const int64_t copies = comparison_copies_bytes(component, in, s, ranks);
       const int64_t limit = ranks * ((int64_t{1} << 20) + peak / 100);
       std::printf("%s %s: untracked heap high-water %lld B on %lld rank(s), measured peak %lld B, limit %lld B (+ %lld B of output copies)%s\n",
                   kPlans[i][2].second.c_str(), component.c_str(), static_cast<long long>(untracked), static_cast<long long>(ranks),

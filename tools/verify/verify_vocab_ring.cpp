@@ -1,13 +1,16 @@
 // verify --component vocab on more than one rank: Ring-DTP across a ring of R ranks (every rank
 // runs it with its own TrackingAllocator), each rank's measured vocab column against the planner's
 // for the same configuration at R ranks. Without Ring-DTP, or with rings of one rank (R = 1 is the
-// blocked loss), every rank runs the one-rank component.
+// blocked loss), every rank runs the one-rank component. Exactness: the materialised schedule on
+// the ring's R·T tokens (rank 0), each rank comparing its own dX and dW shard with its slice of it
+// (every ring, all holding the same data) and rank 0 the mean loss.
 //   run_component_on_ranks(verify_vocab_ring, in, scaled, nullptr, 4, nullptr);   // verify_ranks.h
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
@@ -32,37 +35,63 @@ exec::RingRotation rotation_of(const VerifyInputs& in) {
                                "re-create the plan with 'flatpeak plan --format json'"}});
 }
 
-// The largest |loss|, |dX|, |dW| difference of the ring against the materialised schedule on the
-// ring's R·T tokens (the same global data: ring_dtp_schedule.h), computed on the ring's first rank
-// from every rank's results.
-void compare_with_materialised(exec::Communicator& comm, const VerifyInputs& in, const exec::RingDtpConfig& c,
-                               const exec::RingDtpResult& got, VerifyReport& report) {
+// The reference's values of this rank's results: the materialised schedule on the ring's R·T
+// tokens (every ring holds the same data, ring_dtp_schedule.h), run on rank 0 alone, cut into what
+// each ring position holds (its tokens' dX rows [T, H], its shard's dW rows) and sent to every
+// rank (all_to_allv straight out of the reference's results: transport only); rank 0 keeps the
+// reference's mean loss. Rank 0's whole reference is freed before the ring runs.
+struct ReferenceSlice {
+  std::vector<float> d_x;  // [T, H]
+  std::vector<float> d_w;  // [rows of this rank's shard, H]
+  double mean_loss = 0.0;  // rank 0 only
+};
+
+ReferenceSlice reference_slice(exec::Communicator& comm, const VerifyInputs& in, const exec::RingDtpConfig& c) {
   const int64_t R = c.ring_size, T = c.tokens, H = c.hidden, shard = ceil_div(c.vocab, R);
-  const int64_t n = comm.size();
-  std::vector<float> d_x(static_cast<size_t>(n * T * H)), d_w(static_cast<size_t>(n * shard * H), 0.0f);
-  std::vector<float> mine_w(static_cast<size_t>(shard * H), 0.0f);
-  std::copy(got.d_w.begin(), got.d_w.end(), mine_w.begin());
-  comm.all_gather(got.d_x.data(), d_x.data(), T * H, exec::DType::F32);
-  comm.all_gather(mine_w.data(), d_w.data(), shard * H, exec::DType::F32);
-  if (comm.rank() != 0) return;  // ring 0's ranks are 0..R-1
-  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  exec::VocabScheduleConfig naive;
-  naive.tokens = R * T;
-  naive.hidden = H;
-  naive.vocab = c.vocab;
-  naive.mode = exec::VocabScheduleMode::Materialized;
-  naive.seed = c.seed;
-  const exec::VocabScheduleResult ref = exec::run_vocab_schedule(alloc, naive);
-  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mean_loss - ref.mean_loss));
-  for (int64_t i = 0; i < R * T * H; ++i)
-    report.max_abs_dgrad = std::max(report.max_abs_dgrad,
-                                    static_cast<double>(std::fabs(d_x[static_cast<size_t>(i)] - ref.d_x[static_cast<size_t>(i)])));
-  for (int64_t v = 0; v < c.vocab; ++v)
-    for (int64_t h = 0; h < H; ++h) {
-      const float ring = d_w[static_cast<size_t>((v / shard) * shard * H + (v % shard) * H + h)];
-      report.max_abs_dgrad =
-          std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(ring - ref.d_w[static_cast<size_t>(v * H + h)])));
-    }
+  const int n = comm.size();
+  auto rows_of = [&](int64_t position) { return std::max<int64_t>(0, std::min(shard, c.vocab - position * shard)); };
+  ReferenceSlice mine;
+  mine.d_x.resize(static_cast<size_t>(T * H));
+  mine.d_w.resize(static_cast<size_t>(rows_of(comm.rank() % R) * H));
+  exec::VocabScheduleResult ref;
+  if (comm.rank() == 0) {
+    exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+    exec::VocabScheduleConfig naive;
+    naive.tokens = R * T;
+    naive.hidden = H;
+    naive.vocab = c.vocab;
+    naive.mode = exec::VocabScheduleMode::Materialized;
+    naive.seed = c.seed;
+    ref = exec::run_vocab_schedule(alloc, naive);
+    mine.mean_loss = ref.mean_loss;
+  }
+  // Rank 0 sends rank p the rows of ring position p mod R; every rank receives from rank 0 only.
+  auto scatter = [&](const std::vector<float>& whole, std::vector<float>& slice, auto first_row, auto rows) {
+    std::vector<int64_t> send_counts(static_cast<size_t>(n), 0), send_displs(static_cast<size_t>(n), 0);
+    std::vector<int64_t> recv_counts(static_cast<size_t>(n), 0), recv_displs(static_cast<size_t>(n), 0);
+    if (comm.rank() == 0)
+      for (int p = 0; p < n; ++p) {
+        send_counts[static_cast<size_t>(p)] = rows(p % R) * H;
+        send_displs[static_cast<size_t>(p)] = first_row(p % R) * H;
+      }
+    recv_counts[0] = static_cast<int64_t>(slice.size());
+    comm.all_to_allv(whole.data(), send_counts.data(), send_displs.data(), slice.data(), recv_counts.data(), recv_displs.data(),
+                     exec::DType::F32);
+  };
+  scatter(ref.d_x, mine.d_x, [&](int64_t position) { return position * T; }, [&](int64_t) { return T; });
+  scatter(ref.d_w, mine.d_w, [&](int64_t position) { return position * shard; }, rows_of);
+  return mine;
+}
+
+// The largest |dX|, |dW| difference of the ring against the reference, value by value as the ring
+// hands its results over (RingDtpConfig::result_sink).
+exec::RingDtpResultSink comparing_sink(const ReferenceSlice& want, VerifyReport& report) {
+  return [&want, &report](exec::RingDtpResultPart part, int64_t offset, const float* values, int64_t count) {
+    const std::vector<float>& ref = part == exec::RingDtpResultPart::Dx ? want.d_x : want.d_w;
+    if (offset + count > static_cast<int64_t>(ref.size())) throw std::logic_error("verify vocab: ring results beyond the rank's slice");
+    for (int64_t i = 0; i < count; ++i)
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(values[i] - ref[static_cast<size_t>(offset + i)])));
+  };
 }
 
 }  // namespace
@@ -107,8 +136,12 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   c.vocab_block_rows = vocab_block;
   c.rotation = rotation;
   c.gradients_in_forward = in.vocab_backward == "in-forward";
+  // The reference first, so that the ring hands its dX and dW straight to the comparison while its
+  // buffers hold them: a rank keeps only the reference's values of its own slice.
+  const ReferenceSlice want = reference_slice(comm, in, c);
+  c.result_sink = comparing_sink(want, report);
   const exec::RingDtpResult got = exec::run_ring_dtp_schedule(comm, alloc, c);
-  compare_with_materialised(comm, in, c, got, report);
+  if (comm.rank() == 0) report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mean_loss - want.mean_loss));
 
   const size_t first = report.rows.size();
   compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc,
