@@ -688,7 +688,10 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
         const int64_t l = e.layer;
         // Boundaries then: the resident ones and those the previous layer's prefetch fetched.
         int64_t fetched = resident(l);
-        if (l + 1 < L_) fetched += prefix[static_cast<size_t>(l + 1)] - prefix[static_cast<size_t>(std::max<int64_t>(0, l + 1 - k.sco_prefetch))];
+        if (l + 1 < L_) {
+          const int64_t first = std::max<int64_t>(0, l + 1 - k.sco_prefetch);
+          fetched += prefix[static_cast<size_t>(l + 1)] - prefix[static_cast<size_t>(first)];
+        }
         const int64_t landing_bnd = checked_mul(fetched, boundary_one_);
         const int64_t landing_total = e.base_total[4] + y.total + landing_bnd + head(e.head[4]);
         if (landing_total > total) {

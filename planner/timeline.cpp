@@ -316,17 +316,21 @@ class Builder {
     if (landing_unit >= 0 && reduce_scatter_output_staged(c_)) {
       int64_t fetched = 0;  // offloaded inputs among [l+1-p, l]: the previous layer's prefetch
       if (!mtp && l + 1 < L_)
-        for (int64_t i = std::max<int64_t>(0, l + 1 - c_.run.sco_prefetch); i <= l; ++i) fetched += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
+        for (int64_t i = std::max<int64_t>(0, l + 1 - c_.run.sco_prefetch); i <= l; ++i)
+          fetched += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
       TermList landing = persistent_state(grads(reduced_before(l)));
       add_fsdp(c_, FsdpLive{unit(l), -1, -1, landing_unit}, landing);
       add_reduce_scatter_output(c_, landing_unit, landing);
       add_boundaries(c_, resident_upto(l), fetched, false, landing);
       if (mtp) add_loss_saved(c_, "main loss ", landing);
-      landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
+                  Category::Activations);
       TermList recompute = rec;
       recompute.append(attn_rec);
-      if (landing.bytes(Space::Device) > recompute.bytes(Space::Device)) emit(prefix + "recompute/attn", folds, landing, c_.list());
-      else emit(prefix + "recompute/attn", folds, rec, attn_rec);
+      if (landing.bytes(Space::Device) > recompute.bytes(Space::Device))
+        emit(prefix + "recompute/attn", folds, landing, c_.list());
+      else
+        emit(prefix + "recompute/attn", folds, rec, attn_rec);
     } else {
       emit(prefix + "recompute/attn", folds, rec, attn_rec);
     }
@@ -406,7 +410,8 @@ class Builder {
     if (reduce_scatter_output_staged(c_)) {
       add_fsdp(c_, FsdpLive{0, -1, -1, unit(0)}, landing);
       add_reduce_scatter_output(c_, unit(0), landing);
-      landing.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      landing.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
+                  Category::Activations);
       most = &landing;
     }
     for (const TermList* m : {&backward, &copy, &shard})

@@ -284,7 +284,8 @@ TEST(PlannerTiny, OffloadedGradShardsLandThroughAnFp32ReduceScatterOutput) {
            {{"--gpus", "1"}, {"--context", "16"}, {"--optimizer", "serial"}}}) {
     const Plan p = plan_of(m, tiny_gpu(), flags);
     for (const auto& ph : p.timeline.phases)
-      for (const auto& t : ph.terms.terms()) EXPECT_EQ(t.name.rfind("reduce-scatter output", 0), std::string::npos) << ph.name << " " << t.name;
+      for (const auto& t : ph.terms.terms())
+        EXPECT_EQ(t.name.rfind("reduce-scatter output", 0), std::string::npos) << ph.name << " " << t.name;
     EXPECT_TRUE(has_term(phase(p, "bwd/L0/recompute/attn"), "prefetched params embedding"));
   }
 }

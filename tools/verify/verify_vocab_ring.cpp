@@ -88,9 +88,11 @@ ReferenceSlice reference_slice(exec::Communicator& comm, const VerifyInputs& in,
 exec::RingDtpResultSink comparing_sink(const ReferenceSlice& want, VerifyReport& report) {
   return [&want, &report](exec::RingDtpResultPart part, int64_t offset, const float* values, int64_t count) {
     const std::vector<float>& ref = part == exec::RingDtpResultPart::Dx ? want.d_x : want.d_w;
-    if (offset + count > static_cast<int64_t>(ref.size())) throw std::logic_error("verify vocab: ring results beyond the rank's slice");
+    if (offset + count > static_cast<int64_t>(ref.size()))
+      throw std::logic_error("verify vocab: ring results beyond the rank's slice");
     for (int64_t i = 0; i < count; ++i)
-      report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(values[i] - ref[static_cast<size_t>(offset + i)])));
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad,
+                                      static_cast<double>(std::fabs(values[i] - ref[static_cast<size_t>(offset + i)])));
   };
 }
 
