@@ -2,7 +2,8 @@
 // (vocab_schedule.h on R·T tokens): loss, every rank's dX and every W shard's gradient, for both
 // rotations and both backward variants, with V not a multiple of R·V_blk and T not a multiple of
 // T_blk; gradients-in-forward bitwise equal to the recompute backward; R = 1 bitwise equal to the
-// blocked schedule; and the measured vocab bytes at the peak equal to the hand-derived buffers.
+// blocked schedule; the measured vocab bytes at the peak equal to the hand-derived buffers; and a
+// result sink receiving dX and dW in place of the result.
 //   ctest -R executor_ring_dtp
 #include <gtest/gtest.h>
 
@@ -176,6 +177,37 @@ TEST(ExecutorRingDtp, VocabPeakIsTheHandDerivedBuffers) {
   for (size_t p = 0; p < 4; ++p) {
     EXPECT_EQ(w[p].vocab_peak_bytes, weights) << "rank " << p;
     EXPECT_EQ(a[p].vocab_peak_bytes, activations) << "rank " << p;
+  }
+}
+
+// With a result sink each rank hands over its dX and its shard's dW (the last shard short) from
+// the tracked buffers, bitwise the values the result would hold, and the result keeps neither.
+TEST(ExecutorRingDtp, ResultSinkReceivesDxAndDwInsteadOfTheResult) {
+  const Shape s = kShapes[0];
+  for (RingRotation rot : {RingRotation::Activations, RingRotation::Weights}) {
+    const RingDtpConfig plain = ring_config(s, 4, rot, false, 5);
+    const auto kept = run_ring(plain, 4);
+    std::vector<std::vector<float>> d_x(4), d_w(4);
+    std::vector<RingDtpResult> sunk(4);
+    const RunResult r = run_ranks(4, [&](int rank, Communicator& comm) {
+      RingDtpConfig c = plain;
+      c.result_sink = [&](RingDtpResultPart part, int64_t offset, const float* values, int64_t count) {
+        std::vector<float>& to = part == RingDtpResultPart::Dx ? d_x[static_cast<size_t>(rank)] : d_w[static_cast<size_t>(rank)];
+        ASSERT_EQ(offset, static_cast<int64_t>(to.size()));  // in order
+        to.insert(to.end(), values, values + count);
+      };
+      TrackingAllocator alloc;
+      sunk[static_cast<size_t>(rank)] = run_ring_dtp_schedule(comm, alloc, c);
+    });
+    ASSERT_TRUE(r.ok()) << r.message;
+    for (size_t p = 0; p < 4; ++p) {
+      EXPECT_EQ(d_x[p], kept[p].result.d_x) << p;
+      EXPECT_EQ(d_w[p], kept[p].result.d_w) << p;
+      EXPECT_EQ(d_w[p].size(), static_cast<size_t>((p == 3 ? 50 : 51) * s.H)) << p;
+      EXPECT_TRUE(sunk[p].d_x.empty() && sunk[p].d_w.empty()) << p;
+      EXPECT_EQ(sunk[p].mean_loss, kept[p].result.mean_loss) << p;
+      EXPECT_EQ(sunk[p].loss, kept[p].result.loss) << p;
+    }
   }
 }
 
