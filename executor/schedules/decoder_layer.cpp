@@ -1,9 +1,19 @@
 // One decoder layer on caller-owned weights (decoder_layer.h). The MoE block is the standard EP path of a
-// Megatron-style alltoall dispatcher on one rank (the all-to-alls are local copies, as a one-rank
-// all-to-all is): router → routing map and scattered probs → permute into the send buffer →
-// receive buffer and received probs → expert input (sorted by local expert) → fc1 → act·prob →
-// fc2 → unpermuted rows → combine receive buffer → MoE output (sum of the k copies in slot
-// order). The probabilities are applied in the expert activation, so combine is a plain sum.
+// Megatron-style alltoall dispatcher, on one rank (the all-to-alls are local copies, as a one-rank
+// all-to-all is) or across the EP ranks of a Communicator: router → routing map and scattered
+// probs → permute into the send buffer → receive buffer and received probs → expert input (sorted
+// by local expert) → fc1 → act·prob → fc2 → unpermuted rows → combine receive buffer → MoE output
+// (sum of the k copies in slot order). The probabilities are applied in the expert activation, so
+// combine is a plain sum.
+// At EP > 1 (the planner's terms, planner/README.md "Dispatch", and dispatch_schedule.h hold the
+// same buffers): the received rows arrive source-major and are regrouped into the expert input
+// (both live), the received probs stay beside the experts until their backward overwrites them
+// with d prob for the way home, and the backward regroups twice (d received rows into d fc2 out;
+// d expert input back to source-major before the reversed all-to-all), the router's backward
+// then coming after that regroup. Every row's arithmetic is the one-rank layer's (the GEMMs do
+// not depend on how rows are tiled), so outputs, d x and the non-expert weight grads are bitwise
+// those of one rank computing every expert; an expert's weight grads sum the rows of every
+// source in one GEMM (one rounding) instead of one per source.
 // Attention backward is FlashAttention-2's: dK, dV per key row, dQ in an fp32 accumulator
 // [T, a·d], the row delta Σ dO ⊙ O precomputed as [a, T] fp32.
 // Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
@@ -57,20 +67,92 @@ void check_layer_config(const LayerScheduleConfig& c) {
   if (c.q_heads % c.kv_heads != 0)
     throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
   if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
+  if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }
 
 namespace {
 
+// Where the rows of one MoE layer go at EP > 1 (host metadata, from every rank's [E] counts):
+// what this rank sends each destination (send order: expert-major over all E, so destination
+// blocks), what it receives from each source (source-major, each source's rows in expert order),
+// and the regrouping of the received rows by local expert (chunks of one (source, expert)).
+struct EpRows {
+  struct Chunk {
+    int64_t exp_row, recv_row, rows;
+  };
+  std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;  // [EP] each
+  std::vector<Chunk> chunks;                                          // in expert order
+  std::vector<int64_t> local_begin;                                   // [E/EP + 1] expert-order rows
+  int64_t received = 0;                                               // R
+
+  // all_counts [EP·E]: rank s's copies per expert at s·E.
+  EpRows(const std::vector<int64_t>& all_counts, int64_t ep, int64_t me, int64_t E) {
+    const int64_t EL = E / ep;
+    auto count = [&](int64_t s, int64_t e) { return all_counts[static_cast<size_t>(s * E + e)]; };
+    send_rows.assign(static_cast<size_t>(ep), 0), send_begin.assign(static_cast<size_t>(ep), 0);
+    recv_rows.assign(static_cast<size_t>(ep), 0), recv_begin.assign(static_cast<size_t>(ep), 0);
+    for (int64_t d = 0, at = 0; d < ep; ++d) {
+      send_begin[static_cast<size_t>(d)] = at;
+      for (int64_t e = d * EL; e < (d + 1) * EL; ++e) send_rows[static_cast<size_t>(d)] += count(me, e);
+      at += send_rows[static_cast<size_t>(d)];
+    }
+    for (int64_t s = 0; s < ep; ++s) {
+      recv_begin[static_cast<size_t>(s)] = received;
+      for (int64_t l = 0; l < EL; ++l) recv_rows[static_cast<size_t>(s)] += count(s, me * EL + l);
+      received += recv_rows[static_cast<size_t>(s)];
+    }
+    local_begin.assign(static_cast<size_t>(EL + 1), 0);
+    std::vector<int64_t> cursor(recv_begin);  // next unread row of each source's block
+    int64_t row = 0;
+    for (int64_t l = 0; l < EL; ++l) {
+      for (int64_t s = 0; s < ep; ++s) {
+        const int64_t n = count(s, me * EL + l);
+        if (n > 0) chunks.push_back({row, cursor[static_cast<size_t>(s)], n});
+        cursor[static_cast<size_t>(s)] += n;
+        row += n;
+      }
+      local_begin[static_cast<size_t>(l + 1)] = row;
+    }
+  }
+  // Source-major rows (width W) into expert order, and back.
+  template <class V>
+  void regroup(const V* src, V* dst, int64_t W) const {
+    for (const Chunk& ch : chunks) std::copy(src + ch.recv_row * W, src + (ch.recv_row + ch.rows) * W, dst + ch.exp_row * W);
+  }
+  template <class V>
+  void ungroup(const V* src, V* dst, int64_t W) const {
+    for (const Chunk& ch : chunks) std::copy(src + ch.exp_row * W, src + (ch.exp_row + ch.rows) * W, dst + ch.recv_row * W);
+  }
+  // One all-to-allv of rows of width W: to the experts (send order → received order), or home.
+  void exchange(Communicator& comm, const void* from, void* to, int64_t W, DType dtype, bool to_experts) const {
+    const std::vector<int64_t>& out = to_experts ? send_rows : recv_rows;
+    const std::vector<int64_t>& out_at = to_experts ? send_begin : recv_begin;
+    const std::vector<int64_t>& in = to_experts ? recv_rows : send_rows;
+    const std::vector<int64_t>& in_at = to_experts ? recv_begin : send_begin;
+    const size_t n = out.size();
+    std::vector<int64_t> sc(n), sd(n), rc(n), rd(n);
+    for (size_t p = 0; p < n; ++p) sc[p] = out[p] * W, sd[p] = out_at[p] * W, rc[p] = in[p] * W, rd[p] = in_at[p] * W;
+    static const int64_t nothing = 0;  // a valid address for an empty side
+    comm.all_to_allv(from ? from : &nothing, sc.data(), sd.data(), to ? to : const_cast<int64_t*>(&nothing), rc.data(), rd.data(), dtype);
+  }
+};
+
 template <class S>
 class LayerCore final : public DecoderLayer::Engine {
  public:
-  LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w)
+  LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group)
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
-        D_(c.head_dim), E_(c.experts), K_(c.top_k), F_(c.expert_ffn), FS_(c.shared_ffn), TK_(T_ * K_),
+        D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn), FS_(c.shared_ffn), TK_(T_ * K_),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
-        wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)) {}
+        wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
+        comm_(c.ep > 1 ? ep_group : nullptr) {
+    if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
+      throw std::invalid_argument("decoder layer: ep = " + std::to_string(c.ep) + " needs a Communicator of that many ranks");
+  }
+
+  const std::vector<int64_t>& expert_counts() const override { return counts_; }
 
   Tensor forward_no_grad(const Tensor& x, const std::string& prefix, const Hook& on_start) override {
     x_ = &x;
@@ -203,13 +285,41 @@ class LayerCore final : public DecoderLayer::Engine {
         sp[t * E_ + ids[t * K_ + s]] = w[t * K_ + s];
       }
     }
-    // Rows per local expert: host-side metadata (the grouped GEMM's splits).
+    // Rows per expert: host-side metadata (the send order; the grouped GEMM's splits).
     counts_.assign(static_cast<size_t>(E_), 0);
     for (int64_t t = 0; t < T_; ++t)
       for (int64_t e = 0; e < E_; ++e) counts_[static_cast<size_t>(e)] += m[t * E_ + e];
     offsets_.assign(static_cast<size_t>(E_) + 1, 0);
     for (int64_t e = 0; e < E_; ++e) offsets_[static_cast<size_t>(e) + 1] = offsets_[static_cast<size_t>(e)] + counts_[static_cast<size_t>(e)];
+    if (comm_) {  // every rank's counts: what each receives (the dispatcher's count exchange)
+      std::vector<int64_t> all(static_cast<size_t>(c_.ep * E_));
+      comm_->all_gather(counts_.data(), all.data(), E_, DType::I64);
+      ep_rows_ = std::make_unique<EpRows>(all, c_.ep, comm_->rank(), E_);
+      R_ = ep_rows_->received;
+      local_begin_ = ep_rows_->local_begin;
+    } else {
+      R_ = TK_;
+      local_begin_ = offsets_;
+    }
   }
+
+  // Calls f(row, prob) for every expert-order row with the prob the expert applies: the permuted
+  // probs at one rank, the received probs (source-major) at EP > 1.
+  template <class Fn>
+  void for_each_expert_row(Fn&& f) const {
+    if (!comm_) {
+      const float* pp = pprobs_.data<float>();
+      for (int64_t r = 0; r < R_; ++r) f(r, pp[r]);
+      return;
+    }
+    const float* rp = rprobs_.data<float>();
+    for (const EpRows::Chunk& ch : ep_rows_->chunks)
+      for (int64_t i = 0; i < ch.rows; ++i) f(ch.exp_row + i, rp[ch.recv_row + i]);
+  }
+
+  // Rows of local expert l in the expert input.
+  int64_t expert_row0(int64_t l) const { return local_begin_[static_cast<size_t>(l)]; }
+  int64_t expert_rows(int64_t l) const { return local_begin_[static_cast<size_t>(l) + 1] - local_begin_[static_cast<size_t>(l)]; }
 
   // Calls f(t, s, row) for every token copy, row = its place in expert-major order (within an
   // expert, tokens ascending: the order Megatron's permute gives).
@@ -222,8 +332,9 @@ class LayerCore final : public DecoderLayer::Engine {
   }
 
   // Sort indices [T·k] i64 (token of each row), permuted probs [T·k] fp32, send buffer
-  // [T·k, H] (rows of norm-2 output in expert order); the one-rank all-to-all fills the receive
-  // buffer [R, H] and received probs [R].
+  // [T·k, H] (rows of norm-2 output in expert order); the all-to-all fills the receive buffer
+  // [R, H] and received probs [R]; then the send side is freed (and at one rank the received
+  // probs: the experts read the permuted ones).
   void dispatch() {
     sort_idx_ = Tensor(a_, DType::I64, {TK_}, kDsp);
     pprobs_ = f32({TK_}, kDsp);
@@ -238,45 +349,53 @@ class LayerCore final : public DecoderLayer::Engine {
       pp[row] = w[t * K_ + s];
       std::copy(n2 + t * H_, n2 + (t + 1) * H_, send + row * H_);
     });
-    recv_ = dsp({TK_, H_});
-    rprobs_ = f32({TK_}, kDsp);
-    std::copy(send, send + TK_ * H_, recv_.data<S>());
-    std::copy(pp, pp + TK_, rprobs_.data<float>());
+    recv_ = dsp({R_, H_});
+    rprobs_ = f32({R_}, kDsp);
+    if (comm_) {
+      ep_rows_->exchange(*comm_, send, recv_.raw(), H_, c_.dtype, true);
+      ep_rows_->exchange(*comm_, pp, rprobs_.raw(), 1, DType::F32, true);
+    } else {
+      std::copy(send, send + TK_ * H_, recv_.data<S>());
+      std::copy(pp, pp + TK_, rprobs_.data<float>());
+    }
+    send_.reset();
+    if (!comm_) rprobs_.reset();
   }
 
   // The dispatcher's last step: expert input [R, H] = the received rows sorted by local expert
   // (the same order on one rank); the receive buffer is freed once it is copied. Both are live
-  // for the copy, at the end of the dispatch phase (send buffer and received probs already freed).
+  // for the copy, at the end of the dispatch phase (send buffer already freed).
   void sort_to_expert_input() {
-    ein_ = dsp({TK_, H_});
-    std::copy(recv_.data<S>(), recv_.data<S>() + TK_ * H_, ein_.data<S>());
+    ein_ = dsp({R_, H_});
+    if (comm_) ep_rows_->regroup(recv_.data<S>(), ein_.data<S>(), H_);
+    else std::copy(recv_.data<S>(), recv_.data<S>() + TK_ * H_, ein_.data<S>());
     recv_.reset();
   }
 
   // fc1 [R, 2F] = [gate | up], act·prob [R, F] = silu(gate) ⊙ up · prob.
   void experts_fc1() {
-    fc1_ = dsp({TK_, 2 * F_});
-    actp_ = dsp({TK_, F_});
-    for (int64_t e = 0; e < E_; ++e) {
-      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+    fc1_ = dsp({R_, 2 * F_});
+    actp_ = dsp({R_, F_});
+    for (int64_t l = 0; l < EL_; ++l) {
+      const int64_t r0 = expert_row0(l), n = expert_rows(l);
       if (n > 0)
-        gemm_cpu(false, true, n, 2 * F_, H_, 1.0f, ein_.data<S>() + r0 * H_, H_, wgu_ + e * 2 * F_ * H_, H_, false,
+        gemm_cpu(false, true, n, 2 * F_, H_, 1.0f, ein_.data<S>() + r0 * H_, H_, wgu_ + l * 2 * F_ * H_, H_, false,
                  fc1_.data<S>() + r0 * 2 * F_, 2 * F_);
     }
     const S* gu = fc1_.data<S>();
-    const float* prob = pprobs_.data<float>();  // on one rank the received probs, row for row
     S* ap = actp_.data<S>();
-    for (int64_t r = 0; r < TK_; ++r)
+    for_each_expert_row([&](int64_t r, float prob) {
       for (int64_t f = 0; f < F_; ++f)
-        store_f32(ap + r * F_ + f, silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]) * prob[r]);
+        store_f32(ap + r * F_ + f, silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]) * prob);
+    });
   }
 
   void experts_fc2() {
-    fc2_ = dsp({TK_, H_});
-    for (int64_t e = 0; e < E_; ++e) {
-      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+    fc2_ = dsp({R_, H_});
+    for (int64_t l = 0; l < EL_; ++l) {
+      const int64_t r0 = expert_row0(l), n = expert_rows(l);
       if (n > 0)
-        gemm_cpu(false, true, n, H_, F_, 1.0f, actp_.data<S>() + r0 * F_, F_, wd_ + e * H_ * F_, F_, false,
+        gemm_cpu(false, true, n, H_, F_, 1.0f, actp_.data<S>() + r0 * F_, F_, wd_ + l * H_ * F_, F_, false,
                  fc2_.data<S>() + r0 * H_, H_);
     }
   }
@@ -284,10 +403,15 @@ class LayerCore final : public DecoderLayer::Engine {
   // Unpermuted rows [R, H] (back to source order), combine receive buffer [T·k, H] (the
   // all-to-all back), MoE output [T, H] = Σ over the k copies in slot order (fp32).
   void combine() {
-    unp_ = dsp({TK_, H_});
-    std::copy(fc2_.data<S>(), fc2_.data<S>() + TK_ * H_, unp_.data<S>());
+    unp_ = dsp({R_, H_});
     crecv_ = dsp({TK_, H_});
-    std::copy(unp_.data<S>(), unp_.data<S>() + TK_ * H_, crecv_.data<S>());
+    if (comm_) {
+      ep_rows_->ungroup(fc2_.data<S>(), unp_.data<S>(), H_);
+      ep_rows_->exchange(*comm_, unp_.raw(), crecv_.raw(), H_, c_.dtype, false);
+    } else {
+      std::copy(fc2_.data<S>(), fc2_.data<S>() + TK_ * H_, unp_.data<S>());
+      std::copy(unp_.data<S>(), unp_.data<S>() + TK_ * H_, crecv_.data<S>());
+    }
     moe_out_ = dsp({T_, H_});
     Tensor sum = f32({H_}, Category::Workspace);  // one token's fp32 sum (registers on a GPU)
     const S* cr = crecv_.data<S>();
@@ -323,7 +447,7 @@ class LayerCore final : public DecoderLayer::Engine {
   void free_routing() {
     logits_.reset(), scores_.reset(), scattered_.reset(), topw_.reset(), topid_.reset();
     map_.reset();
-    sort_idx_.reset(), pprobs_.reset();
+    sort_idx_.reset(), pprobs_.reset(), rprobs_.reset();
   }
 
   // ---- forward without grad: each buffer freed as soon as nothing later needs it.
@@ -347,12 +471,11 @@ class LayerCore final : public DecoderLayer::Engine {
     route();
     a_.set_phase(p + "moe/dispatch");  // + sort indices, permuted probs, send, receive, received probs
     dispatch();
-    send_.reset(), rprobs_.reset();
     sort_to_expert_input();
     a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob; shared experts' gate,up and act*up
     if (FS_ > 0) shared_forward();
     experts_fc1();
-    ein_.reset(), fc1_.reset(), sgu_.reset();
+    ein_.reset(), fc1_.reset(), sgu_.reset(), rprobs_.reset();
     experts_fc2();
     actp_.reset();
     if (FS_ > 0) {
@@ -392,9 +515,8 @@ class LayerCore final : public DecoderLayer::Engine {
     if (FS_ > 0) shared_forward();  // saved for backward
     route();
     dispatch();
-    send_.reset(), rprobs_.reset();
     sort_to_expert_input();
-    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob (saved), fc2
+    a_.set_phase(p + "moe/experts");  // + expert input, fc1, act·prob (saved; EP > 1: received probs), fc2
     experts_fc1();
     experts_fc2();
     a_.set_phase(p + "moe/combine");  // + unpermuted rows, combine receive buffer, MoE output
@@ -423,6 +545,48 @@ class LayerCore final : public DecoderLayer::Engine {
   }
 
   // ---- backward
+
+  // d top-k weights from each copy's d prob (send order), d logits (softmax over the kept k),
+  // the d norm-2 output accumulator [T, H] fp32 = d logits · W_router (+ the shared experts'
+  // part), dW_router. Returns the accumulator (category dispatch). d top-k weights and d logits
+  // are written over the router scores and logits, which the backward no longer reads (so the
+  // router's backward adds nothing beside the accumulator). `dprob_owner` (one rank's d prob
+  // buffer) is freed once read.
+  Tensor router_backward(const float* dprob_send_order, Tensor& dprob_owner, Tensor& dsgu, S* g_wr) {
+    Tensor dn2acc = f32({T_, H_}, kDsp);
+    {
+      float* dtopw = scores_.data<float>();  // [T, k] of the [T, E]
+      for_each_copy([&](int64_t t, int64_t s, int64_t row) { dtopw[t * K_ + s] = dprob_send_order[row]; });
+      dprob_owner.reset();
+      float* dz = logits_.data<float>();
+      const float* w = topw_.data<float>();
+      const int64_t* ids = topid_.data<int64_t>();
+      std::fill(dz, dz + T_ * E_, 0.0f);
+      for (int64_t t = 0; t < T_; ++t) {
+        float dot = 0.0f;
+        for (int64_t s = 0; s < K_; ++s) dot += w[t * K_ + s] * dtopw[t * K_ + s];
+        for (int64_t s = 0; s < K_; ++s)
+          dz[t * E_ + ids[t * K_ + s]] = w[t * K_ + s] * (dtopw[t * K_ + s] - dot);
+      }
+      gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_, H_, false, dn2acc.data<float>(), H_);
+      gemm_cpu(true, false, E_, H_, T_, 1.0f, static_cast<const float*>(dz), E_, n2_.data<S>(), H_, true, g_wr, H_);
+    }
+    if (FS_ > 0) {  // the shared experts' part of d norm-2 output
+      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, true, dn2acc.data<float>(), H_);
+      dsgu.reset();
+    }
+    return dn2acc;
+  }
+
+  // acc += each token's k copies of d dispatch rows (send order), in slot order.
+  void add_dispatch_rows(const Tensor& ddisp, Tensor& dn2acc) const {
+    float* acc = dn2acc.data<float>();
+    const S* dd = ddisp.data<S>();
+    for_each_copy([&](int64_t t, int64_t, int64_t row) {
+      for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += to_f32(dd[row * H_ + h]);
+    });
+  }
+
   Tensor backward(const std::string& p, const TensorSource& grad_stream, const GradSource& grads) {
     a_.set_phase(p + "moe/combine");  // peak: saved experts, d combine rows [T·k, H], d received rows [R, H]
     if (dy_.empty()) start_grad_stream(grad_stream());
@@ -444,33 +608,42 @@ class LayerCore final : public DecoderLayer::Engine {
     for_each_copy([&](int64_t t, int64_t, int64_t row) {
       std::copy(dy + t * H_, dy + (t + 1) * H_, dcrow.data<S>() + row * H_);
     });
-    Tensor drecv = dsp({TK_, H_});  // the combine all-to-all's backward (one rank: a copy)
-    std::copy(dcrow.data<S>(), dcrow.data<S>() + TK_ * H_, drecv.data<S>());
+    Tensor drecv = dsp({R_, H_});  // the combine all-to-all's backward (one rank: a copy)
+    if (comm_) ep_rows_->exchange(*comm_, dcrow.raw(), drecv.raw(), H_, c_.dtype, true);
+    else std::copy(dcrow.data<S>(), dcrow.data<S>() + TK_ * H_, drecv.data<S>());
     dcrow.reset();
+    Tensor dfc2;
+    if (comm_) {  // EP > 1: regrouped by expert here, beside the received rows
+      dfc2 = dsp({R_, H_});
+      ep_rows_->regroup(drecv.data<S>(), dfc2.data<S>(), H_);
+      drecv.reset();
+    }
 
     a_.set_phase(p + "moe/experts");  // peak: saved experts, d fc2 out, d act·prob, d fc1 out
-    Tensor dfc2 = dsp({TK_, H_});
-    std::copy(drecv.data<S>(), drecv.data<S>() + TK_ * H_, dfc2.data<S>());
-    drecv.reset();
-    Tensor dactp = dsp({TK_, F_});
-    for (int64_t e = 0; e < E_; ++e) {
-      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+    if (!comm_) {
+      dfc2 = dsp({R_, H_});
+      std::copy(drecv.data<S>(), drecv.data<S>() + R_ * H_, dfc2.data<S>());
+      drecv.reset();
+    }
+    Tensor dactp = dsp({R_, F_});
+    for (int64_t l = 0; l < EL_; ++l) {
+      const int64_t r0 = expert_row0(l), n = expert_rows(l);
       if (n == 0) continue;
-      gemm_cpu(false, false, n, F_, H_, 1.0f, dfc2.data<S>() + r0 * H_, H_, wd_ + e * H_ * F_, F_, false,
+      gemm_cpu(false, false, n, F_, H_, 1.0f, dfc2.data<S>() + r0 * H_, H_, wd_ + l * H_ * F_, F_, false,
                dactp.data<S>() + r0 * F_, F_);
       gemm_cpu(true, false, H_, F_, n, 1.0f, dfc2.data<S>() + r0 * H_, H_, actp_.data<S>() + r0 * F_, F_, true,
-               g_wd + e * H_ * F_, F_);
+               g_wd + l * H_ * F_, F_);
     }
-    Tensor dfc1 = dsp({TK_, 2 * F_});
+    Tensor dfc1 = dsp({R_, 2 * F_});
     const S* gu = fc1_.data<S>();
-    const float* prob = pprobs_.data<float>();
-    for (int64_t r = 0; r < TK_; ++r)
+    for_each_expert_row([&](int64_t r, float prob) {
       for (int64_t f = 0; f < F_; ++f) {
         const float g = to_f32(gu[r * 2 * F_ + f]), u = to_f32(gu[r * 2 * F_ + F_ + f]);
-        const float dap = to_f32(dactp.data<S>()[r * F_ + f]) * prob[r];
+        const float dap = to_f32(dactp.data<S>()[r * F_ + f]) * prob;
         store_f32(dfc1.data<S>() + r * 2 * F_ + f, dap * u * silu_grad_f32(g));
         store_f32(dfc1.data<S>() + r * 2 * F_ + F_ + f, dap * silu_f32(g));
       }
+    });
     // Shared experts' backward at the same time: d act*up [T, F_s], d gate,up [T, 2F_s].
     Tensor dsgu;
     if (FS_ > 0) {
@@ -489,61 +662,61 @@ class LayerCore final : public DecoderLayer::Engine {
       gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_wsgu, H_);
     }
     dfc2.reset();
-    // d prob of each row (fp32), then the expert input's gradient and dW_gate_up.
-    Tensor dprob = f32({TK_}, kDsp);
-    for (int64_t r = 0; r < TK_; ++r) {
-      float sum = 0.0f;
-      for (int64_t f = 0; f < F_; ++f)
-        sum += to_f32(dactp.data<S>()[r * F_ + f]) * silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]);
-      dprob.data<float>()[r] = sum;
+    // d prob of each row (fp32). One rank: its own [T·k] buffer, in send order already. EP > 1:
+    // written over the received probs (the experts have read them), then home into the permuted
+    // probs by the reversed all-to-all.
+    Tensor dprob = comm_ ? Tensor() : f32({TK_}, kDsp);
+    {
+      float* out = comm_ ? rprobs_.data<float>() : dprob.data<float>();
+      auto dprob_of = [&](int64_t r) {
+        float sum = 0.0f;
+        for (int64_t f = 0; f < F_; ++f)
+          sum += to_f32(dactp.data<S>()[r * F_ + f]) * silu_f32(to_f32(gu[r * 2 * F_ + f])) * to_f32(gu[r * 2 * F_ + F_ + f]);
+        return sum;
+      };
+      if (comm_) {
+        for (const EpRows::Chunk& ch : ep_rows_->chunks)
+          for (int64_t i = 0; i < ch.rows; ++i) out[ch.recv_row + i] = dprob_of(ch.exp_row + i);
+        ep_rows_->exchange(*comm_, rprobs_.raw(), pprobs_.raw(), 1, DType::F32, false);
+        rprobs_.reset();
+      } else {
+        for (int64_t r = 0; r < TK_; ++r) out[r] = dprob_of(r);
+      }
     }
     dactp.reset();
-    Tensor dein = dsp({TK_, H_});
-    for (int64_t e = 0; e < E_; ++e) {
-      const int64_t r0 = offsets_[static_cast<size_t>(e)], n = counts_[static_cast<size_t>(e)];
+    Tensor dein = dsp({R_, H_});
+    for (int64_t l = 0; l < EL_; ++l) {
+      const int64_t r0 = expert_row0(l), n = expert_rows(l);
       if (n == 0) continue;
-      gemm_cpu(false, false, n, H_, 2 * F_, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, wgu_ + e * 2 * F_ * H_, H_,
+      gemm_cpu(false, false, n, H_, 2 * F_, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, wgu_ + l * 2 * F_ * H_, H_,
                false, dein.data<S>() + r0 * H_, H_);
       gemm_cpu(true, false, 2 * F_, H_, n, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, ein_.data<S>() + r0 * H_, H_, true,
-               g_wgu + e * 2 * F_ * H_, H_);
+               g_wgu + l * 2 * F_ * H_, H_);
     }
     dfc1.reset(), ein_.reset(), fc1_.reset(), actp_.reset();
-    // Router backward (off the dispatch peak): d top-k weights, d logits (softmax over the kept
-    // k), d norm-2 output accumulator [T, H] fp32 = d logits · W_router, dW_router.
-    Tensor dn2acc = f32({T_, H_}, kDsp);
-    {
-      Tensor dtopw = f32({T_, K_}, kDsp);
-      for_each_copy([&](int64_t t, int64_t s, int64_t row) { dtopw.data<float>()[t * K_ + s] = dprob.data<float>()[row]; });
-      dprob.reset();
-      Tensor dlogits = f32({T_, E_}, kDsp);
-      float* dz = dlogits.data<float>();
-      const float* w = topw_.data<float>();
-      const int64_t* ids = topid_.data<int64_t>();
-      std::fill(dz, dz + T_ * E_, 0.0f);
-      for (int64_t t = 0; t < T_; ++t) {
-        float dot = 0.0f;
-        for (int64_t s = 0; s < K_; ++s) dot += w[t * K_ + s] * dtopw.data<float>()[t * K_ + s];
-        for (int64_t s = 0; s < K_; ++s)
-          dz[t * E_ + ids[t * K_ + s]] = w[t * K_ + s] * (dtopw.data<float>()[t * K_ + s] - dot);
-      }
-      gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_, H_, false, dn2acc.data<float>(), H_);
-      gemm_cpu(true, false, E_, H_, T_, 1.0f, static_cast<const float*>(dz), E_, n2_.data<S>(), H_, true, g_wr, H_);
-    }
-    if (FS_ > 0) {  // the shared experts' part of d norm-2 output
-      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, true, dn2acc.data<float>(), H_);
-      dsgu.reset();
+    Tensor dn2acc;
+    if (!comm_) {
+      // One rank: the router's backward here, off the dispatch peak.
+      dn2acc = router_backward(dprob.data<float>(), dprob, dsgu, g_wr);
     }
 
     a_.set_phase(p + "moe/dispatch");  // peak: d expert input, d dispatch rows, d norm-2 output accumulator
-    {
+    if (comm_) {
+      // d expert input back to source-major order (both live), then the router's backward, then
+      // the reversed all-to-all into the d dispatch rows beside the accumulator.
+      Tensor dsrc = dsp({R_, H_});
+      ep_rows_->ungroup(dein.data<S>(), dsrc.data<S>(), H_);
+      dein.reset();
+      Tensor none;
+      dn2acc = router_backward(pprobs_.data<float>(), none, dsgu, g_wr);
+      Tensor ddisp = dsp({TK_, H_});
+      ep_rows_->exchange(*comm_, dsrc.raw(), ddisp.raw(), H_, c_.dtype, false);
+      dsrc.reset();
+      add_dispatch_rows(ddisp, dn2acc);
+    } else {
       Tensor ddisp = dsp({TK_, H_});  // the dispatch all-to-all's backward (one rank: a copy)
       std::copy(dein.data<S>(), dein.data<S>() + TK_ * H_, ddisp.data<S>());
-      float* acc = dn2acc.data<float>();
-      const S* dd = ddisp.data<S>();
-      // Each token's k copies added in slot order.
-      for_each_copy([&](int64_t t, int64_t, int64_t row) {
-        for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += to_f32(dd[row * H_ + h]);
-      });
+      add_dispatch_rows(ddisp, dn2acc);
     }
     dein.reset();
     free_routing();
@@ -684,14 +857,18 @@ class LayerCore final : public DecoderLayer::Engine {
 
   TrackingAllocator& a_;
   const LayerScheduleConfig c_;
-  const int64_t T_, H_, A_, G_, D_, E_, K_, F_, FS_, TK_;
+  const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_;  // the caller's weights
+  Communicator* comm_;                // the EP group (EP > 1), else null
+  std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
+  int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)
+  std::vector<int64_t> local_begin_;  // [E/EP + 1] each local expert's first expert-input row
   const Tensor* x_ = nullptr;  // the layer's input (boundary) of the current call
   Tensor dy_, res_acc_;
   Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_, sgu_, sact_;
   Tensor logits_, scores_, scattered_, topw_, topid_;
   std::unique_ptr<ByteBuffer> map_;
-  std::vector<int64_t> counts_, offsets_;
+  std::vector<int64_t> counts_, offsets_;  // [E] copies per expert of this rank's tokens, send-order offsets
   Tensor sort_idx_, pprobs_, send_, recv_, rprobs_, ein_, fc1_, actp_, fc2_, unp_, crecv_, moe_out_;
 };
 
@@ -705,9 +882,10 @@ int64_t LayerWeightShape::numel() const {
 
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
   const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
+  const int64_t EL = E / std::max<int64_t>(1, c.ep);
   std::vector<LayerWeightShape> w = {{"norm1", {H}},          {"wq", {A * D, H}},     {"wk", {G * D, H}},
                                      {"wv", {G * D, H}},      {"wo", {H, A * D}},     {"norm2", {H}},
-                                     {"router", {E, H}},      {"w_gate_up", {E, 2 * F, H}}, {"w_down", {E, H, F}}};
+                                     {"router", {E, H}},      {"w_gate_up", {EL, 2 * F, H}}, {"w_down", {EL, H, F}}};
   if (c.shared_ffn > 0) {
     w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
     w.push_back({"shared_down", {H, c.shared_ffn}});
@@ -736,22 +914,28 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
 }
 
-LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c) {
+bool is_expert_weight(const std::string& name) { return name == "w_gate_up" || name == "w_down"; }
+
+LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c, void* experts) {
   LayerWeightPtrs w;
   auto* p = static_cast<unsigned char*>(base);
+  auto* q = static_cast<unsigned char*>(experts);
   const int64_t elem = dtype_bytes(c.dtype);
   for (const auto& s : layer_weight_shapes(c)) {
-    layer_weight_ptr(w, s.name) = p;
-    p += s.numel() * elem;
+    unsigned char*& at = experts != nullptr && is_expert_weight(s.name) ? q : p;
+    layer_weight_ptr(w, s.name) = at;
+    at += s.numel() * elem;
   }
   return w;
 }
 
-DecoderLayer::DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights) {
+DecoderLayer::DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights,
+                           Communicator* ep_group) {
   check_layer_config(config);
-  if (config.dtype == DType::F32) engine_ = std::make_unique<LayerCore<float>>(alloc, config, weights);
-  else engine_ = std::make_unique<LayerCore<Bf16>>(alloc, config, weights);
+  if (config.dtype == DType::F32) engine_ = std::make_unique<LayerCore<float>>(alloc, config, weights, ep_group);
+  else engine_ = std::make_unique<LayerCore<Bf16>>(alloc, config, weights, ep_group);
 }
+const std::vector<int64_t>& DecoderLayer::expert_counts() const { return engine_->expert_counts(); }
 DecoderLayer::~DecoderLayer() = default;
 DecoderLayer::DecoderLayer(DecoderLayer&&) noexcept = default;
 DecoderLayer& DecoderLayer::operator=(DecoderLayer&&) noexcept = default;

@@ -1,5 +1,5 @@
 // One decoder layer (RMSNorm, GQA attention, top-k MoE through a standard EP alltoall path on one
-// rank, optional shared experts) computed on caller-owned weights: the no-grad forward from the
+// rank or across the EP ranks of a Communicator, optional shared experts) computed on caller-owned weights: the no-grad forward from the
 // layer's boundary, the forward that saves what backward needs (the recompute, or the naive
 // reference's forward), and the backward into caller-owned gradient storage. The layer component
 // (layer_schedule.h) and the whole step (step_schedule.h) both run it; every buffer it makes comes
@@ -10,6 +10,7 @@
 //   DecoderLayer again(alloc, c, w);                                   // backward: recompute, then back-propagate
 //   again.forward_saving(x, "bwd/L3/recompute/", false, [&] { return std::move(dy); });
 //   Tensor dx = again.backward(x, "bwd/L3/", nullptr, [&] { return layer_weights_in(grads.raw(), c); });
+//   c.ep = 4;  DecoderLayer on_ep(alloc, c, layer_weights_in(dense, c, experts), &ep_group);  // ep_group.size() == 4
 #pragma once
 
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "executor/comm/communicator.h"
 #include "executor/memory/tensor.h"
 #include "executor/memory/tracking_allocator.h"
 #include "executor/ops/dtype.h"
@@ -30,7 +32,9 @@ struct LayerScheduleConfig {
   int64_t q_heads = 0;     // a
   int64_t kv_heads = 0;    // g (a multiple of it is a)
   int64_t head_dim = 0;    // d (q, k and v)
-  int64_t experts = 0;     // local experts (E/EP; every expert at EP = 1)
+  int64_t experts = 0;     // E, the experts the router chooses among
+  int64_t ep = 1;          // EP ranks the experts are split over: this rank computes E/ep of them
+                           // (its EP rank's, [r·E/ep, (r+1)·E/ep)); ep > 1 needs a Communicator of ep ranks
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
   int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
@@ -53,7 +57,7 @@ struct LayerWeightPtrs {
 };
 
 // Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
-// norm2 [H], router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F]; with shared experts
+// norm2 [H], router [E, H], w_gate_up [E/ep, 2F, H], w_down [E/ep, H, F]; with shared experts
 // shared_gate_up [2F_s, H], shared_down [H, F_s].
 struct LayerWeightShape {
   std::string name;
@@ -62,8 +66,11 @@ struct LayerWeightShape {
 };
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& config);
 int64_t layer_weight_elems(const LayerScheduleConfig& config);  // their sum
-// Views of one flat buffer holding the weights back to back in storage order.
-LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& config);
+bool is_expert_weight(const std::string& name);                  // w_gate_up, w_down
+// Views of one flat buffer holding the weights back to back in storage order; with `experts` set,
+// the expert weights back to back there instead and the others back to back from `base` (the
+// FSDP layout at EP > 1: the sharded part, then the rank's own experts).
+LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& config, void* experts = nullptr);
 // The pointer of weight `name` ("norm1", "wq", ...) in `w`; throws for an unknown name.
 void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name);
 
@@ -75,8 +82,11 @@ using GradSource = std::function<LayerWeightPtrs()>;
 
 class DecoderLayer {
  public:
-  // The weights must outlive the layer; the config is copied.
-  DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights);
+  // The weights must outlive the layer; the config is copied. config.ep > 1: `ep_group` holds the
+  // config.ep EP ranks (this rank computes the experts of its rank in it); every rank of the group
+  // makes the same calls (the dispatch and combine are its all-to-alls).
+  DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights,
+               Communicator* ep_group = nullptr);
   ~DecoderLayer();
   DecoderLayer(DecoderLayer&&) noexcept;
   DecoderLayer& operator=(DecoderLayer&&) noexcept;
@@ -96,6 +106,8 @@ class DecoderLayer {
   // x. grad_stream: used when forward_saving did not start the stream. Returns dx [T, H]
   // (activations: the previous layer's dy).
   Tensor backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads);
+  // [E] this rank's token copies per expert at the last routing (the routing data of the layer).
+  const std::vector<int64_t>& expert_counts() const;
 
   struct Engine {
     virtual ~Engine() = default;
@@ -103,6 +115,7 @@ class DecoderLayer {
     virtual Tensor forward_saving(const Tensor& x, const std::string& prefix, bool keep_output, const TensorSource& grad_stream,
                                   const Hook& on_start) = 0;
     virtual Tensor backward(const Tensor& x, const std::string& prefix, const TensorSource& grad_stream, const GradSource& grads) = 0;
+    virtual const std::vector<int64_t>& expert_counts() const = 0;
   };
 
  private:

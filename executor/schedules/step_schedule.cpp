@@ -40,6 +40,7 @@
 #include "executor/ops/embedding.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/schedule_util.h"
+#include "spec/param_count.h"
 
 namespace flatpeak::exec {
 
@@ -55,7 +56,8 @@ void check(const StepScheduleConfig& c) {
   require(m.hidden_size > 0 && m.vocab_size > 0 && m.num_layers > 0, "hidden, vocab and layers must be positive");
   require(static_cast<int64_t>(m.layers.size()) == m.num_layers, "the model must list every layer");
   require(m.attention == AttentionKind::Gqa, "GQA attention only (MLA is not in the executor)");
-  require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "every layer is MoE with top_k <= the rank's experts");
+  require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "every layer is MoE with top_k <= the experts");
+  require(c.ep >= 1 && m.num_experts % c.ep == 0, "ep must be >= 1 and divide the experts (got " + std::to_string(c.ep) + ")");
   for (const LayerSpec& l : m.layers) require(l.ffn == FfnKind::Moe, "every layer must be MoE (dense FFN layers are not run)");
   require(!m.tie_word_embeddings, "an untied LM head only");
   require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
@@ -72,6 +74,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c) {
   l.kv_heads = m.num_kv_heads;
   l.head_dim = m.head_dim;
   l.experts = m.num_experts;
+  l.ep = c.ep;
   l.top_k = m.top_k;
   l.expert_ffn = m.expert_ffn_width;
   l.shared_ffn = m.shared_expert_ffn_width;
@@ -84,12 +87,65 @@ void zero(Tensor& t) {
   if (!t.empty()) std::memset(t.raw(), 0, static_cast<size_t>(t.bytes()));
 }
 
+bool is_layer_unit(const StepScheduleConfig& c, int64_t unit) { return unit >= 1 && unit <= c.model.num_layers; }
+
+// A run of a rank's gathered unit and where it lies in the whole model's unit (the EP = 1 layout:
+// the weights in storage order, then every part not applied).
+struct UnitSegment {
+  int64_t begin, count, reference_begin;
+};
+
+// The rank's gathered unit as segments covering it in order. At EP = 1 (and for the embedding and
+// the head) the identity; at EP > 1 a layer is [dense weights | dense parts not applied | its
+// experts' w_gate_up | w_down | their parts not applied] (step_unit_shapes).
+std::vector<UnitSegment> unit_segments(const StepScheduleConfig& c, int64_t unit, int64_t ep_rank) {
+  const std::vector<int64_t> whole = step_unit_params(c.model);
+  const int64_t U = whole[static_cast<size_t>(unit)];
+  if (c.ep == 1 || !is_layer_unit(c, unit)) return {{0, U, 0}};
+  const FsdpUnitShape shape = step_unit_shapes(c)[static_cast<size_t>(unit)];
+  StepScheduleConfig reference = c;
+  reference.ep = 1;
+  const LayerScheduleConfig ref_layer = layer_config(reference);
+  const int64_t EL = c.model.num_experts / c.ep;
+  std::vector<UnitSegment> out;
+  int64_t ref_at = 0, dense_at = 0, expert_at = shape.sharded_params, expert_weights = 0;
+  for (const LayerWeightShape& w : layer_weight_shapes(ref_layer)) {
+    const int64_t n = w.numel();
+    if (is_expert_weight(w.name)) {
+      const int64_t mine = n / c.model.num_experts * EL;  // [E/EP, ...] of [E, ...]
+      out.push_back({expert_at, mine, ref_at + ep_rank * mine});
+      expert_at += mine, expert_weights += mine;
+    } else {
+      out.push_back({dense_at, n, ref_at});
+      dense_at += n;
+    }
+    ref_at += n;
+  }
+  // The parts not applied: the dense ones, then every rank's experts' in rank order.
+  const int64_t dense_rest = shape.sharded_params - dense_at, expert_rest = shape.local_params - expert_weights;
+  if (dense_rest < 0 || expert_rest < 0) throw std::logic_error("step schedule: the layer's weights exceed its unit");
+  out.push_back({dense_at, dense_rest, ref_at});
+  out.push_back({expert_at, expert_rest, ref_at + dense_rest + ep_rank * expert_rest});
+  std::sort(out.begin(), out.end(), [](const UnitSegment& a, const UnitSegment& b) { return a.begin < b.begin; });
+  return out;
+}
+
+// Calls f(reference_begin, offset, count) for the elements [begin, begin + count) of the rank's
+// gathered unit, piece by piece in order (offset: from `begin`).
+template <class Fn>
+void for_each_reference_piece(const StepScheduleConfig& c, int64_t unit, int64_t ep_rank, int64_t begin, int64_t count, Fn f) {
+  for (const UnitSegment& s : unit_segments(c, unit, ep_rank)) {
+    const int64_t lo = std::max(begin, s.begin), hi = std::min(begin + count, s.begin + s.count);
+    if (hi > lo) f(s.reference_begin + lo - s.begin, lo - begin, hi - lo);
+  }
+}
+
 class StepRun {
  public:
   StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c)
       : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
-        lc_(layer_config(c)), unit_params_(step_unit_params(c.model)),
-        data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)) {
+        lc_(layer_config(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
+        data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() : 0) {
     head_ = L_ + 1;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
     for (int64_t l = 0; l < L_; ++l)
@@ -110,9 +166,16 @@ class StepRun {
     device_.resize(static_cast<size_t>(L_ + 1));
   }
 
+  static std::vector<int64_t> gathered_sizes(const std::vector<FsdpUnitShape>& shapes) {
+    std::vector<int64_t> out;
+    for (const FsdpUnitShape& s : shapes) out.push_back(s.sharded_params + s.local_params);
+    return out;
+  }
+
   StepScheduleResult run() {
     StepScheduleResult r;
     r.unit_params = unit_params_;
+    r.reference_pieces = step_rank_pieces(c_, comm_ != nullptr ? comm_->size() : 1, comm_ != nullptr ? comm_->rank() : 0);
     const size_t first_record = a_.phase_records().size();
     init();
     for (size_t u = 0; u < unit_params_.size(); ++u) {
@@ -120,6 +183,7 @@ class StepRun {
       r.shard_params.push_back(shards_->shard_length(u));
     }
     forward();
+    r.expert_counts = std::move(expert_counts_);
     loss(r);
     backward();
     const bool keep = c_.keep_results || c_.result_sink;
@@ -170,9 +234,7 @@ class StepRun {
     if (a_.phase() != "init") a_.set_phase("init");
     // The rank's parameter shard [P]: the fp32 master with the optimizer on the device, bf16 with
     // offload; every unit sharded over the ranks (EP = 1: each rank holds a slice of every expert).
-    std::vector<FsdpUnitShape> units;
-    for (size_t u = 0; u < unit_params_.size(); ++u) units.push_back({"unit" + std::to_string(u), unit_params_[u], 0});
-    shards_ = std::make_unique<FsdpShards>(a_, comm_, std::move(units), offload_ ? ShardPrecision::Bf16 : ShardPrecision::Fp32Master,
+    shards_ = std::make_unique<FsdpShards>(a_, comm_, unit_shapes_, offload_ ? ShardPrecision::Bf16 : ShardPrecision::Fp32Master,
                                            GradShards::Caller);
     P_ = shards_->shard_params();
     opt_.params = P_;
@@ -189,8 +251,12 @@ class StepRun {
     if (slots > 0) host_boundaries_ = Tensor(a_, DType::BF16, {slots, T_, H_}, Category::Boundaries, MemorySpace::Host);
     // Values: the master; m and v zero (the run's first step, t = 1).
     float* master = offload_ ? host_state_->master.data<float>() : params.data<float>();
-    for (size_t u = 0; u < unit_params_.size(); ++u)
-      step_initial_params(c_, static_cast<int64_t>(u), shards_->slice_begin(u), shards_->shard_length(u), master + shards_->shard_offset(u));
+    for (size_t u = 0; u < unit_params_.size(); ++u) {  // the slice of the sharded part, then the local part
+      const int64_t slice = shards_->slice_length(u, shards_->rank());
+      float* dst = master + shards_->shard_offset(u);
+      step_initial_params(c_, static_cast<int64_t>(u), shards_->slice_begin(u), slice, dst, ep_rank_);
+      step_initial_params(c_, static_cast<int64_t>(u), unit_shapes_[u].sharded_params, unit_shapes_[u].local_params, dst + slice, ep_rank_);
+    }
     if (offload_)
       for (int64_t i = 0; i < P_; ++i) params.data<Bf16>()[i] = f32_to_bf16(master[i]);
     float* m = offload_ ? host_state_->m.data<float>() : m_.data<float>();
@@ -239,7 +305,14 @@ class StepRun {
     rs_unit_ = -1;
   }
 
-  LayerWeightPtrs weights_of(int64_t l) { return layer_weights_in(gathered_[static_cast<size_t>(layer_unit(l))].raw(), lc_); }
+  // Views of layer l's weights (or grads) in a gathered [U] bf16 buffer; at EP > 1 its experts
+  // after the dense part.
+  LayerWeightPtrs layer_views(int64_t l, Tensor& unit) const {
+    Bf16* base = unit.data<Bf16>();
+    return layer_weights_in(base, lc_, c_.ep > 1 ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
+  }
+  LayerWeightPtrs weights_of(int64_t l) { return layer_views(l, gathered_[static_cast<size_t>(layer_unit(l))]); }
+  Communicator* ep_group() const { return c_.ep > 1 ? comm_ : nullptr; }
 
   // ---- token ids (input data)
 
@@ -301,11 +374,13 @@ class StepRun {
       };
       Tensor y;
       if (c_.naive) {
-        naive_layers_.emplace_back(a_, lc_, weights_of(l));
+        naive_layers_.emplace_back(a_, lc_, weights_of(l), ep_group());
         y = naive_layers_.back().forward_saving(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), true, nullptr, start);
+        expert_counts_.push_back(naive_layers_.back().expert_counts());
       } else {
-        DecoderLayer layer(a_, lc_, weights_of(l));
+        DecoderLayer layer(a_, lc_, weights_of(l), ep_group());
         y = layer.forward_no_grad(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), start);
+        expert_counts_.push_back(layer.expert_counts());
         reshard(layer_unit(l));
       }
       if (offloaded_[static_cast<size_t>(l)]) device_[static_cast<size_t>(l)].reset();
@@ -408,7 +483,7 @@ class StepRun {
       Tensor grads;
       const GradSource make_grads = [&] {
         grads = unsharded_grads(layer_unit(l));
-        return layer_weights_in(grads.raw(), lc_);
+        return layer_views(l, grads);
       };
       Tensor dx;
       if (c_.naive) {
@@ -422,7 +497,7 @@ class StepRun {
           fetch(l);
           for (int64_t i = l - 1; i >= 0 && i >= l - c_.prefetch; --i) fetch(i);  // SCO's prefetch
         };
-        DecoderLayer layer(a_, lc_, weights_of(l));
+        DecoderLayer layer(a_, lc_, weights_of(l), ep_group());
         layer.forward_saving(device_[static_cast<size_t>(l)], layer_prefix("bwd", l) + "recompute/", false,
                              [&] { return std::move(dy_); }, start);
         dx = layer.backward(device_[static_cast<size_t>(l)], layer_prefix("bwd", l), nullptr, make_grads);
@@ -463,8 +538,11 @@ class StepRun {
   const StepScheduleConfig& c_;
   const int64_t T_, H_, V_, L_;
   const LayerScheduleConfig lc_;
-  const std::vector<int64_t> unit_params_;  // gathered [U] per unit
+  const std::vector<FsdpUnitShape> unit_shapes_;  // step_unit_shapes
+  const std::vector<int64_t> unit_params_;        // gathered [U] per unit
   const uint64_t data_seed_;
+  const int64_t ep_rank_;                         // this rank's experts: [ep_rank·E/EP, ...)
+  std::vector<std::vector<int64_t>> expert_counts_;
   int64_t P_ = 0, head_ = 0;
   bool offload_ = false;
   VocabScheduleConfig loss_;
@@ -487,12 +565,54 @@ class StepRun {
 
 std::vector<int64_t> step_unit_params(const ModelSpec& model) { return rank_shard_units(model, 1, 1, false); }
 
+std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
+  const std::vector<int64_t> whole = step_unit_params(config.model);
+  const ParamCounts pc = count_params(config.model);
+  const int64_t ep = std::max<int64_t>(1, config.ep);
+  std::vector<FsdpUnitShape> out;
+  for (size_t u = 0; u < whole.size(); ++u) {
+    const std::string name = "unit" + std::to_string(u);
+    if (ep == 1 || !is_layer_unit(config, static_cast<int64_t>(u))) {
+      out.push_back({name, whole[u], 0});
+      continue;
+    }
+    const int64_t dense = pc.attention_per_layer + pc.layer_norms_per_layer + pc.router_per_layer + pc.shared_experts_per_layer;
+    out.push_back({name, dense, config.model.num_experts / ep * pc.expert_params});
+  }
+  return out;
+}
+
+std::vector<ParamPiece> step_rank_pieces(const StepScheduleConfig& config, int ranks, int rank) {
+  if (ranks < 1 || rank < 0 || rank >= ranks) throw std::invalid_argument("step schedule: rank out of range");
+  if (config.ep != 1 && config.ep != ranks) throw std::invalid_argument("step schedule: ep must be 1 or the number of ranks");
+  const std::vector<int64_t> whole = step_unit_params(config.model);
+  const std::vector<FsdpUnitShape> shapes = step_unit_shapes(config);
+  const int64_t ep_rank = config.ep > 1 ? rank : 0;
+  std::vector<ParamPiece> out;
+  int64_t unit_at = 0;
+  auto add = [&](int64_t reference_begin, int64_t, int64_t count) {
+    if (!out.empty() && out.back().begin + out.back().count == unit_at + reference_begin) out.back().count += count;
+    else out.push_back({unit_at + reference_begin, count});
+  };
+  for (size_t u = 0; u < shapes.size(); ++u) {
+    const int64_t sharded = shapes[u].sharded_params, S = (sharded + ranks - 1) / ranks;
+    const int64_t begin = std::min(sharded, rank * S), end = std::min(sharded, begin + S);
+    for_each_reference_piece(config, static_cast<int64_t>(u), ep_rank, begin, end - begin, add);
+    for_each_reference_piece(config, static_cast<int64_t>(u), ep_rank, sharded, shapes[u].local_params, add);
+    unit_at += whole[u];
+  }
+  return out;
+}
+
 uint64_t step_data_seed(const StepScheduleConfig& config, int rank) {
   const uint64_t base = config.data_seed != 0 ? config.data_seed : config.seed;
   return rank == 0 ? base : mix64(base, 0x5eed0000u + static_cast<uint64_t>(rank));
 }
 
-void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst) {
+namespace {
+
+// step_initial_params in the EP = 1 layout (config.ep is 1).
+void reference_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst) {
   const ModelSpec& m = config.model;
   const int64_t H = m.hidden_size, V = m.vocab_size, L = m.num_layers;
   std::fill(dst, dst + count, 0.0f);  // parts the executor does not apply stay zero
@@ -521,13 +641,27 @@ void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t
   }
 }
 
+}  // namespace
+
+void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst, int64_t ep_rank) {
+  StepScheduleConfig reference = config;
+  reference.ep = 1;
+  if (config.ep == 1) return reference_initial_params(reference, unit, begin, count, dst);
+  for_each_reference_piece(config, unit, ep_rank, begin, count, [&](int64_t reference_begin, int64_t offset, int64_t n) {
+    reference_initial_params(reference, unit, reference_begin, n, dst + offset);
+  });
+}
+
 StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config) {
   check(config);
+  require(config.ep == 1, "ep > 1 needs a Communicator of ep ranks");
   return StepRun(nullptr, alloc, config).run();
 }
 
 StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config) {
   check(config);
+  require(config.ep == 1 || config.ep == comm.size(), "ep must be 1 or the number of ranks (got ep = " + std::to_string(config.ep) +
+                                                         " on " + std::to_string(comm.size()) + " ranks; 1 < EP < N is not built)");
   return StepRun(&comm, alloc, config).run();
 }
 
@@ -536,6 +670,7 @@ StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_
   StepReference ref;
   for (int r = 0; r < ranks; ++r) {
     StepScheduleConfig n = config;
+    n.ep = 1;  // every expert on the rank
     n.naive = true;
     n.keep_results = true;
     n.data_seed = step_data_seed(config, r);
@@ -553,18 +688,28 @@ StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_
 }
 
 std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads,
-                                         const std::vector<int64_t>& shard_begin, const std::vector<int64_t>& shard_params) {
+                                         const std::vector<ParamPiece>& pieces) {
+  StepScheduleConfig reference = config;
+  reference.ep = 1;
   const std::vector<int64_t> units = step_unit_params(config.model);
-  const bool whole = shard_begin.empty();
-  if (!whole && (shard_begin.size() != units.size() || shard_params.size() != units.size()))
-    throw std::invalid_argument("step reference: slices for " + std::to_string(shard_begin.size()) + " of " +
-                                std::to_string(units.size()) + " units");
+  std::vector<ParamPiece> wanted = pieces;
+  if (wanted.empty()) {
+    int64_t P = 0;
+    for (int64_t u : units) P += u;
+    wanted.push_back({0, P});
+  }
   std::vector<float> params;
-  for (size_t u = 0; u < units.size(); ++u) {
-    const size_t at = params.size();
-    const int64_t begin = whole ? 0 : shard_begin[u], count = whole ? units[u] : shard_params[u];
-    params.resize(at + static_cast<size_t>(count));
-    step_initial_params(config, static_cast<int64_t>(u), begin, count, params.data() + at);
+  for (const ParamPiece& p : wanted) {  // each unit's part of the piece (a piece may span units)
+    int64_t unit_at = 0;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const int64_t lo = std::max(p.begin, unit_at), hi = std::min(p.begin + p.count, unit_at + units[u]);
+      if (hi > lo) {
+        const size_t at = params.size();
+        params.resize(at + static_cast<size_t>(hi - lo));
+        reference_initial_params(reference, static_cast<int64_t>(u), lo - unit_at, hi - lo, params.data() + at);
+      }
+      unit_at += units[u];
+    }
   }
   if (grads.size() != params.size())
     throw std::invalid_argument("step reference: " + std::to_string(grads.size()) + " grads for " + std::to_string(params.size()) + " params");

@@ -1,6 +1,7 @@
 // One training step of a small MoE transformer on one rank (N = 1 under FSDP2) or on each of the N
-// ranks of a Communicator (FSDP across them at EP = 1: every rank holds a 1/N slice of every unit,
-// the experts included, and runs its own sequence), every buffer from
+// ranks of a Communicator (FSDP across them: at EP = 1 every rank holds a 1/N slice of every unit,
+// the experts included; at EP = N a 1/N slice of every dense weight and its own E/N experts whole,
+// each MoE layer's dispatch then crossing the ranks; every rank runs its own sequence), every buffer from
 // the TrackingAllocator with its traces/ category and the shared phase names: fwd/embed, each
 // layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
 // as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last
@@ -34,12 +35,16 @@ enum class StepResultPart { Grads, Params };
 using StepResultSink = std::function<void(StepResultPart part, int64_t offset, const float* values, int64_t count)>;
 
 struct StepScheduleConfig {
-  // The model as this rank runs it: GQA attention, every layer MoE, num_experts = the rank's local
-  // experts (E/EP), top_k ≤ num_experts, an untied LM head, no MTP. Its parameters are counted by
+  // The model: GQA attention, every layer MoE, num_experts = E (all of them; at ep = 1 the rank
+  // computes every one), top_k ≤ num_experts, an untied LM head, no MTP. Its parameters are counted by
   // the spec library (count_params): parts the executor does not apply (QK norms, attention sinks
   // and biases, router and expert biases) are held, reduced and updated with zero gradient.
   ModelSpec model;
   int64_t tokens = 0;  // T, one sequence
+  // EP ranks each layer's experts are split over: 1, or the size of the Communicator (EP = N: rank
+  // r computes and holds whole experts [r·E/N, (r+1)·E/N); the dense weights are sharded over the
+  // N ranks). 1 < EP < N is not built.
+  int64_t ep = 1;
   // The naive reference: no checkpointing (every layer's saved set kept from one forward with
   // grad), materialised loss, optimizer on the device, boundaries kept; `loss.mode`,
   // `offloaded`, `prefetch` and `optimizer.placement` are ignored.
@@ -67,20 +72,37 @@ struct StepScheduleConfig {
 // head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, false). These are
 // the gathered units at any N (EP = 1); rank r holds [r·S, min((r+1)·S, U)) of each, S = ceil(U/N).
 std::vector<int64_t> step_unit_params(const ModelSpec& model);
+// The units as FsdpShards holds them at config.ep: at EP = 1 every unit sharded whole; at EP > 1 a
+// layer's dense part (attention, norms, router, shared experts: sharded over the ranks) and its
+// E/EP experts (local), laid out [dense weights | dense parts not applied | w_gate_up [E/EP, 2F, H]
+// | w_down [E/EP, H, F] | expert parts not applied]. Every rank's are the same size.
+std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config);
+
+// A run of elements of the reference's [P]: the whole model's units (step_unit_params of the
+// model with every expert) back to back, as the naive step at EP = 1 lays them out.
+struct ParamPiece {
+  int64_t begin = 0, count = 0;
+};
+// Rank `rank` of `ranks`' grad and param shard (its slice of each unit's sharded part, then its
+// local part, unit by unit) as pieces of the reference's [P], in shard order. EP = 1: one piece a unit.
+std::vector<ParamPiece> step_rank_pieces(const StepScheduleConfig& config, int ranks, int rank);
 
 // The seed of rank `rank`'s token ids and targets: rank 0 keeps the config's (so one rank is the
 // single-rank step), the others draw their own sequences (data parallel).
 uint64_t step_data_seed(const StepScheduleConfig& config, int rank);
 
-// The fp32 initial values of unit `unit`'s elements [begin, begin + count) (the same on every
-// rank; a rank's shard is its slice of them).
-void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst);
+// The fp32 initial values of unit `unit`'s elements [begin, begin + count) as EP rank `ep_rank`
+// gathers it (step_unit_shapes; at EP = 1 the same on every rank). A value depends on the weight
+// and its index in the whole model's tensor, not on where a layout puts it.
+void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst, int64_t ep_rank = 0);
 
 struct StepScheduleResult {
   double loss = 0.0;                  // mean cross-entropy over the T tokens (fp64 sum)
   std::vector<int64_t> unit_params;   // step_unit_params (gathered)
   std::vector<int64_t> shard_begin;   // per unit: the first element of the unit this rank holds (0 at N = 1)
-  std::vector<int64_t> shard_params;  // per unit: how many (unit_params at N = 1)
+  std::vector<int64_t> shard_params;  // per unit: how many (unit_params at N = 1; at EP > 1 with the local part)
+  std::vector<ParamPiece> reference_pieces;  // step_rank_pieces: where grads and params lie in the reference's [P]
+  std::vector<std::vector<int64_t>> expert_counts;  // [L][E] this rank's token copies per expert (the forward's routing)
   std::vector<float> grads;           // [P] the reduced grad shards before the optimizer step (widened), unit by unit
   std::vector<float> params;          // [P] the fp32 master after the step (device fp32 params or the host master)
   std::vector<std::string> phases;    // every phase entered, in order (the allocator's records)
@@ -112,7 +134,7 @@ StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepSchedul
 StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config);
 
 // The single-rank reference of the step on `ranks` ranks: the naive step of each rank's sequence
-// (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order) and,
+// at EP = 1 (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order) and,
 // with the optimizer offloaded (bf16 grad shards), rounded once to bf16, then one AdamW step
 // (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector.
 struct StepReference {
@@ -123,8 +145,8 @@ struct StepReference {
 };
 StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_t alignment_bytes = 512);
 // The AdamW part alone: the initial params stepped once with `grads`, of the whole model ([P], no
-// slices given) or of the slices [shard_begin[u], + shard_params[u]) of each unit, concatenated.
+// pieces given) or of the pieces of the reference's [P] (step_rank_pieces), concatenated.
 std::vector<float> step_reference_update(const StepScheduleConfig& config, const std::vector<float>& grads,
-                                         const std::vector<int64_t>& shard_begin = {}, const std::vector<int64_t>& shard_params = {});
+                                         const std::vector<ParamPiece>& pieces = {});
 
 }  // namespace flatpeak::exec

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `flatpeak verify` under mpirun: 4 processes give the same report (rank 0 prints one JSON document)
 # and the same exit code as 4 thread ranks, for the dispatch component, for a default verify
-# (every component, --scale auto), for the whole step on 4 ranks with FSDP at EP = 1 (an
+# (every component, --scale auto; its step runs on the 4 ranks at EP = 4, each MoE layer's
+# dispatch crossing them), for the whole step on 4 ranks with FSDP at EP = 1 (an
 # OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64) and for the dispatch component of a --gpus 4
 # --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator), all of which pass
 # (exit 0); a job whose process count differs
@@ -53,6 +54,7 @@ verify_both() {
 mpirun_options=("$@")
 verify_both dispatch 30 --scale auto --component dispatch
 verify_both default 45 --scale auto
+grep -q 'step: 4 ranks, FSDP with EP = 4' "$dir/default.mpi.json" || fail "default: the MPI report's step is not the 4-rank step at EP = 4"
 plan=$dir/plan_ep1.json
 verify_both step 30 --scale 64 --component step
 grep -q 'step: 4 ranks, FSDP at EP = 1' "$dir/step.mpi.json" || fail "step: the MPI report does not come from the 4-rank step"
@@ -72,4 +74,4 @@ np2_rc=$?
 [ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
-step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify, step at EP = 1, dispatch at EP = 2 of N = 4); $np_flag 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch at EP = 2 of N = 4); $np_flag 2 exits 2"

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -70,19 +71,21 @@ struct SliceDiff {
   double grad = 0.0, param = 0.0;
   bool bitwise = true;
 };
-SliceDiff compare_slices(const StepScheduleResult& got, const StepReference& ref) {
+// `only` (when set) picks the reference elements compared.
+template <class Pick = bool (*)(int64_t)>
+SliceDiff compare_slices(const StepScheduleResult& got, const StepReference& ref, Pick only = [](int64_t) { return true; }) {
   SliceDiff d;
-  size_t shard_at = 0, unit_at = 0;
-  for (size_t u = 0; u < got.unit_params.size(); ++u) {
-    for (int64_t e = 0; e < got.shard_params[u]; ++e) {
-      const size_t i = shard_at + static_cast<size_t>(e), j = unit_at + static_cast<size_t>(got.shard_begin[u] + e);
-      d.grad = std::max(d.grad, std::fabs(double(got.grads[i]) - ref.grads[j]));
-      d.param = std::max(d.param, std::fabs(double(got.params[i]) - ref.params[j]));
-      d.bitwise = d.bitwise && same_bits(got.grads[i], ref.grads[j]) && same_bits(got.params[i], ref.params[j]);
+  size_t i = 0;
+  for (const ParamPiece& piece : got.reference_pieces)
+    for (int64_t e = 0; e < piece.count; ++e, ++i) {
+      const int64_t j = piece.begin + e;
+      if (!only(j)) continue;
+      const size_t k = static_cast<size_t>(j);
+      d.grad = std::max(d.grad, std::fabs(double(got.grads[i]) - ref.grads[k]));
+      d.param = std::max(d.param, std::fabs(double(got.params[i]) - ref.params[k]));
+      d.bitwise = d.bitwise && same_bits(got.grads[i], ref.grads[k]) && same_bits(got.params[i], ref.params[k]);
     }
-    shard_at += static_cast<size_t>(got.shard_params[u]);
-    unit_at += static_cast<size_t>(got.unit_params[u]);
-  }
+  EXPECT_EQ(i, got.grads.size());
   return d;
 }
 
@@ -193,6 +196,89 @@ TEST(ExecutorStepRanks, FsdpGradAndParamBytesAreHandDerived) {
     EXPECT_EQ(col("opt/step", Category::Grads), 4 * P) << what;
     EXPECT_EQ(col("opt/step", Category::Params) + col("opt/step", Category::Optimizer), 12 * P) << what;
   }
+}
+
+// EP = 4 on 4 ranks (E = 8: two experts a rank, held whole; the dense weights sharded): every MoE
+// layer's dispatch and combine cross the ranks. Against the reference (each rank's naive step with
+// all 8 experts): the loss and every grad but the experts' are bitwise (each row's arithmetic is
+// the one-rank layer's); an expert's weight grads sum every source's rows in one GEMM, rounded to
+// bf16 once instead of once per rank, so they differ by bf16 rounding of the partial sums: within
+// 2^-6 of the largest expert grad (the sum of 4 ranks' roundings, each ≤ 2^-9 relative, with room);
+// params within 2·lr (AdamW's first step moves by lr·g/(|g| + eps)).
+TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
+  for (const OptimizerPlacement placement : {OptimizerPlacement::Device, OptimizerPlacement::Stream}) {
+    StepScheduleConfig c = config(5);
+    c.model.num_experts = 8;
+    c.ep = kRanks;
+    c.offloaded = {true, false, false};
+    c.prefetch = 1;
+    c.optimizer.placement = placement;
+    c.optimizer.bucket_params = 3000;
+    const StepReference ref = step_reference(c, kRanks);
+    const std::vector<StepScheduleResult> got = run_on_ranks(c);
+    // Where the experts' weights lie in the reference's [P]: each layer unit's w_gate_up, w_down.
+    LayerScheduleConfig lc;
+    lc.hidden = 32, lc.q_heads = 4, lc.kv_heads = 2, lc.head_dim = 8, lc.experts = 8, lc.expert_ffn = 16;
+    std::vector<std::pair<int64_t, int64_t>> expert_ranges;
+    const std::vector<int64_t> units = step_unit_params(c.model);
+    int64_t unit_at = units[0];
+    for (int64_t l = 0; l < 3; ++l) {
+      int64_t at = unit_at;
+      for (const LayerWeightShape& w : layer_weight_shapes(lc)) {
+        if (is_expert_weight(w.name)) expert_ranges.emplace_back(at, at + w.numel());
+        at += w.numel();
+      }
+      unit_at += units[static_cast<size_t>(l + 1)];
+    }
+    auto is_expert = [&](int64_t j) {
+      for (const auto& [lo, hi] : expert_ranges)
+        if (j >= lo && j < hi) return true;
+      return false;
+    };
+    double largest_expert_grad = 0.0;
+    for (const auto& [lo, hi] : expert_ranges)
+      for (int64_t j = lo; j < hi; ++j) largest_expert_grad = std::max(largest_expert_grad, std::fabs(double(ref.grads[static_cast<size_t>(j)])));
+    int64_t held = 0;
+    double largest_seen = 0.0;
+    for (int r = 0; r < kRanks; ++r) {
+      const std::string what = "placement " + std::to_string(static_cast<int>(placement)) + " rank " + std::to_string(r);
+      const StepScheduleResult& g = got[static_cast<size_t>(r)];
+      EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
+      const SliceDiff dense = compare_slices(g, ref, [&](int64_t j) { return !is_expert(j); });
+      EXPECT_TRUE(dense.bitwise) << what << ": max |dgrad| " << dense.grad << ", max |dparam| " << dense.param;
+      const SliceDiff experts = compare_slices(g, ref, is_expert);
+      EXPECT_LE(experts.grad, std::ldexp(largest_expert_grad, -6)) << what;
+      EXPECT_LE(experts.param, 2.0 * c.optimizer.lr + 1e-6) << what;
+      largest_seen = std::max(largest_seen, experts.grad);
+      ASSERT_EQ(g.expert_counts.size(), 3u);
+      for (const auto& layer : g.expert_counts)  // T·k copies over all 8 experts
+        EXPECT_EQ(std::accumulate(layer.begin(), layer.end(), int64_t{0}), c.tokens * c.model.top_k) << what;
+      held += static_cast<int64_t>(g.grads.size());
+    }
+    // The ranks' shards cover the reference's [P] once; the experts' grads really are summed
+    // differently (one GEMM over every source's rows).
+    EXPECT_EQ(held, static_cast<int64_t>(ref.grads.size()));
+    EXPECT_GT(largest_seen, 0.0);
+    std::printf("EP = 4, placement %d: max |expert dgrad| %.3g (largest expert grad %.3g)\n", static_cast<int>(placement), largest_seen,
+                largest_expert_grad);
+  }
+}
+
+// The reference's layout and a rank's meet: the pieces of the 4 ranks tile [P] exactly.
+TEST(ExecutorStepRanks, RankPiecesTileTheReference) {
+  StepScheduleConfig c = config();
+  c.model.num_experts = 8;
+  for (const int64_t ep : {int64_t{1}, int64_t{kRanks}}) {
+    c.ep = ep;
+    const std::vector<int64_t> units = step_unit_params(c.model);
+    std::vector<int> covered(static_cast<size_t>(std::accumulate(units.begin(), units.end(), int64_t{0})));
+    for (int r = 0; r < kRanks; ++r)
+      for (const ParamPiece& p : step_rank_pieces(c, kRanks, r))
+        for (int64_t j = p.begin; j < p.begin + p.count; ++j) ++covered[static_cast<size_t>(j)];
+    EXPECT_TRUE(std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; })) << "ep " << ep;
+  }
+  c.ep = 2;  // 1 < EP < N: not built
+  EXPECT_THROW(step_rank_pieces(c, kRanks, 0), std::invalid_argument);
 }
 
 }  // namespace

@@ -253,22 +253,20 @@ int64_t measured_peak(const VerifyReport& r) {
 //     both runs;
 //   layer: LayerScheduleResult grads (x [T, H] and every weight) as bf16 bits, of both runs (the
 //     inputs are drawn into the tracked buffers, no copy);
-//   step: the naive step's reduced grads and updated params, [P] fp32 each (the measured step
-//     hands its own to the comparison through StepScheduleConfig::result_sink, no copy).
+//   step: the reference's reduced grads and updated params of the rank's shard, [P] fp32 each (P:
+//     rank 0's, the largest; the measured step hands its own to the comparison through
+//     StepScheduleConfig::result_sink, no copy; on N ranks the naive grads are exchanged a chunk
+//     at a time, no [P] of the whole model is kept).
 const PredictionAdjust kNoAdjust;
 
-int64_t comparison_copies_bytes_per_rank(const std::string& component, const VerifyInputs& in, const ScaledConfig& s) {
+int64_t comparison_copies_bytes_per_rank(const std::string& component, const VerifyInputs& in, const ScaledConfig& s, int64_t ranks) {
   if (component == "checkpoint") {
     exec::CheckpointScheduleConfig c;
     c.hidden = s.hidden;
     c.layers = s.layers;
     return 2 * 2 * (s.tokens * s.hidden + exec::checkpoint_weight_gradient_elements(c));
   }
-  if (component == "step") {
-    int64_t params = 0;
-    for (int64_t p : exec::step_unit_params(layer_model(VerifyContext{in, s, kNoAdjust}))) params += p;
-    return 2 * 4 * params;
-  }
+  if (component == "step") return 2 * 4 * step_setup(VerifyContext{in, s, kNoAdjust}, ranks).params;
   if (component == "layer")
     return 2 * 2 * exec::layer_gradient_elements(layer_schedule_config(in, s));
   if (component != "vocab" || in.vocab_mode == "materialized") return 0;
@@ -281,7 +279,7 @@ int64_t comparison_copies_bytes(const std::string& component, const VerifyInputs
     const int64_t shard = (s.vocab + R - 1) / R;
     return ranks * 4 * (s.tokens * s.hidden + shard * s.hidden) + 4 * (R * s.tokens * s.hidden + s.vocab * s.hidden);
   }
-  return ranks * comparison_copies_bytes_per_rank(component, in, s);  // each rank keeps its own
+  return ranks * comparison_copies_bytes_per_rank(component, in, s, ranks);  // each rank keeps its own
 }
 
 // Thread ranks share this process's heap: the limit holds per rank, so a component that ran on

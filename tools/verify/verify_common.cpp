@@ -37,7 +37,8 @@ ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra)
   return predicted_timeline_for(ctx, scaled_model(ctx.in, ctx.scaled), extra);
 }
 
-ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra) {
+ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra,
+                                    const RoutingModel* routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
   const HardwareSpec hardware = load_hardware(in.hardware_name);
@@ -61,8 +62,15 @@ ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& m
   InputErrors errs;
   const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
   errs.throw_if_any();
-  const planner::Plan plan = planner::make_plan(model, hardware, spec);
-  ordered_json timeline = planner::timeline_to_json(plan.timeline);
+  ordered_json timeline;
+  if (routing != nullptr) {
+    planner::ResolvedRun run = planner::resolve_run(model, hardware, spec, errs);
+    errs.throw_if_any();
+    run.imbalance = *routing;
+    timeline = planner::timeline_to_json(planner::make_plan_resolved(model, hardware, run).timeline);
+  } else {
+    timeline = planner::timeline_to_json(planner::make_plan(model, hardware, spec).timeline);
+  }
   if (ctx.adjust) ctx.adjust(timeline);
   return timeline;
 }

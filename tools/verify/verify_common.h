@@ -46,8 +46,10 @@ ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s);
 // The planner's timeline (traces/README.md JSON) for the scaled configuration on one rank, with the
 // plan's vocabulary knobs and `extra` flags (a component's own knobs) on top; `adjust` applied.
 nlohmann::ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra);
-// The same for `model` in place of scaled_model(ctx.in, ctx.scaled).
-nlohmann::ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra);
+// The same for `model` in place of scaled_model(ctx.in, ctx.scaled); `routing` (a realised
+// routing in memory, e.g. realised_routing) replaces the plan's routing model when given.
+nlohmann::ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& model, const FlagList& extra,
+                                              const RoutingModel* routing = nullptr);
 
 // The model one rank's decoder layers run (verify_step.cpp): scaled_model with this rank's E/EP
 // experts and the shared and dense FFN widths scaled with H.
@@ -124,10 +126,12 @@ struct StepSetup {
 };
 // The step's configuration and prediction on `ranks` ranks (1: the one-rank step); UnsupportedPlan
 // for a plan the step does not run.
-StepSetup step_setup(const VerifyContext& ctx, int64_t ranks);
+// At EP = N the prediction is made on `routing` (the realised one, after the run; without it, on
+// the plan's routing model).
+StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel* routing = nullptr);
 // Rows step.<column> of every predicted phase and peak, device and host, against `alloc`'s records.
 void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report);
-// Whether the multi-rank step runs the plan (EP = 1; else `why_not` says why); UnsupportedPlan for
+// Whether the multi-rank step runs the plan (EP = 1 or EP = N; else `why_not` says why); UnsupportedPlan for
 // a plan the step does not run at all.
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);
 

@@ -20,8 +20,8 @@
 // Against the naive step (no checkpointing, materialised loss, optimizer on the device, same data):
 // max_abs_dloss, max_abs_dgrad over every reduced grad shard, and a note with the largest
 // difference of an updated parameter; all three 0 (bitwise) when the plan's loss is materialised.
-// On N > 1 ranks at EP = 1, step_setup predicts one rank of the N-GPU plan and every rank runs
-// the step (verify_step_ranks.cpp); at EP > 1 rank 0 runs this one-rank step (verify_run.cpp).
+// On N > 1 ranks at EP = 1 or EP = N, step_setup predicts one rank of the N-GPU plan and every rank
+// runs the step (verify_step_ranks.cpp); at 1 < EP < N rank 0 runs this one-rank step (verify_run.cpp).
 //   flatpeak verify p.json --component step --max-ranks 1
 #include <algorithm>
 #include <cmath>
@@ -128,20 +128,26 @@ void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::T
 
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
   check_step_supported(ctx.in, ctx.scaled, layer_model(ctx));
-  if (ctx.scaled.ep == 1) return true;
-  why_not = "no multi-rank run at EP = " + std::to_string(ctx.scaled.ep) +
-            " (an MoE layer across EP ranks needs the dispatch inside the layer, not built; the multi-rank step runs EP = 1 plans)";
+  if (ctx.scaled.ep == 1 || ctx.scaled.ep == ctx.scaled.ranks) return true;
+  why_not = "no multi-rank run at 1 < EP = " + std::to_string(ctx.scaled.ep) + " < N = " + std::to_string(ctx.scaled.ranks) +
+            " (the experts would be FSDP-sharded over the N/EP replicas of each EP group: not built; the multi-rank step runs "
+            "EP = 1 and EP = N plans)";
   return false;
 }
 
-StepSetup step_setup(const VerifyContext& ctx, int64_t ranks) {
+StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel* routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  const ModelSpec model = layer_model(ctx);
+  ModelSpec model = layer_model(ctx);
   check_step_supported(in, s, model);
+  // EP = N across the ranks: every expert in the model, E/N computed on each rank, the dispatch
+  // crossing the ranks (elsewhere, one rank's E/EP experts at EP = 1).
+  const int64_t ep = ranks > 1 && s.ep == ranks ? s.ep : 1;
+  if (ep > 1) model.num_experts = s.num_experts;
 
   exec::StepScheduleConfig c;
   c.model = model;
+  c.ep = ep;
   c.tokens = s.tokens;
   if (s.boundaries != "device") c.offloaded = s.sco_offloaded;  // sync-offload: every layer
   c.prefetch = s.boundaries == "sco" ? s.sco_prefetch : 0;
@@ -153,9 +159,9 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks) {
                           : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
                                                     : exec::OptimizerPlacement::Stream;
   c.optimizer.cpu_threads = ranks > 1 ? 1 : 2;  // thread ranks share the machine's cores
-  // The rank's P: rank 0's slices of every unit (the largest, ceil(U / N) each).
+  // The rank's P: rank 0's slices of every unit (the largest, ceil(U / N) each) and its experts.
   int64_t params = 0;
-  for (int64_t p : exec::step_unit_params(model)) params += (p + ranks - 1) / ranks;
+  for (const exec::FsdpUnitShape& u : exec::step_unit_shapes(c)) params += (u.sharded_params + ranks - 1) / ranks + u.local_params;
 
   FlagList flags;
   if (s.boundaries == "sco")
@@ -169,14 +175,19 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks) {
     flags.emplace_back("--bucket-params", std::to_string(c.optimizer.bucket_params));
     flags.emplace_back("--bucket-depth", std::to_string(s.bucket_depth));
   }
-  if (ranks > 1) {  // FSDP over N ranks at EP = 1: one rank's share of the N-GPU plan
-    flags.insert(flags.end(), {{"--gpus", std::to_string(ranks)}, {"--gpus-per-node", std::to_string(ranks)}, {"--ep", "1"}, {"--micro-batch", "1"}});
+  if (ranks > 1) {  // FSDP over N ranks (EP = 1 or N): one rank's share of the N-GPU plan
+    flags.insert(flags.end(), {{"--gpus", std::to_string(ranks)}, {"--gpus-per-node", std::to_string(ranks)}, {"--ep", std::to_string(ep)},
+                               {"--micro-batch", "1"}});
     // Ring-DTP's ring is the vocab component's; the step's loss is a ring of one (scale_config's R).
     if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
+    // The step's MoE layers run one uncapped dispatch each (LLEP and PipelinedLLEP's rounds are the
+    // dispatch component's).
+    if (ep > 1) flags.emplace_back("--llep", "off");
   }
-  StepSetup out{c, params, predicted_timeline_for(ctx, model, flags), ""};
+  StepSetup out{c, params, predicted_timeline_for(ctx, model, flags, routing), ""};
   out.note = "P = " + std::to_string(params) + " params on " + (ranks > 1 ? "rank 0" : "the rank") + " (" +
-             std::to_string(model.num_experts) + " experts a layer), boundaries " + s.boundaries + ", optimizer " + s.optimizer;
+             std::to_string(model.num_experts / ep) + " experts a layer" + (ep > 1 ? " of " + std::to_string(model.num_experts) + ", EP = " + std::to_string(ep) : "") +
+             "), boundaries " + s.boundaries + ", optimizer " + s.optimizer;
   if (s.optimizer == "stream")
     out.note += " (" + std::to_string(s.bucket_count) + " buckets of " + std::to_string(c.optimizer.bucket_params) + ", depth " +
                 std::to_string(s.bucket_depth) + ")";
