@@ -157,9 +157,9 @@ class Builder {
       const Acc* most = &backward;
       Acc landing = state(grads(before));
       if (staged_) {  // L0's shard lands first, through its staged reduce-scatter output
-        shard.add(Category::Fsdp, c_.w.units[0].shard_params, kF32);
+        shard.add(Category::Fsdp, reduced_shard(0), kF32);
         fsdp(landing, 0, -1, -1, unit(0));
-        landing.add(Category::Fsdp, c_.w.units[static_cast<size_t>(unit(0))].shard_params, kF32);
+        landing.add(Category::Fsdp, reduced_shard(unit(0)), kF32);
         landing.add(kAct, mul(c_.T, c_.H), kB16);
         most = &landing;
       }
@@ -176,6 +176,7 @@ class Builder {
   int64_t unit(int64_t l) const { return c_.w.layer_unit(l); }
   int64_t grads(int64_t reduced) const { return all_grads_ ? c_.w.shard_params : reduced; }
   int64_t shard(int64_t u) const { return c_.w.units[static_cast<size_t>(u)].shard_params; }
+  int64_t reduced_shard(int64_t u) const { return c_.w.units[static_cast<size_t>(u)].reduced_shard_params; }
   int64_t reduced_before(int64_t l) const { return reduced_[static_cast<size_t>(l)]; }
   int64_t in_flight_before(int64_t l) const {
     if (l >= L_) return l + 1 < L_ + M_ ? unit(l + 1) : -1;
@@ -383,7 +384,7 @@ class Builder {
     if (e.landing) {  // 4: the unit in flight lands (timeline.cpp): the layer gathered, its output staged
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, unit(l), -1, -1, landing);
-      base.add(Category::Fsdp, shard(landing), kF32);
+      base.add(Category::Fsdp, reduced_shard(landing), kF32);
       if (mtp) loss_saved(c_, base);
       set_base(e, 4, base, head);
     }

@@ -81,7 +81,8 @@ void add_fsdp(const Context& c, const FsdpLive& live, TermList& t);
 // freed (FSDP2 with reduce_dtype fp32 and bf16 sharded grads; the executor's FsdpShards::
 // reduce_scatter_into). fp32 shards (optimizer on the GPU) receive the sum in place.
 bool reduce_scatter_output_staged(const Context& c);
-// That output for `unit` (fsdp, fp32 [S]) when it is staged; nothing otherwise.
+// That output for `unit` (fsdp, fp32 [S]: its reduced_shard_params, the experts at EP = N are not
+// reduced) when it is staged; nothing otherwise.
 void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t);
 // Checkpoint boundaries resident on the device: `resident` layer inputs, `in_flight` offloaded
 // boundaries being copied or prefetched, and the final hidden state when `final_hidden`.

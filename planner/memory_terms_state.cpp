@@ -80,7 +80,7 @@ bool reduce_scatter_output_staged(const Context& c) { return offload_optimizer(c
 void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t) {
   if (unit < 0 || !reduce_scatter_output_staged(c)) return;
   const FsdpUnit& u = c.work.units[static_cast<size_t>(unit)];
-  t.add_flat("reduce-scatter output " + u.name + " (fp32, rounded into its bf16 grad shard)", "S", u.shard_params, kFp32,
+  t.add_flat("reduce-scatter output " + u.name + " (fp32, rounded into its bf16 grad shard)", "S", u.reduced_shard_params, kFp32,
              Category::Fsdp);
 }
 

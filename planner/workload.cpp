@@ -124,7 +124,7 @@ Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool uni
   const int64_t expert_group = N / std::max<int64_t>(1, run.ep);
 
   auto dense_unit = [&](const std::string& name, int64_t params) {
-    return FsdpUnit{unit_names ? name : std::string(), params, params, ceil_div(params, N)};
+    return FsdpUnit{unit_names ? name : std::string(), params, params, ceil_div(params, N), ceil_div(params, N)};
   };
   auto layer_unit = [&](const std::string& name, FfnKind ffn) {
     const int64_t common = pc.attention_per_layer + pc.layer_norms_per_layer;
@@ -136,6 +136,7 @@ Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool uni
     u.params = dense + checked_mul(E, pc.expert_params);
     u.gathered_params = dense + local_experts;
     u.shard_params = ceil_div(dense, N) + ceil_div(local_experts, expert_group);
+    u.reduced_shard_params = ceil_div(dense, N) + (expert_group > 1 ? ceil_div(local_experts, expert_group) : 0);
     return u;
   };
 
@@ -158,6 +159,7 @@ Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool uni
       u.params += extra;
       u.gathered_params += extra;
       u.shard_params += ceil_div(extra, N);
+      u.reduced_shard_params += ceil_div(extra, N);
       w.units.push_back(u);
       w.moe_index.push_back(ffn == FfnKind::Moe ? moe_layers++ : -1);
     }

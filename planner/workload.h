@@ -23,6 +23,9 @@ struct FsdpUnit {
   int64_t params = 0;           // all parameters of the unit (the whole model's copy)
   int64_t gathered_params = 0;  // unsharded on one GPU during its compute (local experts only)
   int64_t shard_params = 0;     // this GPU's shard
+  // The part of that shard a reduce-scatter lands: all of it, less the experts at EP = N (no other
+  // GPU holds them, so their grads are not reduced: the executor's FsdpShards local part).
+  int64_t reduced_shard_params = 0;
 };
 
 // What one rank holds of a MoE layer's dispatch: the rows it computes (R_p), the experts whose
