@@ -31,6 +31,7 @@
 #include "executor/ops/expert_ffn.h"
 #include "executor/ops/linear.h"
 #include "executor/ops/rmsnorm.h"
+#include "executor/schedules/decoder_layer_parts.h"
 
 namespace flatpeak::exec {
 
@@ -58,86 +59,9 @@ class ByteBuffer {
   Allocation block_;
 };
 
-}  // namespace
-
-void check_layer_config(const LayerScheduleConfig& c) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 ||
-      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0 || c.shared_ffn < 0)
-    throw std::invalid_argument("layer schedule: every dimension must be positive");
-  if (c.q_heads % c.kv_heads != 0)
-    throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
-  if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
-  if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
-  if (c.dtype != DType::BF16 && c.dtype != DType::F32)
-    throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
-}
-
-namespace {
-
-// Where the rows of one MoE layer go at EP > 1 (host metadata, from every rank's [E] counts):
-// what this rank sends each destination (send order: expert-major over all E, so destination
-// blocks), what it receives from each source (source-major, each source's rows in expert order),
-// and the regrouping of the received rows by local expert (chunks of one (source, expert)).
-struct EpRows {
-  struct Chunk {
-    int64_t exp_row, recv_row, rows;
-  };
-  std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;  // [EP] each
-  std::vector<Chunk> chunks;                                          // in expert order
-  std::vector<int64_t> local_begin;                                   // [E/EP + 1] expert-order rows
-  int64_t received = 0;                                               // R
-
-  // all_counts [EP·E]: rank s's copies per expert at s·E.
-  EpRows(const std::vector<int64_t>& all_counts, int64_t ep, int64_t me, int64_t E) {
-    const int64_t EL = E / ep;
-    auto count = [&](int64_t s, int64_t e) { return all_counts[static_cast<size_t>(s * E + e)]; };
-    send_rows.assign(static_cast<size_t>(ep), 0), send_begin.assign(static_cast<size_t>(ep), 0);
-    recv_rows.assign(static_cast<size_t>(ep), 0), recv_begin.assign(static_cast<size_t>(ep), 0);
-    for (int64_t d = 0, at = 0; d < ep; ++d) {
-      send_begin[static_cast<size_t>(d)] = at;
-      for (int64_t e = d * EL; e < (d + 1) * EL; ++e) send_rows[static_cast<size_t>(d)] += count(me, e);
-      at += send_rows[static_cast<size_t>(d)];
-    }
-    for (int64_t s = 0; s < ep; ++s) {
-      recv_begin[static_cast<size_t>(s)] = received;
-      for (int64_t l = 0; l < EL; ++l) recv_rows[static_cast<size_t>(s)] += count(s, me * EL + l);
-      received += recv_rows[static_cast<size_t>(s)];
-    }
-    local_begin.assign(static_cast<size_t>(EL + 1), 0);
-    std::vector<int64_t> cursor(recv_begin);  // next unread row of each source's block
-    int64_t row = 0;
-    for (int64_t l = 0; l < EL; ++l) {
-      for (int64_t s = 0; s < ep; ++s) {
-        const int64_t n = count(s, me * EL + l);
-        if (n > 0) chunks.push_back({row, cursor[static_cast<size_t>(s)], n});
-        cursor[static_cast<size_t>(s)] += n;
-        row += n;
-      }
-      local_begin[static_cast<size_t>(l + 1)] = row;
-    }
-  }
-  // Source-major rows (width W) into expert order, and back.
-  template <class V>
-  void regroup(const V* src, V* dst, int64_t W) const {
-    for (const Chunk& ch : chunks) std::copy(src + ch.recv_row * W, src + (ch.recv_row + ch.rows) * W, dst + ch.exp_row * W);
-  }
-  template <class V>
-  void ungroup(const V* src, V* dst, int64_t W) const {
-    for (const Chunk& ch : chunks) std::copy(src + ch.exp_row * W, src + (ch.exp_row + ch.rows) * W, dst + ch.recv_row * W);
-  }
-  // One all-to-allv of rows of width W: to the experts (send order → received order), or home.
-  void exchange(Communicator& comm, const void* from, void* to, int64_t W, DType dtype, bool to_experts) const {
-    const std::vector<int64_t>& out = to_experts ? send_rows : recv_rows;
-    const std::vector<int64_t>& out_at = to_experts ? send_begin : recv_begin;
-    const std::vector<int64_t>& in = to_experts ? recv_rows : send_rows;
-    const std::vector<int64_t>& in_at = to_experts ? recv_begin : send_begin;
-    const size_t n = out.size();
-    std::vector<int64_t> sc(n), sd(n), rc(n), rd(n);
-    for (size_t p = 0; p < n; ++p) sc[p] = out[p] * W, sd[p] = out_at[p] * W, rc[p] = in[p] * W, rd[p] = in_at[p] * W;
-    static const int64_t nothing = 0;  // a valid address for an empty side
-    comm.all_to_allv(from ? from : &nothing, sc.data(), sd.data(), to ? to : const_cast<int64_t*>(&nothing), rc.data(), rd.data(), dtype);
-  }
-};
+using layer_detail::EpRows;
+using layer_detail::flash2_attention_backward;
+using layer_detail::SavedAttention;
 
 template <class S>
 class LayerCore final : public DecoderLayer::Engine {
@@ -792,55 +716,13 @@ class LayerCore final : public DecoderLayer::Engine {
     }
   }
 
-  // FlashAttention-2's backward, one key row at a time: dK and dV of the row in fp32 registers
-  // (here a [2, d] scratch), dQ accumulated in fp32 over key rows, delta = Σ dO ⊙ O per query row.
+  // FlashAttention-2's backward (decoder_layer_parts.h) over the saved q, k, v, o, lse; its dK,
+  // dV row registers are a [2, d] scratch.
   void flash2_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta) {
-    const S* q = q_.data<S>();
-    const S* k = k_.data<S>();
-    const S* v = v_.data<S>();
-    const S* o = o_.data<S>();
-    const S* g = d_o.data<S>();
-    const float* lse = lse_.data<float>();
-    float* acc = dq_acc.data<float>();
-    float* dl = delta.data<float>();
-    const int64_t group = A_ / G_;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(D_));
-    for (int64_t h = 0; h < A_; ++h)
-      for (int64_t i = 0; i < T_; ++i) {
-        float dot = 0.0f;
-        for (int64_t j = 0; j < D_; ++j) dot += to_f32(g[(i * A_ + h) * D_ + j]) * to_f32(o[(i * A_ + h) * D_ + j]);
-        dl[h * T_ + i] = dot;
-      }
-    std::fill(acc, acc + T_ * A_ * D_, 0.0f);
     Tensor regs = f32({2 * D_}, Category::Workspace);
-    float* dk_row = regs.data<float>();
-    float* dv_row = dk_row + D_;
-    for (int64_t kh = 0; kh < G_; ++kh)
-      for (int64_t j = 0; j < T_; ++j) {
-        std::fill(dk_row, dk_row + 2 * D_, 0.0f);
-        const S* kj = k + (j * G_ + kh) * D_;
-        const S* vj = v + (j * G_ + kh) * D_;
-        for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-          for (int64_t i = j; i < T_; ++i) {
-            const S* qi = q + (i * A_ + h) * D_;
-            const S* gi = g + (i * A_ + h) * D_;
-            float s = 0.0f, dp = 0.0f;
-            for (int64_t x = 0; x < D_; ++x) s += to_f32(qi[x]) * to_f32(kj[x]), dp += to_f32(gi[x]) * to_f32(vj[x]);
-            const float pr = std::exp(scale * s - lse[h * T_ + i]);
-            const float ds = pr * (dp - dl[h * T_ + i]);
-            float* aq = acc + (i * A_ + h) * D_;
-            for (int64_t x = 0; x < D_; ++x) {
-              dv_row[x] += pr * to_f32(gi[x]);
-              dk_row[x] += scale * ds * to_f32(qi[x]);
-              aq[x] += scale * ds * to_f32(kj[x]);
-            }
-          }
-        for (int64_t x = 0; x < D_; ++x) {
-          store_f32(dk.data<S>() + (j * G_ + kh) * D_ + x, dk_row[x]);
-          store_f32(dv.data<S>() + (j * G_ + kh) * D_ + x, dv_row[x]);
-        }
-      }
-    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, acc[i]);
+    const SavedAttention<S> saved{q_.data<S>(), k_.data<S>(), v_.data<S>(), o_.data<S>(), lse_.data<float>(), T_, A_, G_, D_};
+    flash2_attention_backward<S>(saved, d_o.data<S>(), dq_acc.data<float>(), delta.data<float>(), regs.data<float>(), dq.data<S>(),
+                                 dk.data<S>(), dv.data<S>());
   }
 
   // d norm-1 output = dq·Wq + dk·Wk + dv·Wv; dW_q,k,v += d{q,k,v}ᵀ · norm-1 output.
@@ -873,61 +755,6 @@ class LayerCore final : public DecoderLayer::Engine {
 };
 
 }  // namespace
-
-int64_t LayerWeightShape::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
-  const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
-  const int64_t EL = E / std::max<int64_t>(1, c.ep);
-  std::vector<LayerWeightShape> w = {{"norm1", {H}},          {"wq", {A * D, H}},     {"wk", {G * D, H}},
-                                     {"wv", {G * D, H}},      {"wo", {H, A * D}},     {"norm2", {H}},
-                                     {"router", {E, H}},      {"w_gate_up", {EL, 2 * F, H}}, {"w_down", {EL, H, F}}};
-  if (c.shared_ffn > 0) {
-    w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
-    w.push_back({"shared_down", {H, c.shared_ffn}});
-  }
-  return w;
-}
-
-int64_t layer_weight_elems(const LayerScheduleConfig& c) {
-  int64_t n = 0;
-  for (const auto& w : layer_weight_shapes(c)) n += w.numel();
-  return n;
-}
-
-void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
-  if (name == "norm1") return w.norm1;
-  if (name == "wq") return w.wq;
-  if (name == "wk") return w.wk;
-  if (name == "wv") return w.wv;
-  if (name == "wo") return w.wo;
-  if (name == "norm2") return w.norm2;
-  if (name == "router") return w.router;
-  if (name == "w_gate_up") return w.w_gate_up;
-  if (name == "w_down") return w.w_down;
-  if (name == "shared_gate_up") return w.shared_gate_up;
-  if (name == "shared_down") return w.shared_down;
-  throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
-}
-
-bool is_expert_weight(const std::string& name) { return name == "w_gate_up" || name == "w_down"; }
-
-LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c, void* experts) {
-  LayerWeightPtrs w;
-  auto* p = static_cast<unsigned char*>(base);
-  auto* q = static_cast<unsigned char*>(experts);
-  const int64_t elem = dtype_bytes(c.dtype);
-  for (const auto& s : layer_weight_shapes(c)) {
-    unsigned char*& at = experts != nullptr && is_expert_weight(s.name) ? q : p;
-    layer_weight_ptr(w, s.name) = at;
-    at += s.numel() * elem;
-  }
-  return w;
-}
 
 DecoderLayer::DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights,
                            Communicator* ep_group) {

@@ -1,0 +1,139 @@
+// Pieces of the decoder layer (decoder_layer.cpp) that stand on their own: where an MoE layer's
+// rows go across the EP ranks (EpRows), and FlashAttention-2's backward over the layer's saved
+// attention set. Internal to executor/schedules.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "executor/comm/communicator.h"
+#include "executor/ops/dtype.h"
+
+namespace flatpeak::exec::layer_detail {
+
+// Where the rows of one MoE layer go at EP > 1 (host metadata, from every rank's [E] counts):
+// what this rank sends each destination (send order: expert-major over all E, so destination
+// blocks), what it receives from each source (source-major, each source's rows in expert order),
+// and the regrouping of the received rows by local expert (chunks of one (source, expert)).
+struct EpRows {
+  struct Chunk {
+    int64_t exp_row, recv_row, rows;
+  };
+  std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;  // [EP] each
+  std::vector<Chunk> chunks;                                          // in expert order
+  std::vector<int64_t> local_begin;                                   // [E/EP + 1] expert-order rows
+  int64_t received = 0;                                               // R
+
+  // all_counts [EP·E]: rank s's copies per expert at s·E.
+  EpRows(const std::vector<int64_t>& all_counts, int64_t ep, int64_t me, int64_t E) {
+    const int64_t EL = E / ep;
+    auto count = [&](int64_t s, int64_t e) { return all_counts[static_cast<size_t>(s * E + e)]; };
+    send_rows.assign(static_cast<size_t>(ep), 0), send_begin.assign(static_cast<size_t>(ep), 0);
+    recv_rows.assign(static_cast<size_t>(ep), 0), recv_begin.assign(static_cast<size_t>(ep), 0);
+    for (int64_t d = 0, at = 0; d < ep; ++d) {
+      send_begin[static_cast<size_t>(d)] = at;
+      for (int64_t e = d * EL; e < (d + 1) * EL; ++e) send_rows[static_cast<size_t>(d)] += count(me, e);
+      at += send_rows[static_cast<size_t>(d)];
+    }
+    for (int64_t s = 0; s < ep; ++s) {
+      recv_begin[static_cast<size_t>(s)] = received;
+      for (int64_t l = 0; l < EL; ++l) recv_rows[static_cast<size_t>(s)] += count(s, me * EL + l);
+      received += recv_rows[static_cast<size_t>(s)];
+    }
+    local_begin.assign(static_cast<size_t>(EL + 1), 0);
+    std::vector<int64_t> cursor(recv_begin);  // next unread row of each source's block
+    int64_t row = 0;
+    for (int64_t l = 0; l < EL; ++l) {
+      for (int64_t s = 0; s < ep; ++s) {
+        const int64_t n = count(s, me * EL + l);
+        if (n > 0) chunks.push_back({row, cursor[static_cast<size_t>(s)], n});
+        cursor[static_cast<size_t>(s)] += n;
+        row += n;
+      }
+      local_begin[static_cast<size_t>(l + 1)] = row;
+    }
+  }
+  // Source-major rows (width W) into expert order, and back.
+  template <class V>
+  void regroup(const V* src, V* dst, int64_t W) const {
+    for (const Chunk& ch : chunks) std::copy(src + ch.recv_row * W, src + (ch.recv_row + ch.rows) * W, dst + ch.exp_row * W);
+  }
+  template <class V>
+  void ungroup(const V* src, V* dst, int64_t W) const {
+    for (const Chunk& ch : chunks) std::copy(src + ch.exp_row * W, src + (ch.exp_row + ch.rows) * W, dst + ch.recv_row * W);
+  }
+  // One all-to-allv of rows of width W: to the experts (send order → received order), or home.
+  void exchange(Communicator& comm, const void* from, void* to, int64_t W, DType dtype, bool to_experts) const {
+    const std::vector<int64_t>& out = to_experts ? send_rows : recv_rows;
+    const std::vector<int64_t>& out_at = to_experts ? send_begin : recv_begin;
+    const std::vector<int64_t>& in = to_experts ? recv_rows : send_rows;
+    const std::vector<int64_t>& in_at = to_experts ? recv_begin : send_begin;
+    const size_t n = out.size();
+    std::vector<int64_t> sc(n), sd(n), rc(n), rd(n);
+    for (size_t p = 0; p < n; ++p) sc[p] = out[p] * W, sd[p] = out_at[p] * W, rc[p] = in[p] * W, rd[p] = in_at[p] * W;
+    static const int64_t nothing = 0;  // a valid address for an empty side
+    comm.all_to_allv(from ? from : &nothing, sc.data(), sd.data(), to ? to : const_cast<int64_t*>(&nothing), rc.data(), rd.data(), dtype);
+  }
+};
+
+// The saved forward of one attention: q [T, a, d], k, v [T, g, d], o [T, a, d] in the storage
+// dtype, lse [a, T] fp32 (causal, GQA: query head h reads kv head h / (a / g)).
+template <class S>
+struct SavedAttention {
+  const S *q, *k, *v, *o;
+  const float* lse;
+  int64_t tokens, q_heads, kv_heads, head_dim;
+};
+
+// FlashAttention-2's backward, one key row at a time: dK and dV of the row in fp32 registers
+// (`regs`, [2, d]), dQ accumulated in fp32 over key rows (`dq_acc` [T, a·d]), delta = Σ dO ⊙ O per
+// query row (`delta` [a, T] fp32); writes dq, dk, dv in the storage dtype.
+template <class S>
+void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* dq_acc, float* delta, float* regs, S* dq, S* dk, S* dv) {
+  const S *q = a.q, *k = a.k, *v = a.v, *o = a.o, *g = d_o;
+  const float* lse = a.lse;
+  const int64_t T = a.tokens, A = a.q_heads, G = a.kv_heads, D = a.head_dim;
+  float* acc = dq_acc;
+  float* dl = delta;
+  const int64_t group = A / G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t h = 0; h < A; ++h)
+    for (int64_t i = 0; i < T; ++i) {
+      float dot = 0.0f;
+      for (int64_t j = 0; j < D; ++j) dot += to_f32(g[(i * A + h) * D + j]) * to_f32(o[(i * A + h) * D + j]);
+      dl[h * T + i] = dot;
+    }
+  std::fill(acc, acc + T * A * D, 0.0f);
+  float* dk_row = regs;
+  float* dv_row = dk_row + D;
+  for (int64_t kh = 0; kh < G; ++kh)
+    for (int64_t j = 0; j < T; ++j) {
+      std::fill(dk_row, dk_row + 2 * D, 0.0f);
+      const S* kj = k + (j * G + kh) * D;
+      const S* vj = v + (j * G + kh) * D;
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+        for (int64_t i = j; i < T; ++i) {
+          const S* qi = q + (i * A + h) * D;
+          const S* gi = g + (i * A + h) * D;
+          float s = 0.0f, dp = 0.0f;
+          for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]), dp += to_f32(gi[x]) * to_f32(vj[x]);
+          const float pr = std::exp(scale * s - lse[h * T + i]);
+          const float ds = pr * (dp - dl[h * T + i]);
+          float* aq = acc + (i * A + h) * D;
+          for (int64_t x = 0; x < D; ++x) {
+            dv_row[x] += pr * to_f32(gi[x]);
+            dk_row[x] += scale * ds * to_f32(qi[x]);
+            aq[x] += scale * ds * to_f32(kj[x]);
+          }
+        }
+      for (int64_t x = 0; x < D; ++x) {
+        store_f32(dk + (j * G + kh) * D + x, dk_row[x]);
+        store_f32(dv + (j * G + kh) * D + x, dv_row[x]);
+      }
+    }
+  for (int64_t i = 0; i < T * A * D; ++i) store_f32(dq + i, acc[i]);
+}
+
+}  // namespace flatpeak::exec::layer_detail

@@ -1,0 +1,80 @@
+// The decoder layer's weights as caller-owned storage sees them (decoder_layer.h): their shapes
+// in storage order, views of a flat buffer (or of a dense part and an expert part: the FSDP
+// layout at EP > 1), and the config check the layer runs first.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "executor/schedules/decoder_layer.h"
+
+namespace flatpeak::exec {
+
+void check_layer_config(const LayerScheduleConfig& c) {
+  if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 ||
+      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0 || c.shared_ffn < 0)
+    throw std::invalid_argument("layer schedule: every dimension must be positive");
+  if (c.q_heads % c.kv_heads != 0)
+    throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
+  if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
+  if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
+  if (c.dtype != DType::BF16 && c.dtype != DType::F32)
+    throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
+}
+
+int64_t LayerWeightShape::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
+  const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
+  const int64_t EL = E / std::max<int64_t>(1, c.ep);
+  std::vector<LayerWeightShape> w = {{"norm1", {H}},          {"wq", {A * D, H}},     {"wk", {G * D, H}},
+                                     {"wv", {G * D, H}},      {"wo", {H, A * D}},     {"norm2", {H}},
+                                     {"router", {E, H}},      {"w_gate_up", {EL, 2 * F, H}}, {"w_down", {EL, H, F}}};
+  if (c.shared_ffn > 0) {
+    w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
+    w.push_back({"shared_down", {H, c.shared_ffn}});
+  }
+  return w;
+}
+
+int64_t layer_weight_elems(const LayerScheduleConfig& c) {
+  int64_t n = 0;
+  for (const auto& w : layer_weight_shapes(c)) n += w.numel();
+  return n;
+}
+
+void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
+  if (name == "norm1") return w.norm1;
+  if (name == "wq") return w.wq;
+  if (name == "wk") return w.wk;
+  if (name == "wv") return w.wv;
+  if (name == "wo") return w.wo;
+  if (name == "norm2") return w.norm2;
+  if (name == "router") return w.router;
+  if (name == "w_gate_up") return w.w_gate_up;
+  if (name == "w_down") return w.w_down;
+  if (name == "shared_gate_up") return w.shared_gate_up;
+  if (name == "shared_down") return w.shared_down;
+  throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
+}
+
+bool is_expert_weight(const std::string& name) { return name == "w_gate_up" || name == "w_down"; }
+
+LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c, void* experts) {
+  LayerWeightPtrs w;
+  auto* p = static_cast<unsigned char*>(base);
+  auto* q = static_cast<unsigned char*>(experts);
+  const int64_t elem = dtype_bytes(c.dtype);
+  for (const auto& s : layer_weight_shapes(c)) {
+    unsigned char*& at = experts != nullptr && is_expert_weight(s.name) ? q : p;
+    layer_weight_ptr(w, s.name) = at;
+    at += s.numel() * elem;
+  }
+  return w;
+}
+
+}  // namespace flatpeak::exec
