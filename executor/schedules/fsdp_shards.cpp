@@ -172,7 +172,11 @@ void FsdpShards::reduce_scatter_into(size_t i, const Tensor& input, Tensor& shar
     if (want == DType::F32 && mine == stride) {
       comm_->reduce_scatter(in, shard.raw(), stride, DType::F32);  // lands in the shard itself
     } else {
-      Tensor summed(alloc_, DType::F32, {stride}, Category::Fsdp);  // [S] fp32, this rank's block (the unit's reduce-scatter output)
+      // [S] fp32, this rank's block. For bf16 shards it is the unit's reduce-scatter output, as in
+      // FSDP2 (fsdp, what the planner counts); for an fp32 shard it exists only because a short
+      // slice (the last ranks of an uneven split) is not padded to S as FSDP2's shards are (comm).
+      const Category staging = want == DType::BF16 ? Category::Fsdp : Category::Comm;
+      Tensor summed(alloc_, DType::F32, {stride}, staging);
       comm_->reduce_scatter(in, summed.raw(), stride, DType::F32);
       store(0, mine, summed.data<float>());
     }

@@ -89,8 +89,10 @@ class FsdpShards {
   // fsdp) widened from the [U] bf16 gradient, then its rank-order sum written (not added) into
   // `shard`, the rank's grad shard of unit i (shard_length(i) elements, fp32 or bf16: rounded
   // once). The sum lands in place when the shard is fp32 and its slice a full S; otherwise through
-  // an fp32 [S] buffer, the unit's reduce-scatter output (category fsdp, as the planner counts it:
-  // planner/memory_model.h, add_reduce_scatter_output; freed here). An input made by the caller (the blocked
+  // an fp32 [S] buffer, freed here: for bf16 shards the unit's reduce-scatter output (category
+  // fsdp, as the planner counts it: planner/memory_model.h, add_reduce_scatter_output); for an
+  // fp32 shard of a short slice, which FSDP2 pads to S and receives in place, category comm (no
+  // timeline column: the planner models FSDP2's padded shards). An input made by the caller (the blocked
   // loss's fp32 dW accumulator) must have the same layout.
   Tensor reduce_scatter_input(size_t i, const Tensor& unsharded_grad);
   void reduce_scatter_into(size_t i, const Tensor& input, Tensor& shard);
