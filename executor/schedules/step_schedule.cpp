@@ -145,7 +145,7 @@ class StepRun {
   StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c)
       : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
         lc_(layer_config(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
-        data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() : 0) {
+        data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() % c.ep : 0) {
     head_ = L_ + 1;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
     for (int64_t l = 0; l < L_; ++l)
@@ -190,18 +190,20 @@ class StepRun {
     if (keep) {
       if (!c_.result_sink) r.grads.reserve(static_cast<size_t>(P_));
       int64_t offset = 0;
-      for (const Tensor& s : grad_shards_) {
+      for (size_t u = 0; u < grad_shards_.size(); ++u) {
+        const Tensor& s = grad_shards_[u];
+        const int64_t length = shards_->shard_length(u);  // an fp32 shard may be padded beyond it
         if (s.dtype() == DType::F32) {
-          emit(StepResultPart::Grads, r.grads, offset, s.data<float>(), s.numel());
+          emit(StepResultPart::Grads, r.grads, offset, s.data<float>(), length);
         } else {
           float widened[1024];  // bf16 shards widened a chunk at a time
-          for (int64_t at = 0; at < s.numel(); at += 1024) {
-            const int64_t n = std::min<int64_t>(1024, s.numel() - at);
+          for (int64_t at = 0; at < length; at += 1024) {
+            const int64_t n = std::min<int64_t>(1024, length - at);
             for (int64_t i = 0; i < n; ++i) widened[i] = to_f32(s.data<Bf16>()[at + i]);
             emit(StepResultPart::Grads, r.grads, offset + at, widened, n);
           }
         }
-        offset += s.numel();
+        offset += length;
       }
     }
     OptimizerDeviceView d;
@@ -234,8 +236,15 @@ class StepRun {
     if (a_.phase() != "init") a_.set_phase("init");
     // The rank's parameter shard [P]: the fp32 master with the optimizer on the device, bf16 with
     // offload; every unit sharded over the ranks (EP = 1: each rank holds a slice of every expert).
+    // 1 < EP < N: EP groups of EP consecutive ranks (each MoE layer's dispatch), and the N/EP
+    // replicas of each EP rank, which hold the same experts and shard them (FsdpShards' local group).
+    if (comm_ != nullptr && c_.ep > 1 && c_.ep < comm_->size()) {
+      const int rank = comm_->rank(), ep = static_cast<int>(c_.ep);
+      ep_group_ = comm_->split(rank / ep, rank % ep);
+      replicas_ = comm_->split(rank % ep, rank / ep);
+    }
     shards_ = std::make_unique<FsdpShards>(a_, comm_, unit_shapes_, offload_ ? ShardPrecision::Bf16 : ShardPrecision::Fp32Master,
-                                           GradShards::Caller);
+                                           GradShards::Caller, replicas_.get());
     P_ = shards_->shard_params();
     opt_.params = P_;
     Tensor& params = shards_->params();
@@ -255,7 +264,8 @@ class StepRun {
       const int64_t slice = shards_->slice_length(u, shards_->rank());
       float* dst = master + shards_->shard_offset(u);
       step_initial_params(c_, static_cast<int64_t>(u), shards_->slice_begin(u), slice, dst, ep_rank_);
-      step_initial_params(c_, static_cast<int64_t>(u), unit_shapes_[u].sharded_params, unit_shapes_[u].local_params, dst + slice, ep_rank_);
+      step_initial_params(c_, static_cast<int64_t>(u), unit_shapes_[u].sharded_params + shards_->local_begin(u),
+                          shards_->local_length(u, shards_->local_rank()), dst + slice, ep_rank_);
     }
     if (offload_)
       for (int64_t i = 0; i < P_; ++i) params.data<Bf16>()[i] = f32_to_bf16(master[i]);
@@ -295,7 +305,10 @@ class StepRun {
   void land_reduce_scatter() {
     if (rs_unit_ < 0 || !grad_shards_[static_cast<size_t>(rs_unit_)].empty()) return;
     const size_t u = static_cast<size_t>(rs_unit_);
-    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {shards_->shard_length(u)}, Category::Grads);
+    // fp32 shards padded to S (+ S_l), as FSDP2 pads its shards: the sum lands in place on every
+    // rank (bf16 shards land through the reduce-scatter output: FsdpShards::reduce_scatter_into).
+    const int64_t n = offload_ ? shards_->shard_length(u) : std::max(shards_->shard_length(u), shards_->shard_capacity(u));
+    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {n}, Category::Grads);
     shards_->reduce_scatter_into(u, rs_input_, s);
     grad_shards_[u] = std::move(s);
   }
@@ -312,7 +325,10 @@ class StepRun {
     return layer_weights_in(base, lc_, c_.ep > 1 ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
   }
   LayerWeightPtrs weights_of(int64_t l) { return layer_views(l, gathered_[static_cast<size_t>(layer_unit(l))]); }
-  Communicator* ep_group() const { return c_.ep > 1 ? comm_ : nullptr; }
+  Communicator* ep_group() const {
+    if (c_.ep == 1) return nullptr;
+    return ep_group_ ? ep_group_.get() : comm_;
+  }
 
   // ---- token ids (input data)
 
@@ -550,6 +566,7 @@ class StepRun {
   std::vector<bool> offloaded_;
   std::vector<int64_t> slot_;
 
+  std::unique_ptr<Communicator> ep_group_, replicas_;  // 1 < EP < N only (destroyed after shards_, before comm_)
   std::unique_ptr<FsdpShards> shards_;  // the rank's param shards; grad shards are grad_shards_
   Tensor m_, v_;
   std::unique_ptr<OptimizerHostState> host_state_;
@@ -584,10 +601,10 @@ std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
 
 std::vector<ParamPiece> step_rank_pieces(const StepScheduleConfig& config, int ranks, int rank) {
   if (ranks < 1 || rank < 0 || rank >= ranks) throw std::invalid_argument("step schedule: rank out of range");
-  if (config.ep != 1 && config.ep != ranks) throw std::invalid_argument("step schedule: ep must be 1 or the number of ranks");
+  if (config.ep < 1 || ranks % config.ep != 0) throw std::invalid_argument("step schedule: ep must divide the number of ranks");
   const std::vector<int64_t> whole = step_unit_params(config.model);
   const std::vector<FsdpUnitShape> shapes = step_unit_shapes(config);
-  const int64_t ep_rank = config.ep > 1 ? rank : 0;
+  const int64_t ep_rank = rank % config.ep, replicas = ranks / config.ep, replica = rank / config.ep;
   std::vector<ParamPiece> out;
   int64_t unit_at = 0;
   auto add = [&](int64_t reference_begin, int64_t, int64_t count) {
@@ -598,7 +615,9 @@ std::vector<ParamPiece> step_rank_pieces(const StepScheduleConfig& config, int r
     const int64_t sharded = shapes[u].sharded_params, S = (sharded + ranks - 1) / ranks;
     const int64_t begin = std::min(sharded, rank * S), end = std::min(sharded, begin + S);
     for_each_reference_piece(config, static_cast<int64_t>(u), ep_rank, begin, end - begin, add);
-    for_each_reference_piece(config, static_cast<int64_t>(u), ep_rank, sharded, shapes[u].local_params, add);
+    const int64_t local = shapes[u].local_params, SL = (local + replicas - 1) / replicas;  // the local part over the replicas
+    const int64_t local_begin = std::min(local, replica * SL), local_end = std::min(local, local_begin + SL);
+    for_each_reference_piece(config, static_cast<int64_t>(u), ep_rank, sharded + local_begin, local_end - local_begin, add);
     unit_at += whole[u];
   }
   return out;
@@ -660,8 +679,8 @@ StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepSchedul
 
 StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config) {
   check(config);
-  require(config.ep == 1 || config.ep == comm.size(), "ep must be 1 or the number of ranks (got ep = " + std::to_string(config.ep) +
-                                                         " on " + std::to_string(comm.size()) + " ranks; 1 < EP < N is not built)");
+  require(comm.size() % config.ep == 0,
+          "ep must divide the number of ranks (got ep = " + std::to_string(config.ep) + " on " + std::to_string(comm.size()) + " ranks)");
   return StepRun(&comm, alloc, config).run();
 }
 

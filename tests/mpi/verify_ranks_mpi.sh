@@ -4,7 +4,8 @@
 # (every component, --scale auto; its step runs on the 4 ranks at EP = 4, each MoE layer's
 # dispatch crossing them), for the whole step on 4 ranks with FSDP at EP = 1 (an
 # OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64) and for the dispatch component of a --gpus 4
-# --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator), all of which pass
+# --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator) and the whole step of
+# that plan (EP groups and expert replicas, both split communicators), all of which pass
 # (exit 0); a job whose process count differs
 # from the plan's ranks ends with exit 2 and says so. Every step runs under its own timeout (then
 # SIGKILL 10 s later) and is announced first, so a hang names the step and the script always ends,
@@ -67,6 +68,8 @@ rc=$?
 plan=$dir/plan_ep2.json
 verify_both dispatch_ep2 30 --scale auto --component dispatch
 grep -q '2 EP groups of 2 ranks' "$dir/dispatch_ep2.mpi.json" || fail "dispatch_ep2: the EP groups did not run: $(grep -A3 '"notes"' "$dir/dispatch_ep2.mpi.json")"
+verify_both step_ep2 30 --scale auto --component step
+grep -q 'step: 4 ranks, FSDP with EP = 2' "$dir/step_ep2.mpi.json" || fail "step_ep2: the MPI report does not come from the 4-rank step at EP = 2"
 
 step "mpirun $np_flag 2 on the 4-rank plan"
 limit 20 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
@@ -74,4 +77,4 @@ np2_rc=$?
 [ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
-step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch at EP = 2 of N = 4); $np_flag 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch and step at EP = 2 of N = 4); $np_flag 2 exits 2"

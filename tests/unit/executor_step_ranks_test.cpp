@@ -198,18 +198,25 @@ TEST(ExecutorStepRanks, FsdpGradAndParamBytesAreHandDerived) {
   }
 }
 
-// EP = 4 on 4 ranks (E = 8: two experts a rank, held whole; the dense weights sharded): every MoE
-// layer's dispatch and combine cross the ranks. Against the reference (each rank's naive step with
+// EP = 4 on 4 ranks (E = 8: two experts a rank, held whole; the dense weights sharded), and EP = 2
+// (two EP groups of 2 ranks; each rank's 4 experts sharded over the 2 replicas that hold them):
+// every MoE layer's dispatch and combine cross the ranks of its EP group. Against the reference (each rank's naive step with
 // all 8 experts): the loss and every grad but the experts' are bitwise (each row's arithmetic is
 // the one-rank layer's); an expert's weight grads sum every source's rows in one GEMM, rounded to
 // bf16 once instead of once per rank, so they differ by bf16 rounding of the partial sums: within
 // 2^-6 of the largest expert grad (the sum of 4 ranks' roundings, each ≤ 2^-9 relative, with room);
 // params within 2·lr (AdamW's first step moves by lr·g/(|g| + eps)).
 TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
-  for (const OptimizerPlacement placement : {OptimizerPlacement::Device, OptimizerPlacement::Stream}) {
+  struct Case {
+    int64_t ep;
+    OptimizerPlacement placement;
+  };
+  for (const Case k : {Case{kRanks, OptimizerPlacement::Device}, Case{kRanks, OptimizerPlacement::Stream}, Case{2, OptimizerPlacement::Device},
+                       Case{2, OptimizerPlacement::Serial}}) {
+    const OptimizerPlacement placement = k.placement;
     StepScheduleConfig c = config(5);
     c.model.num_experts = 8;
-    c.ep = kRanks;
+    c.ep = k.ep;
     c.offloaded = {true, false, false};
     c.prefetch = 1;
     c.optimizer.placement = placement;
@@ -241,7 +248,8 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
     int64_t held = 0;
     double largest_seen = 0.0;
     for (int r = 0; r < kRanks; ++r) {
-      const std::string what = "placement " + std::to_string(static_cast<int>(placement)) + " rank " + std::to_string(r);
+      const std::string what = "EP " + std::to_string(k.ep) + " placement " + std::to_string(static_cast<int>(placement)) + " rank " +
+                               std::to_string(r);
       const StepScheduleResult& g = got[static_cast<size_t>(r)];
       EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
       const SliceDiff dense = compare_slices(g, ref, [&](int64_t j) { return !is_expert(j); });
@@ -259,8 +267,8 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
     // differently (one GEMM over every source's rows).
     EXPECT_EQ(held, static_cast<int64_t>(ref.grads.size()));
     EXPECT_GT(largest_seen, 0.0);
-    std::printf("EP = 4, placement %d: max |expert dgrad| %.3g (largest expert grad %.3g)\n", static_cast<int>(placement), largest_seen,
-                largest_expert_grad);
+    std::printf("EP = %d, placement %d: max |expert dgrad| %.3g (largest expert grad %.3g)\n", static_cast<int>(k.ep),
+                static_cast<int>(placement), largest_seen, largest_expert_grad);
   }
 }
 
@@ -268,7 +276,7 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
 TEST(ExecutorStepRanks, RankPiecesTileTheReference) {
   StepScheduleConfig c = config();
   c.model.num_experts = 8;
-  for (const int64_t ep : {int64_t{1}, int64_t{kRanks}}) {
+  for (const int64_t ep : {int64_t{1}, int64_t{2}, int64_t{kRanks}}) {
     c.ep = ep;
     const std::vector<int64_t> units = step_unit_params(c.model);
     std::vector<int> covered(static_cast<size_t>(std::accumulate(units.begin(), units.end(), int64_t{0})));
@@ -277,7 +285,7 @@ TEST(ExecutorStepRanks, RankPiecesTileTheReference) {
         for (int64_t j = p.begin; j < p.begin + p.count; ++j) ++covered[static_cast<size_t>(j)];
     EXPECT_TRUE(std::all_of(covered.begin(), covered.end(), [](int n) { return n == 1; })) << "ep " << ep;
   }
-  c.ep = 2;  // 1 < EP < N: not built
+  c.ep = 3;  // EP must divide N
   EXPECT_THROW(step_rank_pieces(c, kRanks, 0), std::invalid_argument);
 }
 

@@ -131,7 +131,7 @@ struct StepSetup {
 StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel* routing = nullptr);
 // Rows step.<column> of every predicted phase and peak, device and host, against `alloc`'s records.
 void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report);
-// Whether the multi-rank step runs the plan (EP = 1 or EP = N; else `why_not` says why); UnsupportedPlan for
+// Whether the multi-rank step runs the plan (EP divides N; else `why_not` says why); UnsupportedPlan for
 // a plan the step does not run at all.
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);
 

@@ -20,8 +20,8 @@
 // Against the naive step (no checkpointing, materialised loss, optimizer on the device, same data):
 // max_abs_dloss, max_abs_dgrad over every reduced grad shard, and a note with the largest
 // difference of an updated parameter; all three 0 (bitwise) when the plan's loss is materialised.
-// On N > 1 ranks at EP = 1 or EP = N, step_setup predicts one rank of the N-GPU plan and every rank
-// runs the step (verify_step_ranks.cpp); at 1 < EP < N rank 0 runs this one-rank step (verify_run.cpp).
+// On N > 1 ranks step_setup predicts one rank of the N-GPU plan and every rank runs the step
+// (verify_step_ranks.cpp).
 //   flatpeak verify p.json --component step --max-ranks 1
 #include <algorithm>
 #include <cmath>
@@ -128,10 +128,8 @@ void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::T
 
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
   check_step_supported(ctx.in, ctx.scaled, layer_model(ctx));
-  if (ctx.scaled.ep == 1 || ctx.scaled.ep == ctx.scaled.ranks) return true;
-  why_not = "no multi-rank run at 1 < EP = " + std::to_string(ctx.scaled.ep) + " < N = " + std::to_string(ctx.scaled.ranks) +
-            " (the experts would be FSDP-sharded over the N/EP replicas of each EP group: not built; the multi-rank step runs "
-            "EP = 1 and EP = N plans)";
+  if (ctx.scaled.ranks % ctx.scaled.ep == 0) return true;
+  why_not = "no multi-rank run: EP = " + std::to_string(ctx.scaled.ep) + " does not divide N = " + std::to_string(ctx.scaled.ranks);
   return false;
 }
 
@@ -140,9 +138,9 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
   const ScaledConfig& s = ctx.scaled;
   ModelSpec model = layer_model(ctx);
   check_step_supported(in, s, model);
-  // EP = N across the ranks: every expert in the model, E/N computed on each rank, the dispatch
-  // crossing the ranks (elsewhere, one rank's E/EP experts at EP = 1).
-  const int64_t ep = ranks > 1 && s.ep == ranks ? s.ep : 1;
+  // EP > 1 across the ranks: every expert in the model, E/EP computed on each rank, the dispatch
+  // crossing the ranks of each EP group (on one rank: that rank's E/EP experts at EP = 1).
+  const int64_t ep = ranks > 1 ? s.ep : 1;
   if (ep > 1) model.num_experts = s.num_experts;
 
   exec::StepScheduleConfig c;
@@ -159,9 +157,12 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
                           : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
                                                     : exec::OptimizerPlacement::Stream;
   c.optimizer.cpu_threads = ranks > 1 ? 1 : 2;  // thread ranks share the machine's cores
-  // The rank's P: rank 0's slices of every unit (the largest, ceil(U / N) each) and its experts.
+  // The rank's P: rank 0's slices of every unit (the largest, ceil(U / N) each) and of its experts
+  // (over the N/EP replicas that hold them).
   int64_t params = 0;
-  for (const exec::FsdpUnitShape& u : exec::step_unit_shapes(c)) params += (u.sharded_params + ranks - 1) / ranks + u.local_params;
+  const int64_t replicas = ranks / ep;
+  for (const exec::FsdpUnitShape& u : exec::step_unit_shapes(c))
+    params += (u.sharded_params + ranks - 1) / ranks + (u.local_params + replicas - 1) / replicas;
 
   FlagList flags;
   if (s.boundaries == "sco")
@@ -175,7 +176,7 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
     flags.emplace_back("--bucket-params", std::to_string(c.optimizer.bucket_params));
     flags.emplace_back("--bucket-depth", std::to_string(s.bucket_depth));
   }
-  if (ranks > 1) {  // FSDP over N ranks (EP = 1 or N): one rank's share of the N-GPU plan
+  if (ranks > 1) {  // FSDP over N ranks (any EP dividing N): one rank's share of the N-GPU plan
     flags.insert(flags.end(), {{"--gpus", std::to_string(ranks)}, {"--gpus-per-node", std::to_string(ranks)}, {"--ep", std::to_string(ep)},
                                {"--micro-batch", "1"}});
     // Ring-DTP's ring is the vocab component's; the step's loss is a ring of one (scale_config's R).

@@ -1,10 +1,11 @@
-// verify --component step on N ranks (EP = 1 or EP = N): the whole training step of the scaled
+// verify --component step on N ranks (any EP dividing N): the whole training step of the scaled
 // model on every rank with FSDP across them (executor/schedules/step_schedule.h with a
 // Communicator: every unit all-gathered before it runs, its unsharded grads reduce-scattered into
-// the rank's shard, the optimizer stepping the rank's shard; at EP = N each rank holds its E/N
-// experts whole and every MoE layer's dispatch and combine cross the ranks), each rank running
-// its own sequence, against the planner's timeline of one rank of the N-GPU plan (--gpus N --ep
-// EP; at EP = N on the realised routing: every layer's [N][E] token copies, gathered after the
+// the rank's shard, the optimizer stepping the rank's shard; at EP > 1 each rank holds its E/EP
+// experts, whole at EP = N, else sharded over the N/EP replicas that hold them, and every MoE
+// layer's dispatch and combine cross the ranks of its EP group), each rank running its own
+// sequence, against the planner's timeline of one rank of the N-GPU plan (--gpus N --ep EP; at EP
+// > 1 on the routing its EP group realised: every layer's [EP][E] token copies, gathered after the
 // run), every column of every phase as the one-rank component compares them
 // (verify_step_full.cpp). Every rank compares its own measurement; the merge keeps, per row, the
 // rank that measured the most (results[].rank).
@@ -14,12 +15,11 @@
 // (rounded once to bf16 when the optimizer is offloaded: bf16 grad shards), then AdamW on the
 // rank's slice: max_abs_dloss (each rank's loss against its naive step), max_abs_dgrad over the
 // rank's grad shard, and a note with the largest updated-parameter difference over the ranks; all
-// three 0 (bitwise) when the plan's loss is materialised at EP = 1. At EP = N the experts' weight
+// three 0 (bitwise) when the plan's loss is materialised at EP = 1. At EP > 1 the experts' weight
 // grads sum every source's rows in one GEMM (one bf16 rounding, not one per rank), so they and
 // the params they update differ within rounding; everything else stays bitwise. The reference is built first and the
 // measured step hands its grads and params to the comparison while its buffers hold them
 // (StepScheduleConfig::result_sink), so verify keeps only the reference's [P/N] grads and params.
-// Plans with 1 < EP < N are not run here (verify_run.cpp runs the one-rank step on rank 0 with a note).
 //   flatpeak verify p.json --component step        (p.json: --gpus 4 --ep 1; threads or mpirun -np 4)
 #include <algorithm>
 #include <cmath>
@@ -109,8 +109,8 @@ class ReferenceGradShard {
   std::vector<float> sum_;
 };
 
-// Every rank's token copies per expert of every layer ([L][E] each): the realised routing the
-// planner predicts the EP = N step on ([L][N][E], one count matrix a MoE layer).
+// Every rank of the EP group's token copies per expert of every layer ([L][E] each): the realised
+// routing the planner predicts the group's step on ([L][EP][E], one count matrix a MoE layer).
 std::shared_ptr<RoutingFile> gathered_routing(exec::Communicator& comm, const std::vector<std::vector<int64_t>>& counts, int64_t experts,
                                               RoutingModel& model) {
   const int n = comm.size();
@@ -187,9 +187,11 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
   if (compared != static_cast<int64_t>(ref_grads.size() + ref_params.size()))
     throw std::logic_error("verify step: compared " + std::to_string(compared) + " of the reference's grads and params");
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - naive_loss));
-  if (c.ep > 1) {  // the prediction on the routing the layers realised
+  if (c.ep > 1) {  // the prediction on the routing the layers of this rank's EP group realised
+    const int ep = static_cast<int>(c.ep);
+    const std::unique_ptr<exec::Communicator> group = ep < n ? comm.split(comm.rank() / ep, comm.rank() % ep) : nullptr;
     RoutingModel realised;
-    const auto file = gathered_routing(comm, got.expert_counts, c.model.num_experts, realised);
+    const auto file = gathered_routing(group ? *group : comm, got.expert_counts, c.model.num_experts, realised);
     compare_step_columns(step_setup(ctx, n, &realised).predicted, alloc, report);
   } else {
     compare_step_columns(setup.predicted, alloc, report);
@@ -200,9 +202,11 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
   if (comm.rank() == 0) {
     if (c.ep > 1)
       report.notes.push_back(fmt::format("step: {} ranks, FSDP with EP = {} (every rank holds 1/{} of every dense weight and its {} "
-                                         "experts whole, and runs its own sequence; each MoE layer's dispatch crosses the ranks); "
-                                         "predicted on the realised routing of every layer; {}",
-                                         n, c.ep, n, c.model.num_experts / c.ep, setup.note));
+                                         "experts, {}, and runs its own sequence; each MoE layer's dispatch crosses the ranks of "
+                                         "its EP group); predicted on the routing each EP group realised in every layer; {}",
+                                         n, c.ep, n, c.model.num_experts / c.ep,
+                                         c.ep == n ? std::string("whole") : fmt::format("sharded over the {} ranks holding them", n / c.ep),
+                                         setup.note));
     else
       report.notes.push_back(fmt::format("step: {} ranks, FSDP at EP = 1 (every rank holds 1/{} of every unit, experts included, "
                                          "and runs its own sequence); {}",
