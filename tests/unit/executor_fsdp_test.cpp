@@ -8,6 +8,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "executor/comm/threads_comm.h"
@@ -213,6 +215,78 @@ TEST(ExecutorFsdp, OneRankHoldsEverything) {
   EXPECT_EQ(to_f32(s.grads().data<Bf16>()[s.shard_offset(2)]), 1.0f);
   Tensor wrong(alloc, DType::BF16, {3}, Category::Fsdp);
   EXPECT_THROW(s.reduce_scatter(2, wrong), std::invalid_argument);
+}
+
+// A local part split over a second group (the step at 1 < EP < N: a rank's experts over the
+// replicas that hold them): 4 ranks, replicas {0, 2} and {1, 3} (split by rank % 2). The gather
+// gives every replica the whole local part of its EP rank; the reduce-scatter sums the local part
+// over the replicas in their order (and the sharded part over all 4), bitwise, into unpadded and
+// padded fp32 shards (in place: no buffer of category comm) and bf16 shards.
+TEST(ExecutorFsdp, LocalPartShardedOverTheReplicas) {
+  struct Case {
+    ShardPrecision precision;
+    bool padded;
+  };
+  for (const Case k : {Case{ShardPrecision::Fp32Master, false}, Case{ShardPrecision::Fp32Master, true}, Case{ShardPrecision::Bf16, false}}) {
+    const RunResult r = run_ranks(4, [&](int rank, Communicator& comm) {
+      std::unique_ptr<Communicator> replicas = comm.split(rank % 2, rank / 2);
+      TrackingAllocator alloc({1});
+      FsdpShards s(alloc, &comm, shapes(), k.precision, GradShards::Caller, replicas.get());
+      const int ep_rank = rank % 2;
+      EXPECT_EQ(s.local_ranks(), 2);
+      EXPECT_EQ(s.local_rank(), rank / 2);
+      EXPECT_EQ(s.local_stride(2), 6);  // 12 over 2
+      EXPECT_EQ(s.local_length(3, 1), 1);  // 3 = 2 + 1
+      for (size_t i = 0; i < s.units(); ++i) {
+        const int64_t mine = s.slice_length(i, rank), lb = s.local_begin(i), ll = s.local_length(i, s.local_rank());
+        for (int64_t e = 0; e < mine; ++e) {
+          const float v = master_value(i, s.slice_begin(i) + e);
+          if (k.precision == ShardPrecision::Fp32Master) s.params().data<float>()[s.shard_offset(i) + e] = v;
+          else s.params().data<Bf16>()[s.shard_offset(i) + e] = f32_to_bf16(v);
+        }
+        for (int64_t e = 0; e < ll; ++e) {
+          const float v = local_value(ep_rank, i, lb + e);
+          if (k.precision == ShardPrecision::Fp32Master) s.params().data<float>()[s.shard_offset(i) + mine + e] = v;
+          else s.params().data<Bf16>()[s.shard_offset(i) + mine + e] = f32_to_bf16(v);
+        }
+      }
+      for (size_t i = 0; i < s.units(); ++i) {
+        const FsdpUnitShape& u = s.unit(i);
+        {
+          Tensor w = s.gather(i);
+          for (int64_t e = 0; e < u.sharded_params; ++e) ASSERT_EQ(w.data<Bf16>()[e].bits, f32_to_bf16(master_value(i, e)).bits) << rank;
+          for (int64_t e = 0; e < u.local_params; ++e)
+            ASSERT_EQ(w.data<Bf16>()[u.sharded_params + e].bits, f32_to_bf16(local_value(ep_rank, i, e)).bits) << "rank " << rank << " unit " << i;
+        }
+        Tensor g(alloc, DType::BF16, {s.gathered_params(i)}, Category::Fsdp);
+        for (int64_t e = 0; e < s.gathered_params(i); ++e) g.data<Bf16>()[e] = f32_to_bf16(grad_value(rank, 0, i, e));
+        const Tensor in = s.reduce_scatter_input(i, g);
+        EXPECT_EQ(in.numel(), 4 * s.slice_stride(i) + 2 * s.local_stride(i));
+        const DType dtype = k.precision == ShardPrecision::Fp32Master ? DType::F32 : DType::BF16;
+        Tensor shard(alloc, dtype, {k.padded ? s.shard_capacity(i) : s.shard_length(i)}, Category::Grads);
+        alloc.set_phase("reduce unit " + std::to_string(i));
+        s.reduce_scatter_into(i, in, shard);
+        const auto records = alloc.phase_records();
+        const PhaseRecord& device = records[records.size() - kMemorySpaceCount];  // device first
+        if (k.padded) {
+          EXPECT_EQ(device.category_peak_bytes[static_cast<size_t>(Category::Comm)], 0) << "padded fp32 shards land in place, unit " << i;
+        }
+        const int64_t mine = s.slice_length(i, rank), lb = s.local_begin(i);
+        for (int64_t e = 0; e < s.shard_length(i); ++e) {
+          float sum = 0.0f;
+          if (e < mine) {
+            for (int p = 0; p < 4; ++p) sum += grad_value(p, 0, i, s.slice_begin(i) + e);
+          } else {
+            for (int p = ep_rank; p < 4; p += 2) sum += grad_value(p, 0, i, u.sharded_params + lb + (e - mine));
+          }
+          const float want = dtype == DType::BF16 ? to_f32(f32_to_bf16(sum)) : sum;
+          const float got = dtype == DType::BF16 ? to_f32(shard.data<Bf16>()[e]) : shard.data<float>()[e];
+          ASSERT_TRUE(same_bits(got, want)) << "rank " << rank << " unit " << i << " element " << e << ": " << got << " vs " << want;
+        }
+      }
+    });
+    EXPECT_TRUE(r.ok()) << r.message;
+  }
 }
 
 }  // namespace
