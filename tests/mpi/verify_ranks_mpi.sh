@@ -53,11 +53,11 @@ verify_both() {
     fail "$name: the MPI report differs from the threads report (above)"
 }
 mpirun_options=("$@")
-verify_both dispatch 30 --scale auto --component dispatch
-verify_both default 45 --scale auto
+verify_both dispatch 40 --scale auto --component dispatch
+verify_both default 60 --scale auto
 grep -q 'step: 4 ranks, FSDP with EP = 4' "$dir/default.mpi.json" || fail "default: the MPI report's step is not the 4-rank step at EP = 4"
 plan=$dir/plan_ep1.json
-verify_both step 30 --scale 64 --component step
+verify_both step 40 --scale 64 --component step
 grep -q 'step: 4 ranks, FSDP at EP = 1' "$dir/step.mpi.json" || fail "step: the MPI report does not come from the 4-rank step"
 
 step "plan: Qwen3-30B-A3B, --gpus 4 --ep 2 (two EP groups), flatpeak, rho=1.8"
@@ -66,9 +66,9 @@ limit 20 "$flatpeak" plan --model Qwen3-30B-A3B --gpus 4 --ep 2 --context 64K --
 rc=$?
 [ $rc = 0 ] || [ $rc = 3 ] || fail "plan (--ep 2) exited $rc: $(cat "$dir/plan_ep2.err")"
 plan=$dir/plan_ep2.json
-verify_both dispatch_ep2 30 --scale auto --component dispatch
+verify_both dispatch_ep2 40 --scale auto --component dispatch
 grep -q '2 EP groups of 2 ranks' "$dir/dispatch_ep2.mpi.json" || fail "dispatch_ep2: the EP groups did not run: $(grep -A3 '"notes"' "$dir/dispatch_ep2.mpi.json")"
-verify_both step_ep2 30 --scale auto --component step
+verify_both step_ep2 40 --scale auto --component step
 grep -q 'step: 4 ranks, FSDP with EP = 2' "$dir/step_ep2.mpi.json" || fail "step_ep2: the MPI report does not come from the 4-rank step at EP = 2"
 
 step "mpirun $np_flag 2 on the 4-rank plan"
