@@ -68,7 +68,8 @@ class LayerCore final : public DecoderLayer::Engine {
  public:
   LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group)
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
-        D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn), FS_(c.shared_ffn), TK_(T_ * K_),
+        D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
+        FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
         comm_(c.ep > 1 ? ep_group : nullptr) {
@@ -386,6 +387,7 @@ class LayerCore final : public DecoderLayer::Engine {
     n1_.reset(), q_.reset(), k_.reset(), v_.reset(), lse_.reset();
     attention_residual();
     o_.reset();
+    if (dense_) return dense_forward_no_grad(p);
     a_.set_phase(p + "moe/route");  // peak: h1, norm-2 output; routing
     n2_ = act({T_, H_});
     {
@@ -432,6 +434,7 @@ class LayerCore final : public DecoderLayer::Engine {
     rstd_ = f32({2, T_}, kAct);  // rstd of norm-1 and norm-2, saved
     norm1(rstd_.data<float>());
     attention_forward();
+    if (dense_) return dense_recompute(p, keep_output);
     a_.set_phase(p + "moe/dispatch");  // + h1, norm-2 output; routing, send, receive
     attention_residual();
     n2_ = act({T_, H_});
@@ -511,16 +514,9 @@ class LayerCore final : public DecoderLayer::Engine {
     });
   }
 
-  Tensor backward(const std::string& p, const TensorSource& grad_stream, const GradSource& grads) {
-    a_.set_phase(p + "moe/combine");  // peak: saved experts, d combine rows [T·k, H], d received rows [R, H]
-    if (dy_.empty()) start_grad_stream(grad_stream());
-    // The weights' gradients (+=): the unsharded grads of the layer's unit, zeroed by their owner.
-    const LayerWeightPtrs gw = grads();
-    S* g_norm1 = static_cast<S*>(gw.norm1);
-    S* g_wq = static_cast<S*>(gw.wq);
-    S* g_wk = static_cast<S*>(gw.wk);
-    S* g_wv = static_cast<S*>(gw.wv);
-    S* g_wo = static_cast<S*>(gw.wo);
+  // The MoE block's backward (phases moe/combine, moe/experts, moe/dispatch), ending with d h1
+  // accumulated into the residual stream.
+  void moe_backward(const std::string& p, const LayerWeightPtrs& gw) {
     S* g_norm2 = static_cast<S*>(gw.norm2);
     S* g_wr = static_cast<S*>(gw.router);
     S* g_wgu = static_cast<S*>(gw.w_gate_up);
@@ -654,6 +650,85 @@ class LayerCore final : public DecoderLayer::Engine {
       accumulate_residual(dh1);
     }
     h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
+  }
+
+  // ---- a dense FFN layer (the SwiGLU MLP over every token in place of the MoE block)
+
+  Tensor dense_forward_no_grad(const std::string& p) {
+    a_.set_phase(p + "ffn");  // peak: h1, norm-2 output, gate,up, act*up
+    n2_ = act({T_, H_});
+    {
+      Tensor rstd2 = f32({T_}, kAct);
+      rmsnorm(h1_, norm2_, n2_, rstd2.data<float>());
+    }
+    shared_forward();
+    sgu_.reset();
+    add_shared_output(h1_);  // y = h1 + FFN
+    sact_.reset(), n2_.reset();
+    Tensor y(a_, c_.dtype, {T_, H_}, Category::Boundaries);  // the next layer's boundary
+    std::copy(h1_.data<S>(), h1_.data<S>() + T_ * H_, y.data<S>());
+    h1_.reset();
+    return y;
+  }
+
+  Tensor dense_recompute(const std::string& p, bool keep_output) {
+    a_.set_phase(p + "ffn");  // + h1, norm-2 output, gate,up and act*up (saved)
+    attention_residual();
+    n2_ = act({T_, H_});
+    rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
+    shared_forward();
+    Tensor y;
+    if (keep_output) {
+      y = Tensor(a_, c_.dtype, {T_, H_}, Category::Boundaries);
+      std::copy(h1_.data<S>(), h1_.data<S>() + T_ * H_, y.data<S>());
+      add_shared_output(y);
+    }
+    return y;
+  }
+
+  // Phase ffn: d act*up [T, F_d], d gate,up [T, 2F_d] and d norm-2 output [T, H] live together
+  // beside the saved set; then the norm-2 backward into the residual stream.
+  void dense_backward(const LayerWeightPtrs& gw) {
+    S* g_down = static_cast<S*>(gw.shared_down);
+    S* g_gate_up = static_cast<S*>(gw.shared_gate_up);
+    const S* dy = dy_.data<S>();
+    Tensor dn2 = act({T_, H_});
+    {
+      Tensor dsact = act({T_, FS_});
+      Tensor dsgu = act({T_, 2 * FS_});
+      gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
+      gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_down, FS_);
+      const S* sg = sgu_.data<S>();
+      for (int64_t t = 0; t < T_; ++t)
+        for (int64_t f = 0; f < FS_; ++f) {
+          const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
+          const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
+          store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
+        }
+      gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_gate_up, H_);
+      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, false, dn2.data<S>(), H_);
+    }
+    Tensor dh1 = act({T_, H_});
+    rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, static_cast<S*>(gw.norm2));
+    dn2.reset();
+    accumulate_residual(dh1);
+    h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
+  }
+
+  Tensor backward(const std::string& p, const TensorSource& grad_stream, const GradSource& grads) {
+    // peak: saved experts, d combine rows [T·k, H], d received rows [R, H] (dense: dense_backward)
+    a_.set_phase(p + (dense_ ? "ffn" : "moe/combine"));
+    if (dy_.empty()) start_grad_stream(grad_stream());
+    // The weights' gradients (+=): the unsharded grads of the layer's unit, zeroed by their owner.
+    const LayerWeightPtrs gw = grads();
+    S* g_norm1 = static_cast<S*>(gw.norm1);
+    S* g_wq = static_cast<S*>(gw.wq);
+    S* g_wk = static_cast<S*>(gw.wk);
+    S* g_wv = static_cast<S*>(gw.wv);
+    S* g_wo = static_cast<S*>(gw.wo);
+    if (dense_) dense_backward(gw);
+    else moe_backward(p, gw);
 
     a_.set_phase(p + "attn");  // peak: saved attention set, grad stream, d o, dq, dk, dv, dq accumulator, delta, d norm-1 output
     Tensor d_o = act({T_, A_ * D_});
@@ -739,7 +814,8 @@ class LayerCore final : public DecoderLayer::Engine {
 
   TrackingAllocator& a_;
   const LayerScheduleConfig c_;
-  const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here
+  const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here; FS_ shared or dense FFN width
+  const bool dense_;  // a dense FFN layer: the SwiGLU MLP (shared_forward) in place of the MoE block
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_;  // the caller's weights
   Communicator* comm_;                // the EP group (EP > 1), else null
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go

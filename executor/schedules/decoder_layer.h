@@ -38,6 +38,9 @@ struct LayerScheduleConfig {
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
   int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
+  // F_d > 0: a dense layer, one SwiGLU FFN of this width (weights ffn_gate_up [2F_d, H], ffn_down
+  // [H, F_d]; phases .../ffn) in place of the MoE block; experts, shared_ffn 0 and ep 1 then.
+  int64_t dense_ffn = 0;
   int64_t layer_index = 0;  // layer component: phase names use L<layer_index>
   // Layer component: true runs the checkpointed step (no-grad forward, recompute + backward);
   // false the naive reference that keeps every activation from one forward with grad (phases fwd/...).
@@ -53,6 +56,7 @@ void check_layer_config(const LayerScheduleConfig& config);
 // dtype (shared_* null without shared experts).
 struct LayerWeightPtrs {
   void *norm1 = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *norm2 = nullptr;
+  // shared_*: the shared experts, or a dense layer's FFN (the same SwiGLU MLP over every token).
   void *router = nullptr, *w_gate_up = nullptr, *w_down = nullptr, *shared_gate_up = nullptr, *shared_down = nullptr;
 };
 

@@ -11,13 +11,19 @@
 namespace flatpeak::exec {
 
 void check_layer_config(const LayerScheduleConfig& c) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 ||
-      c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0 || c.shared_ffn < 0)
+  if (c.tokens <= 0 || c.hidden <= 0 || c.q_heads <= 0 || c.kv_heads <= 0 || c.head_dim <= 0 || c.shared_ffn < 0 || c.dense_ffn < 0)
     throw std::invalid_argument("layer schedule: every dimension must be positive");
   if (c.q_heads % c.kv_heads != 0)
     throw std::invalid_argument("layer schedule: q_heads must be a multiple of kv_heads");
-  if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
-  if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
+  if (c.dense_ffn > 0) {
+    if (c.experts != 0 || c.shared_ffn != 0 || c.ep != 1)
+      throw std::invalid_argument("layer schedule: a dense FFN layer has no experts (experts = 0, shared_ffn = 0, ep = 1)");
+  } else {
+    if (c.experts <= 0 || c.top_k <= 0 || c.expert_ffn <= 0)
+      throw std::invalid_argument("layer schedule: every dimension must be positive");
+    if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
+    if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
+  }
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }
@@ -31,9 +37,16 @@ int64_t LayerWeightShape::numel() const {
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
   const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
   const int64_t EL = E / std::max<int64_t>(1, c.ep);
-  std::vector<LayerWeightShape> w = {{"norm1", {H}},          {"wq", {A * D, H}},     {"wk", {G * D, H}},
-                                     {"wv", {G * D, H}},      {"wo", {H, A * D}},     {"norm2", {H}},
-                                     {"router", {E, H}},      {"w_gate_up", {EL, 2 * F, H}}, {"w_down", {EL, H, F}}};
+  std::vector<LayerWeightShape> w = {{"norm1", {H}}, {"wq", {A * D, H}}, {"wk", {G * D, H}},
+                                     {"wv", {G * D, H}}, {"wo", {H, A * D}}, {"norm2", {H}}};
+  if (c.dense_ffn > 0) {
+    w.push_back({"ffn_gate_up", {2 * c.dense_ffn, H}});
+    w.push_back({"ffn_down", {H, c.dense_ffn}});
+    return w;
+  }
+  w.push_back({"router", {E, H}});
+  w.push_back({"w_gate_up", {EL, 2 * F, H}});
+  w.push_back({"w_down", {EL, H, F}});
   if (c.shared_ffn > 0) {
     w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
     w.push_back({"shared_down", {H, c.shared_ffn}});
@@ -57,8 +70,9 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   if (name == "router") return w.router;
   if (name == "w_gate_up") return w.w_gate_up;
   if (name == "w_down") return w.w_down;
-  if (name == "shared_gate_up") return w.shared_gate_up;
-  if (name == "shared_down") return w.shared_down;
+  // A dense layer's FFN is the same SwiGLU MLP over every token as the shared experts: one slot.
+  if (name == "shared_gate_up" || name == "ffn_gate_up") return w.shared_gate_up;
+  if (name == "shared_down" || name == "ffn_down") return w.shared_down;
   throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
 }
 

@@ -56,16 +56,20 @@ void check(const StepScheduleConfig& c) {
   require(m.hidden_size > 0 && m.vocab_size > 0 && m.num_layers > 0, "hidden, vocab and layers must be positive");
   require(static_cast<int64_t>(m.layers.size()) == m.num_layers, "the model must list every layer");
   require(m.attention == AttentionKind::Gqa, "GQA attention only (MLA is not in the executor)");
-  require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "every layer is MoE with top_k <= the experts");
+  require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "MoE layers with top_k <= the experts");
   require(c.ep >= 1 && m.num_experts % c.ep == 0, "ep must be >= 1 and divide the experts (got " + std::to_string(c.ep) + ")");
-  for (const LayerSpec& l : m.layers) require(l.ffn == FfnKind::Moe, "every layer must be MoE (dense FFN layers are not run)");
+  for (const LayerSpec& l : m.layers)
+    require(l.ffn == FfnKind::Moe || m.dense_ffn_width > 0, "a dense FFN layer needs dense_ffn_width > 0");
   require(!m.tie_word_embeddings, "an untied LM head only");
   require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
 }
 
-LayerScheduleConfig layer_config(const StepScheduleConfig& c) {
+bool is_dense_layer(const StepScheduleConfig& c, int64_t layer) { return c.model.layers[static_cast<size_t>(layer)].ffn != FfnKind::Moe; }
+
+// Layer `layer`'s config: its MoE block, or a dense layer's FFN.
+LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   LayerScheduleConfig l;
   const ModelSpec& m = c.model;
   l.tokens = c.tokens;
@@ -73,11 +77,15 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c) {
   l.q_heads = m.num_heads;
   l.kv_heads = m.num_kv_heads;
   l.head_dim = m.head_dim;
-  l.experts = m.num_experts;
-  l.ep = c.ep;
-  l.top_k = m.top_k;
-  l.expert_ffn = m.expert_ffn_width;
-  l.shared_ffn = m.shared_expert_ffn_width;
+  if (is_dense_layer(c, layer)) {
+    l.dense_ffn = m.dense_ffn_width;
+  } else {
+    l.experts = m.num_experts;
+    l.ep = c.ep;
+    l.top_k = m.top_k;
+    l.expert_ffn = m.expert_ffn_width;
+    l.shared_ffn = m.shared_expert_ffn_width;
+  }
   l.dtype = DType::BF16;
   check_layer_config(l);
   return l;
@@ -101,11 +109,11 @@ struct UnitSegment {
 std::vector<UnitSegment> unit_segments(const StepScheduleConfig& c, int64_t unit, int64_t ep_rank) {
   const std::vector<int64_t> whole = step_unit_params(c.model);
   const int64_t U = whole[static_cast<size_t>(unit)];
-  if (c.ep == 1 || !is_layer_unit(c, unit)) return {{0, U, 0}};
+  if (c.ep == 1 || !is_layer_unit(c, unit) || is_dense_layer(c, unit - 1)) return {{0, U, 0}};
   const FsdpUnitShape shape = step_unit_shapes(c)[static_cast<size_t>(unit)];
   StepScheduleConfig reference = c;
   reference.ep = 1;
-  const LayerScheduleConfig ref_layer = layer_config(reference);
+  const LayerScheduleConfig ref_layer = layer_config(reference, unit - 1);
   const int64_t EL = c.model.num_experts / c.ep;
   std::vector<UnitSegment> out;
   int64_t ref_at = 0, dense_at = 0, expert_at = shape.sharded_params, expert_weights = 0;
@@ -144,12 +152,12 @@ class StepRun {
  public:
   StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c)
       : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
-        lc_(layer_config(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
+        lcs_(layer_configs(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
         data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() % c.ep : 0) {
     head_ = L_ + 1;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
     for (int64_t l = 0; l < L_; ++l)
-      require(layer_weight_elems(lc_) <= unit_params_[static_cast<size_t>(l + 1)], "the layer's weights exceed its unit");
+      require(layer_weight_elems(lcs_[static_cast<size_t>(l)]) <= unit_params_[static_cast<size_t>(l + 1)], "the layer's weights exceed its unit");
     loss_ = c.loss;
     loss_.tokens = T_;
     loss_.hidden = H_;
@@ -322,7 +330,8 @@ class StepRun {
   // after the dense part.
   LayerWeightPtrs layer_views(int64_t l, Tensor& unit) const {
     Bf16* base = unit.data<Bf16>();
-    return layer_weights_in(base, lc_, c_.ep > 1 ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
+    const bool experts_apart = c_.ep > 1 && !is_dense_layer(c_, l);
+    return layer_weights_in(base, lc(l), experts_apart ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
   }
   LayerWeightPtrs weights_of(int64_t l) { return layer_views(l, gathered_[static_cast<size_t>(layer_unit(l))]); }
   Communicator* ep_group() const {
@@ -390,13 +399,13 @@ class StepRun {
       };
       Tensor y;
       if (c_.naive) {
-        naive_layers_.emplace_back(a_, lc_, weights_of(l), ep_group());
+        naive_layers_.emplace_back(a_, lc(l), weights_of(l), ep_group());
         y = naive_layers_.back().forward_saving(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), true, nullptr, start);
-        expert_counts_.push_back(naive_layers_.back().expert_counts());
+        if (!is_dense_layer(c_, l)) expert_counts_.push_back(naive_layers_.back().expert_counts());
       } else {
-        DecoderLayer layer(a_, lc_, weights_of(l), ep_group());
+        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group());
         y = layer.forward_no_grad(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), start);
-        expert_counts_.push_back(layer.expert_counts());
+        if (!is_dense_layer(c_, l)) expert_counts_.push_back(layer.expert_counts());
         reshard(layer_unit(l));
       }
       if (offloaded_[static_cast<size_t>(l)]) device_[static_cast<size_t>(l)].reset();
@@ -513,7 +522,7 @@ class StepRun {
           fetch(l);
           for (int64_t i = l - 1; i >= 0 && i >= l - c_.prefetch; --i) fetch(i);  // SCO's prefetch
         };
-        DecoderLayer layer(a_, lc_, weights_of(l), ep_group());
+        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group());
         layer.forward_saving(device_[static_cast<size_t>(l)], layer_prefix("bwd", l) + "recompute/", false,
                              [&] { return std::move(dy_); }, start);
         dx = layer.backward(device_[static_cast<size_t>(l)], layer_prefix("bwd", l), nullptr, make_grads);
@@ -553,7 +562,13 @@ class StepRun {
   Communicator* comm_;
   const StepScheduleConfig& c_;
   const int64_t T_, H_, V_, L_;
-  const LayerScheduleConfig lc_;
+  static std::vector<LayerScheduleConfig> layer_configs(const StepScheduleConfig& c) {
+    std::vector<LayerScheduleConfig> out;
+    for (int64_t l = 0; l < c.model.num_layers; ++l) out.push_back(layer_config(c, l));
+    return out;
+  }
+  const LayerScheduleConfig& lc(int64_t l) const { return lcs_[static_cast<size_t>(l)]; }
+  const std::vector<LayerScheduleConfig> lcs_;  // per layer
   const std::vector<FsdpUnitShape> unit_shapes_;  // step_unit_shapes
   const std::vector<int64_t> unit_params_;        // gathered [U] per unit
   const uint64_t data_seed_;
@@ -589,7 +604,7 @@ std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
   std::vector<FsdpUnitShape> out;
   for (size_t u = 0; u < whole.size(); ++u) {
     const std::string name = "unit" + std::to_string(u);
-    if (ep == 1 || !is_layer_unit(config, static_cast<int64_t>(u))) {
+    if (ep == 1 || !is_layer_unit(config, static_cast<int64_t>(u)) || is_dense_layer(config, static_cast<int64_t>(u) - 1)) {
       out.push_back({name, whole[u], 0});
       continue;
     }
@@ -653,7 +668,7 @@ void reference_initial_params(const StepScheduleConfig& config, int64_t unit, in
   } else {
     int64_t at = 0;
     uint64_t j = 0;
-    for (const auto& w : layer_weight_shapes(layer_config(config))) {
+    for (const auto& w : layer_weight_shapes(layer_config(config, unit - 1))) {
       tensor(at, w.numel(), seed + ++j, weight(w.shape.back(), w.shape.size() == 1));
       at += w.numel();
     }

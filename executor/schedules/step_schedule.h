@@ -6,7 +6,7 @@
 // layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
 // as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last
 // with its recompute and backward, bwd/embed, and the AdamW step in the plan's placement.
-//   StepScheduleConfig c; c.model = scaled_model; c.tokens = 512;          // every layer MoE, GQA
+//   StepScheduleConfig c; c.model = scaled_model; c.tokens = 512;          // MoE and dense layers, GQA
 //   c.loss.mode = VocabScheduleMode::Blocked; c.loss.token_block_rows = 64; c.loss.vocab_block_rows = 2374;
 //   c.offloaded = {true, false, false, false}; c.prefetch = 1;
 //   c.optimizer.placement = OptimizerPlacement::Stream; c.optimizer.bucket_params = 4096;
@@ -35,8 +35,8 @@ enum class StepResultPart { Grads, Params };
 using StepResultSink = std::function<void(StepResultPart part, int64_t offset, const float* values, int64_t count)>;
 
 struct StepScheduleConfig {
-  // The model: GQA attention, every layer MoE, num_experts = E (all of them; at ep = 1 the rank
-  // computes every one), top_k ≤ num_experts, an untied LM head, no MTP. Its parameters are counted by
+  // The model: GQA attention, MoE layers (num_experts = E, all of them; at ep = 1 the rank computes
+  // every one; top_k ≤ num_experts) and dense FFN layers (dense_ffn_width), an untied LM head, no MTP. Its parameters are counted by
   // the spec library (count_params): parts the executor does not apply (QK norms, attention sinks
   // and biases, router and expert biases) are held, reduced and updated with zero gradient.
   ModelSpec model;
@@ -102,7 +102,7 @@ struct StepScheduleResult {
   std::vector<int64_t> shard_begin;   // per unit: the first element of the unit this rank holds (0 at N = 1)
   std::vector<int64_t> shard_params;  // per unit: how many (unit_params at N = 1; at EP > 1 with the local part)
   std::vector<ParamPiece> reference_pieces;  // step_rank_pieces: where grads and params lie in the reference's [P]
-  std::vector<std::vector<int64_t>> expert_counts;  // [L][E] this rank's token copies per expert (the forward's routing)
+  std::vector<std::vector<int64_t>> expert_counts;  // [MoE layers][E] this rank's token copies per expert (the forward's routing)
   std::vector<float> grads;           // [P] the reduced grad shards before the optimizer step (widened), unit by unit
   std::vector<float> params;          // [P] the fp32 master after the step (device fp32 params or the host master)
   std::vector<std::string> phases;    // every phase entered, in order (the allocator's records)

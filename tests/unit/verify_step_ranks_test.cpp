@@ -8,7 +8,8 @@
 // that measured the most; loss, grad shards and updated params bitwise the single-rank reference
 // with the materialised loss (at EP = 4 the loss, and the grads within the experts' rounding); a
 // predicted term raised by 2 % fails. --ep 2 (OLMoE-1B-7B baseline): two EP groups of 2 ranks, each
-// rank's experts sharded over the 2 replicas that hold them.
+// rank's experts sharded over the 2 replicas that hold them. GLM-4.5 baseline --ep 4: its dense
+// first layers (each unit sharded whole over the 4 ranks) beside the MoE layer and its shared expert.
 // Plans at 16K context, verified at --scale 128 (T = 128, H = 16-22; fast under ASan).
 #include <gtest/gtest.h>
 
@@ -32,7 +33,7 @@ namespace {
 using Flags = std::vector<std::pair<std::string, std::string>>;
 
 nlohmann::json plan_json(const std::string& model_name, Flags flags) {
-  flags.insert(flags.begin(), {{"--gpus", "4"}, {"--context", "16K"}});
+  flags.insert(flags.begin(), {{"--gpus", "4"}, {"--context", "16K"}, {"--mtp", "off"}});  // the step runs no MTP module
   InputErrors errs;
   const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
   errs.throw_if_any();
@@ -133,6 +134,22 @@ TEST(VerifyStepRanksTerms, DispatchTermRaisedTwoPercentFailsAtEpFour) {
   };
   EXPECT_TRUE(verify_step_of(in).pass);
   EXPECT_FALSE(verify_step_of(in, raise).pass);
+}
+
+TEST(VerifyStepRanksTerms, DenseLayersBesideExpertParallelMoe) {
+  const VerifyInputs in = read_plan_inputs(plan_json("GLM-4.5", {{"--ep", "4"}, {"--schedule", "baseline"}}), "plan.json");
+  const VerifyReport r = verify_step_of(in);
+  EXPECT_TRUE(r.pass);
+  EXPECT_TRUE(has_note(r, "step: 4 ranks, FSDP with EP = 4"));
+  int64_t ffn_rows = 0;
+  for (const auto& row : r.rows) {
+    EXPECT_LE(std::fabs(row.relative_error), 0.01) << row.component << " " << row.phase;
+    if (row.phase.find("/ffn") == std::string::npos) continue;
+    ++ffn_rows;
+    EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
+  }
+  EXPECT_GT(ffn_rows, 0);
+  EXPECT_EQ(r.max_abs_dloss, 0.0);
 }
 
 }  // namespace

@@ -49,18 +49,10 @@ std::string layer_set_text(const std::vector<bool>& offloaded) {
   return out.empty() ? "0" : out;
 }
 
-// What the step runs beyond the decoder layer: every scaled layer MoE, no MTP, an untied head.
+// What the step runs beyond the decoder layer: MoE and dense FFN layers, no MTP, an untied head.
 void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const ModelSpec& model) {
   InputErrors errs;
   layer_support_errors(in, s, "step", errs);
-  for (int64_t l = 0; l < s.layers && l < static_cast<int64_t>(model.layers.size()); ++l)
-    if (model.layers[static_cast<size_t>(l)].ffn != FfnKind::Moe) {
-      errs.add(Diagnostic{in.file, "/inputs/model/layers",
-                          "the step component runs MoE layers only (scaled layer L" + std::to_string(l) +
-                              " is a dense FFN layer, which the executor does not run)",
-                          in.attention == "gqa" ? "verify the MoE layer alone with --component layer" : ""});
-      break;
-    }
   if (in.mtp)
     errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
   if (model.tie_word_embeddings)
@@ -170,6 +162,7 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
   else
     flags = {{"--sco", "off"}};  // practice: synchronous offload of every layer; otherwise kept
   flags.emplace_back("--optimizer", s.optimizer);
+  if (model.mtp_layers > 0) flags.emplace_back("--mtp", "off");  // the step runs no MTP module (refused when the plan trains one)
   if (s.optimizer == "stream") {
     c.optimizer.bucket_params = std::max<int64_t>(1, (params + s.bucket_count - 1) / std::max<int64_t>(1, s.bucket_count));
     c.optimizer.bucket_depth = s.bucket_depth;
