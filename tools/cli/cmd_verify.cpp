@@ -162,8 +162,18 @@ int run_verify_reporting_ranks(const VerifyOptions& o, exec::Communicator* world
   } catch (const exec::RankFailed& e) {
     if (prints) std::cerr << "flatpeak: error: rank " << e.failing_rank << ": " << e.reason << "\n";
     return e.exit_code;
-  } catch (const InputError&) {
-    if (prints) throw;  // every process read the same input and fails alike; rank 0 reports it
+  } catch (const InputError& e) {
+    if (world == nullptr) throw;
+    // Every process read the same input and fails alike here (a rank's failure inside a component
+    // is agreed or aborts the job before this); rank 0 reports it, and the others wait for that at
+    // a barrier: one exiting first with a non-zero code lets mpirun kill rank 0 before it has
+    // written (the message went missing under load), and nothing written after MPI_Finalize is sure
+    // to be forwarded.
+    if (prints) {
+      print_input_error(e);
+      std::cerr.flush();
+    }
+    world->barrier();
     return kExitInput;
   }
 }

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "spec/errors.h"
+
 namespace flatpeak::cli {
 
 using RunFunction = std::function<int()>;
@@ -32,5 +34,8 @@ Command make_reach_command();
 Command make_sweep_command();
 Command make_compare_command();
 Command make_verify_command();
+
+// "flatpeak: error: ..." (and "flatpeak: hint: ...") on stderr, one line each per diagnostic.
+void print_input_error(const InputError& error);
 
 }  // namespace flatpeak::cli

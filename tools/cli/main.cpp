@@ -20,6 +20,13 @@ void add_format_option(CLI::App& sub, OutputFormat& format, bool allow_csv) {
       ->default_str("table");
 }
 
+void print_input_error(const InputError& error) {
+  for (const auto& diagnostic : error.diagnostics()) {
+    std::cerr << "flatpeak: error: " << diagnostic.to_string() << "\n";
+    if (!diagnostic.hint.empty()) std::cerr << "flatpeak: hint: " << diagnostic.hint << "\n";
+  }
+}
+
 namespace {
 
 std::vector<Command> command_table() {
@@ -32,13 +39,6 @@ std::vector<Command> command_table() {
       make_compare_command(),
       make_verify_command(),
   };
-}
-
-void print_input_error(const InputError& error) {
-  for (const auto& diagnostic : error.diagnostics()) {
-    std::cerr << "flatpeak: error: " << diagnostic.to_string() << "\n";
-    if (!diagnostic.hint.empty()) std::cerr << "flatpeak: hint: " << diagnostic.hint << "\n";
-  }
 }
 
 int run(int argc, char** argv) {
