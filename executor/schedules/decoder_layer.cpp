@@ -521,8 +521,6 @@ class LayerCore final : public DecoderLayer::Engine {
     S* g_wr = static_cast<S*>(gw.router);
     S* g_wgu = static_cast<S*>(gw.w_gate_up);
     S* g_wd = static_cast<S*>(gw.w_down);
-    S* g_wsgu = static_cast<S*>(gw.shared_gate_up);
-    S* g_wsd = static_cast<S*>(gw.shared_down);
     const S* dy = dy_.data<S>();
     Tensor dcrow = dsp({TK_, H_});
     for_each_copy([&](int64_t t, int64_t, int64_t row) {
@@ -566,21 +564,7 @@ class LayerCore final : public DecoderLayer::Engine {
     });
     // Shared experts' backward at the same time: d act*up [T, F_s], d gate,up [T, 2F_s].
     Tensor dsgu;
-    if (FS_ > 0) {
-      Tensor dsact = act({T_, FS_});
-      dsgu = act({T_, 2 * FS_});
-      gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
-      gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_wsd, FS_);
-      const S* sg = sgu_.data<S>();
-      for (int64_t t = 0; t < T_; ++t)
-        for (int64_t f = 0; f < FS_; ++f) {
-          const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
-          const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
-          store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
-          store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
-        }
-      gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_wsgu, H_);
-    }
+    if (FS_ > 0) dsgu = mlp_backward(gw);
     dfc2.reset();
     // d prob of each row (fp32). One rank: its own [T·k] buffer, in send order already. EP > 1:
     // written over the received probs (the experts have read them), then home into the permuted
@@ -654,6 +638,29 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // ---- a dense FFN layer (the SwiGLU MLP over every token in place of the MoE block)
 
+  // The SwiGLU MLP's backward over every token (the shared experts, or a dense layer's FFN; its
+  // weights in the shared_* slots): d act*up [T, F] (live until it returns) and d gate,up [T, 2F]
+  // (returned), dW_down and dW_gate_up added into the unit's grads.
+  Tensor mlp_backward(const LayerWeightPtrs& gw) {
+    S* g_down = static_cast<S*>(gw.shared_down);
+    S* g_gate_up = static_cast<S*>(gw.shared_gate_up);
+    const S* dy = dy_.data<S>();
+    Tensor dsact = act({T_, FS_});
+    Tensor dsgu = act({T_, 2 * FS_});
+    gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
+    gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_down, FS_);
+    const S* sg = sgu_.data<S>();
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t f = 0; f < FS_; ++f) {
+        const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
+        const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
+        store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
+        store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
+      }
+    gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_gate_up, H_);
+    return dsgu;
+  }
+
   Tensor dense_forward_no_grad(const std::string& p) {
     a_.set_phase(p + "ffn");  // peak: h1, norm-2 output, gate,up, act*up
     n2_ = act({T_, H_});
@@ -689,24 +696,9 @@ class LayerCore final : public DecoderLayer::Engine {
   // Phase ffn: d act*up [T, F_d], d gate,up [T, 2F_d] and d norm-2 output [T, H] live together
   // beside the saved set; then the norm-2 backward into the residual stream.
   void dense_backward(const LayerWeightPtrs& gw) {
-    S* g_down = static_cast<S*>(gw.shared_down);
-    S* g_gate_up = static_cast<S*>(gw.shared_gate_up);
-    const S* dy = dy_.data<S>();
     Tensor dn2 = act({T_, H_});
     {
-      Tensor dsact = act({T_, FS_});
-      Tensor dsgu = act({T_, 2 * FS_});
-      gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
-      gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_down, FS_);
-      const S* sg = sgu_.data<S>();
-      for (int64_t t = 0; t < T_; ++t)
-        for (int64_t f = 0; f < FS_; ++f) {
-          const float g = to_f32(sg[t * 2 * FS_ + f]), u = to_f32(sg[t * 2 * FS_ + FS_ + f]);
-          const float da = to_f32(dsact.data<S>()[t * FS_ + f]);
-          store_f32(dsgu.data<S>() + t * 2 * FS_ + f, da * u * silu_grad_f32(g));
-          store_f32(dsgu.data<S>() + t * 2 * FS_ + FS_ + f, da * silu_f32(g));
-        }
-      gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_gate_up, H_);
+      const Tensor dsgu = mlp_backward(gw);
       gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, false, dn2.data<S>(), H_);
     }
     Tensor dh1 = act({T_, H_});
