@@ -144,7 +144,7 @@ for i in "${!test_sources[@]}"; do
   fi
   t0=$(date +%s)
   if ! "$nvcc" -arch="$arch" "${test_objects[$i]}" "$out_dir/libflatpeak_gpu_check.a" \
-        "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -o "$out_dir/bin/$name" >"$out_dir/logs/$name.link.log" 2>&1; then
+        "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -ldl -o "$out_dir/bin/$name" >"$out_dir/logs/$name.link.log" 2>&1; then
     summary+=("$name|FAIL|0|link failed: $out_dir/logs/$name.link.log")
     failures=$((failures + 1))
     continue
@@ -168,10 +168,11 @@ t0=$(date +%s)
 cal_defs=()
 [ ${#nccl_flags[@]} -gt 0 ] && cal_defs=(-DFLATPEAK_HAVE_NCCL)
 if "$nvcc" "${nvcc_flags[@]}" "${cal_defs[@]}" tools/calibrate/calibrate_overhead.cu "$out_dir/libflatpeak_gpu_check.a" \
-     "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -o "$out_dir/bin/flatpeak_calibrate" >"$out_dir/logs/calibrate.build.log" 2>&1 &&
+     "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -ldl -o "$out_dir/bin/flatpeak_calibrate" >"$out_dir/logs/calibrate.build.log" 2>&1 &&
    "$out_dir/bin/flatpeak_calibrate" >"$out_dir/calibration.json" 2>"$out_dir/logs/calibrate.log"; then
   overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$out_dir/calibration.json")
-  detail="runtime_overhead_bytes $overhead ($out_dir/calibration.json)"
+  source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$out_dir/calibration.json")
+  detail="runtime_overhead_bytes $overhead by $source ($out_dir/calibration.json)"
   # A calibrated copy of the card (python3 when present; the card itself is left as it is).
   gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$out_dir/calibration.json")
   case "$gpu_name" in *H200*) card=models/hardware/H200.json ;; *H100*) card=models/hardware/H100-80GB.json ;; *) card="" ;; esac
@@ -182,8 +183,9 @@ card, cal = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 card["runtime_overhead_bytes"] = cal["runtime_overhead_bytes"]
 card["overhead_calibrated"] = True
 card.setdefault("notes", {})["runtime_overhead_bytes"] = (
-    "measured by flatpeak_calibrate on %s, %s: CUDA context %d + cuBLAS %d + workspace %d + NCCL %s bytes"
-    % (cal["device"], cal["date"], cal["cuda_context_bytes"], cal["cublas_bytes"], cal["cublas_workspace_bytes"], cal["nccl_bytes"]))
+    "measured by flatpeak_calibrate on %s, %s: CUDA context %d + cuBLAS %d + workspace %d + NCCL %s bytes (%s)"
+    % (cal["device"], cal["date"], cal["cuda_context_bytes"], cal["cublas_bytes"], cal["cublas_workspace_bytes"], cal["nccl_bytes"],
+       cal["overhead_source"]))
 json.dump(card, open(sys.argv[3], "w"), indent=2)
 PY
     detail="$detail; calibrated card: $out_dir/$(basename "$card" .json).calibrated.json"
@@ -205,7 +207,7 @@ tech_log="$out_dir/logs/cuda_techniques.log"
 if [ ${#bench_objects[@]} -eq 0 ]; then
   summary+=("technique benchmarks|skipped|0|Eigen not found: the CPU twins the schedules call cannot be built")
 elif ! "$nvcc" -arch="$arch" "${bench_objects[0]}" "$out_dir/libflatpeak_gpu_check.a" "${cublas_flags[@]}" \
-        -lpthread -o "$out_dir/bin/cuda_techniques" >"$out_dir/logs/cuda_techniques.link.log" 2>&1; then
+        -lpthread -ldl -o "$out_dir/bin/cuda_techniques" >"$out_dir/logs/cuda_techniques.link.log" 2>&1; then
   summary+=("technique benchmarks|FAIL|0|link failed: $out_dir/logs/cuda_techniques.link.log")
   failures=$((failures + 1))
 else

@@ -2,8 +2,10 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/nvml_view.h"
 
 namespace flatpeak::cuda {
 namespace {
@@ -185,6 +187,12 @@ DeviceMemoryView DeviceAllocator::device_view() const {
   FLATPEAK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   view.device_free_bytes = static_cast<int64_t>(free_bytes);
   view.device_total_bytes = static_cast<int64_t>(total_bytes);
+  NvmlMemory nvml = nvml_process_memory(options_.device);
+  view.nvml_available = nvml.available;
+  view.nvml_reason = std::move(nvml.reason);
+  view.nvml_process_used_bytes = nvml.process_used_bytes;
+  view.nvml_device_used_bytes = nvml.device_used_bytes;
+  view.nvml_device_total_bytes = nvml.device_total_bytes;
   return view;
 }
 

@@ -2,7 +2,7 @@
 // allocator, with its category, and is counted like the TrackingAllocator counts (tracked bytes =
 // requested rounded up to the alignment; live bytes per category; high-water mark and its split;
 // per-phase peaks). Beside the tracked figures, the device's own view: the pool's used/reserved
-// high-water attributes and cudaMemGetInfo.
+// high-water attributes, cudaMemGetInfo, and the driver's per-process figure through NVML.
 //   DeviceAllocator alloc({/*alignment_bytes=*/256});
 //   DeviceBuffer x(alloc, T * H * 2, exec::Category::Activations, stream);  // [T, H] bf16
 //   alloc.high_water_bytes();  alloc.device_view().pool_used_high_bytes;
@@ -28,6 +28,13 @@ struct DeviceMemoryView {
   int64_t pool_reserved_high_bytes = 0;  // cudaMemPoolAttrReservedMemHigh since the last reset
   int64_t device_free_bytes = 0;         // cudaMemGetInfo: the whole device, all processes
   int64_t device_total_bytes = 0;
+  // NVML (nvml_view.h), loaded at run time: this process's device memory as the driver counts it
+  // (context, library kernels and workspaces, every pool), the current value only (no high mark).
+  bool nvml_available = false;           // nvml_process_used_bytes holds the figure
+  std::string nvml_reason;               // why not, when !nvml_available
+  int64_t nvml_process_used_bytes = -1;
+  int64_t nvml_device_used_bytes = -1;   // nvmlDeviceGetMemoryInfo (-1 when NVML did not answer)
+  int64_t nvml_device_total_bytes = -1;
 };
 
 class DeviceAllocator {

@@ -3,13 +3,16 @@
 // peaks; the pool's own high-water attribute and cudaMemGetInfo agree with what was allocated;
 // the cuBLAS workspace is counted as workspace; capacity and device failures throw
 // (OutOfMemory, BackendError naming the statement, file:line and CUDA error) and count nothing.
-// Exit 77 (skipped) without a CUDA device.
+// NVML's per-process figure is there or comes with a reason; when there, it covers the pool's
+// reserved bytes and grows by a 1 GiB block. Exit 77 (skipped) without a CUDA device, after checking
+// that the NVML query without a device (or driver) answers "not available" with a reason.
 #include <cstdio>
 #include <exception>
 #include <string>
 
 #include "cuda_test_util.h"
 #include "executor/cuda/cublas_context.h"
+#include "executor/cuda/nvml_view.h"
 
 using namespace flatpeak;
 using namespace flatpeak::exec;
@@ -78,6 +81,50 @@ void test_device_view() {
                   bytes_text(alloc.device_view().pool_used_high_bytes));
 }
 
+void test_nvml_view() {
+  DeviceAllocator alloc;
+  const int64_t big_bytes = int64_t{1} << 30;
+  const DeviceMemoryView before = alloc.device_view();
+  expect_true("nvml/figure_or_reason",
+              before.nvml_available ? before.nvml_reason.empty() && before.nvml_process_used_bytes > 0
+                                    : !before.nvml_reason.empty() && before.nvml_process_used_bytes == -1,
+              before.nvml_available ? "process uses " + bytes_text(before.nvml_process_used_bytes)
+                                    : "not available: " + before.nvml_reason);
+  std::printf("nvml: %s\n", before.nvml_available
+                                ? ("process " + bytes_text(before.nvml_process_used_bytes) + ", device " +
+                                   bytes_text(before.nvml_device_used_bytes) + " of " +
+                                   bytes_text(before.nvml_device_total_bytes)).c_str()
+                                : ("not available: " + before.nvml_reason).c_str());
+  if (!before.nvml_available) return;
+  DeviceBuffer big(alloc, big_bytes, Category::Optimizer);
+  FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
+  const DeviceMemoryView after = alloc.device_view();
+  expect_true("nvml/covers_pool", after.nvml_available && after.nvml_process_used_bytes >= after.pool_reserved_bytes,
+              "NVML process " + bytes_text(after.nvml_process_used_bytes) + " vs pool reserved " +
+                  bytes_text(after.pool_reserved_bytes));
+  const int64_t grown = after.nvml_process_used_bytes - before.nvml_process_used_bytes;
+  expect_true("nvml/grows_with_block", grown >= big_bytes && grown <= big_bytes + (int64_t{64} << 20),
+              "NVML process figure grew by " + bytes_text(grown) + " for a 1 GiB block");
+  // The device-wide figure counts every process, this one included.
+  expect_true("nvml/device_figures",
+              after.nvml_device_total_bytes > 0 && after.nvml_device_used_bytes >= after.nvml_process_used_bytes,
+              "NVML device " + bytes_text(after.nvml_device_used_bytes) + " used of " +
+                  bytes_text(after.nvml_device_total_bytes) + " (cudaMemGetInfo total " +
+                  bytes_text(after.device_total_bytes) + ")");
+}
+
+// Without a device there is no bus id to ask about: any id must come back unavailable, with a
+// reason (no driver library here, or NVML finds no such device), and must not crash.
+int check_nvml_without_device() {
+  const NvmlMemory m = nvml_process_memory_by_pci_bus_id("0000:00:00.0");
+  std::printf("nvml without a device: %s\n", m.available ? "available?" : m.reason.c_str());
+  if (m.available || m.reason.empty() || m.process_used_bytes != -1) {
+    std::printf("FAIL nvml/without_device: expected available = false with a reason\n");
+    return 1;
+  }
+  return 0;
+}
+
 void test_cublas_workspace() {
   DeviceAllocator alloc;
   {
@@ -135,10 +182,13 @@ void test_failures() {
 }  // namespace
 
 int main() {
-  if (const int rc = skip_unless_device(); rc != 0) return rc;
+  if (const int rc = skip_unless_device(); rc != 0) {
+    return check_nvml_without_device() != 0 ? 1 : rc;
+  }
   try {
     test_tracking();
     test_device_view();
+    test_nvml_view();
     test_cublas_workspace();
     test_failures();
   } catch (const std::exception& e) {

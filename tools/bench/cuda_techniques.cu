@@ -1,7 +1,8 @@
 // The technique figures of issue 7 on one GPU, from the CUDA schedules and the backend allocator:
 //   vocab     gpt-oss-120b's H and V at 64K tokens: materialised logits vs blocked (Ring-DTP R = 1)
 //             cross-entropy with both backwards: the vocab component's tracked peak, time, the
-//             reduction and the time ratios; the device's own view beside the tracked peak; the
+//             reduction and the time ratios; the device's own view (pool attributes, cudaMemGetInfo,
+//             NVML's per-process figure when the driver library answers) beside the tracked peak; the
 //             blocked version alone at 256K and 1M tokens (skipped, naming the bytes, when the
 //             device has too little free memory).
 //   dispatch  one MoE layer at EP = 1 (gpt-oss-120b dims, T = 32K): capped rounds vs one uncapped
@@ -206,10 +207,15 @@ void print_vocab(const char* name, const flatpeak::exec::VocabScheduleConfig& c,
               "mean loss %.6f\n",
               name, static_cast<long long>(c.tokens), r.seconds, r.forward_s, r.backward_s,
               gib(r.vocab_peak).c_str(), gib(r.tracked_high).c_str(), r.loss);
+  // NVML's figure is current, not a high mark: taken after the run, with the pool's reserve kept.
+  const std::string nvml = r.view.nvml_available
+                               ? "NVML this process " + gib(r.view.nvml_process_used_bytes) +
+                                     " after the run (context, cuBLAS and the kept pool reserve included)"
+                               : "NVML not available: " + r.view.nvml_reason;
   std::printf("      device view: pool used high %s, pool reserved high %s, cudaMemGetInfo used %s of %s "
-              "(context and every process included); NVML: not linked\n",
+              "(context and every process included); %s\n",
               gib(r.view.pool_used_high_bytes).c_str(), gib(r.view.pool_reserved_high_bytes).c_str(),
-              gib(r.device_used_after).c_str(), gib(r.view.device_total_bytes).c_str());
+              gib(r.device_used_after).c_str(), gib(r.view.device_total_bytes).c_str(), nvml.c_str());
 }
 
 void vocab_section(const Options& o) {
