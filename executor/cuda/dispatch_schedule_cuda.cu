@@ -287,7 +287,7 @@ int64_t dispatch_schedule_cuda_peak_bytes(const DispatchScheduleConfig& c, int64
   const int64_t rounds_bytes = 4 * aligned(C * d.H * 2, al) + aligned(C * 2 * d.F * 2, al) + aligned(C * 4, al) +
                                aligned(d.T * d.H * 4, al) + aligned(d.N * 4, al);
   const int64_t n_max = std::min(C, 2 * (d.N + d.E - 1) / d.E);
-  const int64_t ws = (n_max * d.H + 2 * d.F * d.H + n_max * 3 * d.F + std::max(n_max, 2 * d.F) * d.H) * 4;
+  const int64_t ws = exec::expert_ffn_workspace_bytes_cuda(n_max, d.H, d.F);
   return layer + routing + rounds_bytes + aligned(ws, al);
 }
 

@@ -1,9 +1,15 @@
 // CUDA twin of the SwiGLU expert FFN (executor/cpu/expert_ffn_cpu.cpp): per expert, cuBLAS GEMMs
-// over its rows of the permuted layout, with the shared silu/silu_grad per element. Every GEMM
-// runs on fp32 operands (bf16 blocks widened into the workspace), as the CPU's gemm_cpu mixes
-// fp32 activations with bf16 weights; outputs are rounded once, accumulations (dW +=) add an fp32
-// sum to the stored value once, as on the CPU.
+// over its rows of the permuted layout, with the shared silu/silu_grad per element. The GEMMs whose
+// operands are both stored tensors run on them as stored, with fp32 accumulation: in bf16 the
+// forward's gate_up = x · W_gate_upᵀ and the backward's dh = dy · W_down on tensor cores, as the
+// CPU's gemm_cpu multiplies the same bf16 values in fp32. The other four mix the fp32 activations
+// of the CPU twin (h, d[gate | up]) with a bf16 tensor; cuBLAS has no fp32 × bf16 GEMM and rounding
+// h to bf16 would change the op, so they widen the bf16 operand into the workspace and run exact
+// fp32 (no TF32). In f32 storage every operand is used as stored. Every GEMM writes an fp32 result
+// to the workspace; outputs are then rounded once, accumulations (dW +=) add that fp32 sum to the
+// stored value once, as on the CPU.
 #include <algorithm>
+#include <type_traits>
 
 #include "executor/cpu/op_util.h"
 #include "executor/cuda/cuda_check.h"
@@ -18,15 +24,18 @@ using cuda_detail::grid_for;
 using cuda_detail::grid_threads;
 using cuda_detail::kThreads;
 
-// fp32 workspace, n = the busiest expert's rows: rows [n, H] (x or dy widened), weight [2F, H]
-// (W_gate_up[e] or W_down[e] widened), gu [n, 2F] (gate_up or its gradient), h [n, F],
-// result [max(n, 2F) · H] (a GEMM's fp32 output before it is stored or added).
+// fp32 workspace, n = the busiest expert's rows, each buffer reused once its value is dead:
+//   rows   [n, H]    dy, then x, widened (bf16 backward); the forward's out and the backward's dx
+//                    before they are stored
+//   weight [2F · H]  W_down [H, F] widened (bf16 forward), the dW_down result [H, F], W_gate_up
+//                    [2F, H] widened (bf16 backward), the dW_gate_up result [2F, H]
+//   gu     [n, 2F]   gate_up before it is stored; in the backward dh, then d[gate | up]
+//   h      [n, F]    silu(gate) ⊙ up from the stored gate_up
 struct Workspace {
   float* rows;
   float* weight;
   float* gu;
   float* h;
-  float* result;
 };
 
 int64_t max_rows_of(const ExpertFfnArgs& a) {
@@ -35,10 +44,7 @@ int64_t max_rows_of(const ExpertFfnArgs& a) {
   return n;
 }
 
-int64_t workspace_elems(const ExpertFfnArgs& a, int64_t n) {
-  const int64_t H = a.hidden, F = a.ffn;
-  return n * H + 2 * F * H + n * 2 * F + n * F + std::max(n, 2 * F) * H;
-}
+int64_t workspace_elems(int64_t n, int64_t H, int64_t F) { return n * H + 2 * F * H + n * 2 * F + n * F; }
 
 Workspace carve(const ExpertFfnArgs& a, int64_t n) {
   const int64_t H = a.hidden, F = a.ffn;
@@ -47,8 +53,12 @@ Workspace carve(const ExpertFfnArgs& a, int64_t n) {
   ws.weight = ws.rows + n * H;
   ws.gu = ws.weight + 2 * F * H;
   ws.h = ws.gu + n * 2 * F;
-  ws.result = ws.h + n * F;
   return ws;
+}
+
+template <class T>
+constexpr DType storage_of() {
+  return std::is_same_v<T, float> ? DType::F32 : DType::BF16;
 }
 
 template <class T>
@@ -97,16 +107,31 @@ void launch(K kernel, int64_t n, cudaStream_t stream, Args... args) {
   FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
-// fp32 C [M, N] = op(A) · op(B) on the workspace, never accumulating.
-void gemm_f32(const cuda::CublasContext& blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K,
-              const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc) {
-  cuda::gemm_cuda(blas, ta, tb, M, N, K, 1.0f, DType::F32, A, lda, DType::F32, B, ldb, false,
-                  DType::F32, C, ldc);
+// fp32 C [M, N] = op(A) · op(B) on the workspace, never accumulating; A and B stored as `dtype`
+// (bf16 on tensor cores, f32 exact), fp32 accumulation.
+void gemm_to_f32(const cuda::CublasContext& blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, DType dtype,
+                 const void* A, int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc) {
+  cuda::gemm_cuda(blas, ta, tb, M, N, K, 1.0f, dtype, A, lda, dtype, B, ldb, false, DType::F32, C, ldc);
+}
+
+// A bf16 operand for a GEMM beside an fp32 one: widened into `scratch`. An f32 one: as stored.
+template <class T>
+const float* as_f32(const T* src, float* scratch, int64_t count, cudaStream_t stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    (void)scratch;
+    (void)count;
+    (void)stream;
+    return src;
+  } else {
+    launch(widen_kernel<T>, count, stream, src, scratch, count);
+    return scratch;
+  }
 }
 
 template <class T>
 void forward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
   const int64_t H = a.hidden, F = a.ffn;
+  constexpr DType kStorage = storage_of<T>();
   cudaStream_t s = blas.stream();
   const Workspace ws = carve(a, max_rows_of(a));
   const T* x = static_cast<const T*>(a.x);
@@ -118,14 +143,14 @@ void forward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
   for (int64_t e = 0; e < a.experts; ++e) {
     const int64_t n = a.expert_counts[e];
     if (n > 0) {
-      launch(widen_kernel<T>, n * H, s, x + row0 * H, ws.rows, n * H);
-      launch(widen_kernel<T>, 2 * F * H, s, wgu + e * 2 * F * H, ws.weight, 2 * F * H);
-      gemm_f32(blas, false, true, n, 2 * F, H, ws.rows, H, ws.weight, H, ws.gu, 2 * F);
+      // gate_up = x · W_gate_upᵀ  [n, 2F]: both stored tensors
+      gemm_to_f32(blas, false, true, n, 2 * F, H, kStorage, x + row0 * H, H, wgu + e * 2 * F * H, H, ws.gu, 2 * F);
       launch(store_kernel<T>, n * 2 * F, s, static_cast<const float*>(ws.gu), gu + row0 * 2 * F, n * 2 * F);
       launch(swiglu_kernel<T>, n * F, s, static_cast<const T*>(gu + row0 * 2 * F), ws.h, n, F);
-      launch(widen_kernel<T>, H * F, s, wd + e * H * F, ws.weight, H * F);
-      gemm_f32(blas, false, true, n, H, F, ws.h, F, ws.weight, F, ws.result, H);
-      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.result), out + row0 * H, n * H);
+      // out = h · W_downᵀ  [n, H]: fp32 h
+      const float* wd_e = as_f32(wd + e * H * F, ws.weight, H * F, s);
+      gemm_to_f32(blas, false, true, n, H, F, DType::F32, ws.h, F, wd_e, F, ws.rows, H);
+      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), out + row0 * H, n * H);
     }
     row0 += n;
   }
@@ -134,6 +159,7 @@ void forward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
 template <class T>
 void backward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
   const int64_t H = a.hidden, F = a.ffn;
+  constexpr DType kStorage = storage_of<T>();
   cudaStream_t s = blas.stream();
   const Workspace ws = carve(a, max_rows_of(a));
   const T* x = static_cast<const T*>(a.x);
@@ -150,23 +176,21 @@ void backward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
     if (n > 0) {
       const T* gu_e = gu + row0 * 2 * F;
       launch(swiglu_kernel<T>, n * F, s, gu_e, ws.h, n, F);
-      launch(widen_kernel<T>, n * H, s, dy + row0 * H, ws.rows, n * H);
-      launch(widen_kernel<T>, H * F, s, wd + e * H * F, ws.weight, H * F);
-      // dh = dy · W_down [n, F] into the gate half of gu (stride 2F)
-      gemm_f32(blas, false, false, n, F, H, ws.rows, H, ws.weight, F, ws.gu, 2 * F);
-      // dW_down += dyᵀ · h  [H, F]
-      gemm_f32(blas, true, false, H, F, n, ws.rows, H, ws.h, F, ws.result, F);
-      launch(add_kernel<T>, H * F, s, static_cast<const float*>(ws.result), dwd + e * H * F, H * F);
+      // dh = dy · W_down [n, F] into the gate half of gu (stride 2F): both stored tensors
+      gemm_to_f32(blas, false, false, n, F, H, kStorage, dy + row0 * H, H, wd + e * H * F, F, ws.gu, 2 * F);
+      // dW_down += dyᵀ · h  [H, F]: fp32 h
+      const float* dy_e = as_f32(dy + row0 * H, ws.rows, n * H, s);
+      gemm_to_f32(blas, true, false, H, F, n, DType::F32, dy_e, H, ws.h, F, ws.weight, F);
+      launch(add_kernel<T>, H * F, s, static_cast<const float*>(ws.weight), dwd + e * H * F, H * F);
       launch(swiglu_backward_kernel<T>, n * F, s, gu_e, ws.gu, n, F);
-      // dx = d[gate | up] · W_gate_up [n, H]
-      launch(widen_kernel<T>, 2 * F * H, s, wgu + e * 2 * F * H, ws.weight, 2 * F * H);
-      gemm_f32(blas, false, false, n, H, 2 * F, ws.gu, 2 * F, ws.weight, H, ws.result, H);
-      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.result), dx + row0 * H, n * H);
-      // dW_gate_up += d[gate | up]ᵀ · x  [2F, H]
-      launch(widen_kernel<T>, n * H, s, x + row0 * H, ws.rows, n * H);
-      gemm_f32(blas, true, false, 2 * F, H, n, ws.gu, 2 * F, ws.rows, H, ws.result, H);
-      launch(add_kernel<T>, 2 * F * H, s, static_cast<const float*>(ws.result),
-             dwgu + e * 2 * F * H, 2 * F * H);
+      // dx = d[gate | up] · W_gate_up [n, H]: fp32 d[gate | up]
+      const float* wgu_e = as_f32(wgu + e * 2 * F * H, ws.weight, 2 * F * H, s);
+      gemm_to_f32(blas, false, false, n, H, 2 * F, DType::F32, ws.gu, 2 * F, wgu_e, H, ws.rows, H);
+      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), dx + row0 * H, n * H);
+      // dW_gate_up += d[gate | up]ᵀ · x  [2F, H]: fp32 d[gate | up]
+      const float* x_e = as_f32(x + row0 * H, ws.rows, n * H, s);
+      gemm_to_f32(blas, true, false, 2 * F, H, n, DType::F32, ws.gu, 2 * F, x_e, H, ws.weight, H);
+      launch(add_kernel<T>, 2 * F * H, s, static_cast<const float*>(ws.weight), dwgu + e * 2 * F * H, 2 * F * H);
     }
     row0 += n;
   }
@@ -188,8 +212,12 @@ void check(const ExpertFfnArgs& a) {
 
 }  // namespace
 
+int64_t expert_ffn_workspace_bytes_cuda(int64_t max_expert_rows, int64_t hidden, int64_t ffn) {
+  return workspace_elems(max_expert_rows, hidden, ffn) * 4;
+}
+
 int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& a) {
-  return workspace_elems(a, max_rows_of(a)) * 4;
+  return expert_ffn_workspace_bytes_cuda(max_rows_of(a), a.hidden, a.ffn);
 }
 
 void expert_ffn_forward_cuda(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {

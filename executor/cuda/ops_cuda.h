@@ -76,10 +76,13 @@ void materialized_cross_entropy_forward_cuda(const MaterializedCrossEntropyArgs&
 void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs& args,
                                               const cuda::CublasContext& blas);
 
-// SwiGLU expert FFN: per expert, cuBLAS over its rows, every GEMM on fp32 operands (bf16 blocks
-// widened into the workspace: expert_ffn_workspace_bytes_cuda()). expert_counts is read on the
-// host (a host pointer, unlike the other fields), because it decides the GEMM shapes.
+// SwiGLU expert FFN: per expert, cuBLAS over its rows with fp32 accumulation; in bf16 the two
+// GEMMs of stored tensors (gate_up, dh) on tensor cores, the four that take the fp32 h or
+// d[gate | up] on fp32 operands (the bf16 one widened into the workspace). expert_counts is read
+// on the host (a host pointer, unlike the other fields), because it decides the GEMM shapes.
+// Workspace: (n·H + 2F·H + 3·n·F) fp32, n = the busiest expert's rows.
 int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& args);
+int64_t expert_ffn_workspace_bytes_cuda(int64_t max_expert_rows, int64_t hidden, int64_t ffn);
 void expert_ffn_forward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 
