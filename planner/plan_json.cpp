@@ -88,6 +88,7 @@ ojson run_json(const Plan& p) {
   j["schedule"] = to_string(r.schedule);
   j["imbalance"] = p.work.moe_loads.empty() ? std::string("balanced") : to_string(r.imbalance);
   j["overhead_bytes"] = r.overhead_bytes;
+  j["overhead_calibrated"] = r.overhead_calibrated;
   j["fragmentation"] = r.fragmentation;
   j["allocation_alignment_bytes"] = r.alignment_bytes;
   return j;

@@ -124,6 +124,7 @@ struct ResolvedRun {
   OptimizerPlacement optimizer = OptimizerPlacement::Gpu;
   RoutingModel imbalance;
   int64_t overhead_bytes = 0;
+  bool overhead_calibrated = false;  // overhead_bytes is the card's measured figure (not a default or --overhead)
   double fragmentation = 0.05;
   int64_t alignment_bytes = 1;
 

@@ -95,9 +95,10 @@ double relative_error(int64_t measured, int64_t predicted) {
   return static_cast<double>(measured - predicted) / static_cast<double>(predicted);
 }
 
-ordered_json measured_trace(const exec::TrackingAllocator& alloc) {
+ordered_json measured_trace(const exec::TrackingAllocator& alloc) { return measured_trace(alloc.phase_records()); }
+
+ordered_json measured_trace(const std::vector<exec::PhaseRecord>& records) {
   ordered_json phases = ordered_json::array();
-  const auto records = alloc.phase_records();
   for (size_t i = 0; i < records.size(); i += exec::kMemorySpaceCount) {
     // Set-up before the first named phase (inputs being created) is not a phase of the grammar.
     if (records[i].phase == "init" || records[i].phase.empty()) continue;
@@ -124,11 +125,16 @@ ordered_json measured_trace(const exec::TrackingAllocator& alloc) {
 int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
                      const ordered_json& predicted, const exec::TrackingAllocator& alloc,
                      const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report) {
+  return compare_category(component, category, space, predicted, alloc.phase_records(), phase_filter, report);
+}
+
+int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
+                     const ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
+                     const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report) {
   const std::string space_name = exec::memory_space_name(space);
   const auto measured_category = exec::category_from_name(category);
   const bool is_total = category == "total";
   if (!measured_category && !is_total) throw std::logic_error("verify: unknown category " + category);
-  const auto records = alloc.phase_records();
   int64_t predicted_peak = 0, measured_peak = 0;
   int rows = 0;
   for (const auto& phase : predicted["phases"]) {

@@ -18,6 +18,7 @@
 #include "executor/schedules/decoder_layer.h"
 #include "executor/schedules/dispatch_schedule.h"
 #include "executor/schedules/step_schedule.h"
+#include "executor/schedules/vocab_schedule.h"
 #include "spec/errors.h"
 #include "spec/model_spec.h"
 #include "spec/routing.h"
@@ -81,12 +82,18 @@ double relative_error(int64_t measured, int64_t predicted);
 
 // The measured timeline in the traces/ format, from an allocator's phase records.
 nlohmann::ordered_json measured_trace(const exec::TrackingAllocator& alloc);
+// The same from phase records (another backend's allocator, e.g. the CUDA DeviceAllocator's).
+nlohmann::ordered_json measured_trace(const std::vector<exec::PhaseRecord>& records);
 
 // Appends one row per predicted phase accepted by `phase_filter` (category `category` of `space`
 // against the maximum of the measured phases it folds) and a "peak" row over them. Returns the
 // number of phase rows.
 int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
                      const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
+                     const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report);
+// The same against phase records (another backend's allocator).
+int compare_category(const std::string& component, const std::string& category, exec::MemorySpace space,
+                     const nlohmann::ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
                      const std::function<bool(const std::string& phase)>& phase_filter, VerifyReport& report);
 
 // Dispatch (verify_dispatch.cpp), shared by its one-rank and multi-rank runs.
@@ -134,6 +141,13 @@ void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::T
 // Whether the multi-rank step runs the plan (EP divides N; else `why_not` says why); UnsupportedPlan for
 // a plan the step does not run at all.
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);
+
+// The main loss's phases (loss/fwd..., loss/bwd...): the vocab component's rows. The MTP losses
+// (loss/mtpJ/...) are not run by that component yet.
+bool main_loss_phase(const std::string& phase);
+// The vocab component's executor configuration on one rank (R = 1): the scaled T, H, V, blocks,
+// the plan's mode and backward.
+exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
 
 // One verify component per file.
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report);

@@ -87,6 +87,12 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     else r.errs.add(Diagnostic{file, "/inputs/run/mtp", "must be true or false (got " + v.dump() + ")", ""});
   }
   if (r.has("/inputs/run/accumulation_steps")) in.accumulation_steps = r.integer("/inputs/run/accumulation_steps", 1);
+  if (r.has("/inputs/run/overhead_bytes")) in.overhead_bytes = r.integer("/inputs/run/overhead_bytes", 0);
+  if (r.has("/inputs/run/overhead_calibrated")) {
+    const json& v = plan.at(json::json_pointer("/inputs/run/overhead_calibrated"));
+    if (v.is_boolean()) in.overhead_calibrated = v.get<bool>();
+    else r.errs.add(Diagnostic{file, "/inputs/run/overhead_calibrated", "must be true or false (got " + v.dump() + ")", ""});
+  }
   if (r.has("/inputs/run/imbalance")) in.imbalance = r.text("/inputs/run/imbalance");
   if (const json* knobs = r.at("/knobs"); !knobs) {
     r.errs.throw_if_any();

@@ -31,6 +31,10 @@ struct VerifyInputs {
   std::string schedule;  // baseline | practice | flatpeak
   bool mtp = false;                // /inputs/run/mtp (absent: false): MTP modules trained
   int64_t accumulation_steps = 1;  // /inputs/run/accumulation_steps (absent: 1)
+  // /inputs/run/overhead_bytes and overhead_calibrated (absent: 0, false): what the device holds
+  // beside the tensors (CUDA context, cuBLAS, NCCL); the cuda backend's device-view row uses them.
+  int64_t overhead_bytes = 0;
+  bool overhead_calibrated = false;
   // Knobs (/knobs/<name>/value); absent ones are off.
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
   std::string vocab_backward = "recompute";

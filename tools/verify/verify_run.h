@@ -26,6 +26,12 @@ struct VerifyRow {
   int64_t measured_bytes = 0;
   double relative_error = 0.0;  // (measured − predicted) / predicted
   int rank = 0;                 // the rank whose measurement this is (the maximum's, over ranks)
+  // How the row is judged: |relative_error| ≤ its tolerance (the report's unless set), or, when
+  // `slack_bytes` > 0, |measured − predicted| ≤ tolerance · predicted + slack_bytes (the device's
+  // own view, which holds the pool's granularity). A row that is not `judged` is reported only.
+  int64_t slack_bytes = 0;
+  double tolerance = -1.0;  // < 0: the report's
+  bool judged = true;
 };
 
 struct VerifyReport {
@@ -38,12 +44,18 @@ struct VerifyReport {
   nlohmann::ordered_json measured_trace;  // traces/README.md timeline, source "measured" (rank 0's)
   int ranks = 1;                          // ranks the multi-rank components ran on
   std::string launcher = "threads";       // "threads" | "mpi"
+  std::string backend = "cpu";            // "cpu" | "cuda"
+  std::string device;                     // the GPU's name on the cuda backend
   std::vector<std::string> notes;         // e.g. a component that ran on one rank only
 };
 
 // Changes the predicted timeline before the comparison. Tests use it to show that verify catches
 // a wrong prediction (one term raised by 2 % must fail); the CLI never sets it.
 using PredictionAdjust = std::function<void(nlohmann::ordered_json& predicted_timeline)>;
+
+// Whether a row passes (VerifyRow says how each is judged); a "bound" row passes at or under its
+// predicted upper bound.
+bool row_passes(const VerifyRow& row, double tolerance);
 
 // The components this version verifies (every one `--component` accepts), in report order.
 std::vector<std::string> verify_components();

@@ -9,11 +9,9 @@
 
 namespace flatpeak::cli {
 
-void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
-  const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
-  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
-  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+bool main_loss_phase(const std::string& phase) { return phase.rfind("loss/fwd", 0) == 0 || phase.rfind("loss/bwd", 0) == 0; }
+
+exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const ScaledConfig& s) {
   exec::VocabScheduleConfig c;
   c.tokens = s.tokens;
   c.hidden = s.hidden;
@@ -22,6 +20,15 @@ void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
   c.vocab_block_rows = s.vocab_block;
   c.mode = in.vocab_mode == "materialized" ? exec::VocabScheduleMode::Materialized : exec::VocabScheduleMode::Blocked;
   c.gradients_in_forward = in.vocab_backward == "in-forward";
+  return c;
+}
+
+void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  const exec::VocabScheduleConfig c = vocab_schedule_config(in, s);
   const exec::VocabScheduleResult got = exec::run_vocab_schedule(alloc, c);
   if (c.mode != exec::VocabScheduleMode::Materialized) {
     exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
@@ -35,9 +42,7 @@ void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
       report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_w[i] - ref.d_w[i])));
   }
   // The main loss only: the MTP losses (loss/mtpJ/...) are not run by this component yet.
-  compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc,
-                   [](const std::string& name) { return name.rfind("loss/fwd", 0) == 0 || name.rfind("loss/bwd", 0) == 0; },
-                   report);
+  compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc, main_loss_phase, report);
   report.measured_trace = measured_trace(alloc);
 }
 

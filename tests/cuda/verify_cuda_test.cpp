@@ -1,0 +1,117 @@
+// `verify --backend cuda` (tools/verify/cuda/verify_cuda.h) on the GPU: the vocab component of
+// gpt-oss-120b plans (materialised; blocked with the recompute backward and with gradients in
+// forward), scaled by verify (T = 512, H = 64, V = 3142), passes with every phase row within 1 %
+// (the CUDA schedule holds the CPU schedule's buffers); a prediction raised by 2 % fails; the
+// device-view row is judged only for a calibrated overhead; a component without a CUDA run is
+// refused when asked for alone. Exits 77 (skipped) without a device.
+//   build/cuda/tests/verify_cuda_test
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "plan.h"
+#include "run_spec.h"
+#include "spec/errors.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
+#include "verify_common.h"
+#include "verify_config.h"
+#include "cuda/verify_cuda.h"
+#include "verify_run.h"
+
+using namespace flatpeak;
+using namespace flatpeak::cli;
+using flatpeak::cuda::test::expect_true;
+
+namespace {
+
+VerifyInputs gpt_oss_plan(const std::vector<std::pair<std::string, std::string>>& extra) {
+  std::vector<std::pair<std::string, std::string>> flags{{"--gpus", "1"}, {"--context", "64K"}};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  const auto plan = nlohmann::json::parse(
+      planner::plan_to_json(planner::make_plan(load_model("gpt-oss-120b"), load_hardware("H200"), spec)).dump());
+  return read_plan_inputs(plan, "plan.json");
+}
+
+void print_rows(const VerifyReport& r) {
+  for (const auto& row : r.rows)
+    std::printf("  %-8s %-6s %-22s %14lld %14lld %+9.4f%%%s\n", row.component.c_str(), row.space.c_str(), row.phase.c_str(),
+                static_cast<long long>(row.predicted_bytes), static_cast<long long>(row.measured_bytes), 100.0 * row.relative_error,
+                row.judged ? "" : " (not judged)");
+  for (const auto& note : r.notes) std::printf("  note: %s\n", note.c_str());
+}
+
+// Every phase row (not the device view) within 1 %, and the report passing.
+void check_plan(const std::string& name, const VerifyInputs& in, const std::string& expected_mode) {
+  expect_true(name + "/mode", in.vocab_mode == expected_mode, "vocab mode " + in.vocab_mode);
+  const ScaledConfig s = scale_config(in, std::nullopt);
+  const VerifyReport r = run_verification_cuda(in, s, {"vocab"}, 0.03);
+  print_rows(r);
+  int phase_rows = 0;
+  double worst = 0.0;
+  bool device_view = false;
+  for (const auto& row : r.rows) {
+    if (row.phase == "device view") {
+      device_view = true;
+      expect_true(name + "/device-view-judged", row.judged == in.overhead_calibrated, "judged only with a calibrated overhead");
+      continue;
+    }
+    ++phase_rows;
+    worst = std::fmax(worst, std::fabs(row.relative_error));
+  }
+  expect_true(name + "/rows", phase_rows >= 2 && device_view, std::to_string(phase_rows) + " phase rows and the device view");
+  expect_true(name + "/within-1%", worst <= 0.01, "worst phase row " + std::to_string(100.0 * worst) + " %");
+  expect_true(name + "/pass", r.pass, r.pass ? "pass" : "fail");
+  if (in.vocab_mode != "materialized")
+    expect_true(name + "/dloss", r.max_abs_dloss < 1e-2, "|dloss| vs materialised " + std::to_string(r.max_abs_dloss));
+}
+
+}  // namespace
+
+int main() {
+  if (const int rc = flatpeak::cuda::test::skip_unless_device(); rc != 0) return rc;
+  try {
+    check_plan("materialized", gpt_oss_plan({{"--schedule", "baseline"}}), "materialized");
+    check_plan("blocked-recompute", gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}, {"--vocab-backward", "recompute"}}),
+               "ring-dtp");
+    check_plan("blocked-in-forward", gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}, {"--vocab-backward", "in-forward"}}),
+               "ring-dtp");
+
+    // A prediction raised by 2 % must fail.
+    const VerifyInputs in = gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}});
+    const ScaledConfig s = scale_config(in, std::nullopt);
+    const PredictionAdjust raise = [](nlohmann::ordered_json& t) {
+      for (auto& phase : t["phases"])
+        if (phase.contains("device")) phase["device"]["vocab"] = phase["device"]["vocab"].get<int64_t>() * 102 / 100;
+    };
+    const VerifyReport raised = run_verification_cuda(in, s, {"vocab"}, 0.01, raise);
+    expect_true("raised-2%/fails", !raised.pass, raised.pass ? "passed: a 2 % error went unseen" : "fails");
+
+    // A calibrated overhead makes the device view a judged row.
+    VerifyInputs calibrated = in;
+    calibrated.overhead_calibrated = true;
+    const VerifyReport judged = run_verification_cuda(calibrated, s, {"vocab"}, 0.03);
+    print_rows(judged);
+    bool found = false;
+    for (const auto& row : judged.rows)
+      if (row.phase == "device view") found = row.judged && row.slack_bytes == kDeviceViewSlackBytes;
+    expect_true("device-view/judged", found, "the device view is judged within 3 % + 256 MiB");
+
+    bool refused = false;
+    try {
+      (void)run_verification_cuda(in, s, {"optimizer"}, 0.03);
+    } catch (const UnsupportedPlan&) {
+      refused = true;
+    }
+    expect_true("optimizer/refused", refused, "a component without a CUDA run, asked for alone, is an input error");
+  } catch (const std::exception& e) {
+    std::printf("FAIL exception: %s\n", e.what());
+    ++flatpeak::cuda::test::g_failures;
+  }
+  return flatpeak::cuda::test::finish();
+}
