@@ -93,9 +93,9 @@ void print_table(const VerifyReport& r, const ScaledConfig& s) {
   std::cout << fmt::format("\n{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}\n", "component", component_width, "space", "phase",
                            phase_width, "rank", "predicted", "measured", "rel.error");
   for (const auto& row : r.rows)
-    std::cout << fmt::format("{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}\n", row.component, component_width, row.space,
+    std::cout << fmt::format("{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}{}\n", row.component, component_width, row.space,
                              row.phase, phase_width, row.rank, row.predicted_bytes, row.measured_bytes,
-                             signed_percent(row.relative_error));
+                             signed_percent(row.relative_error), row.judged ? "" : "  (not judged)");
   std::cout << fmt::format("\nmax |dloss| vs naive: {:.3g}   max |dgrad| vs naive: {:.3g}\n", r.max_abs_dloss, r.max_abs_dgrad);
   std::cout << fmt::format("verdict: {} (tolerance {:.3g}%)\n", r.pass ? "pass" : "fail", 100.0 * r.tolerance);
 }
@@ -112,10 +112,13 @@ nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s)
   for (const auto& v : s.values) scaled.push_back({{"name", v.name}, {"original", v.original}, {"scaled", v.scaled}});
   j["scaled_values"] = scaled;
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
-  for (const auto& row : r.rows)
-    rows.push_back({{"component", row.component}, {"space", row.space}, {"phase", row.phase}, {"rank", row.rank},
-                    {"predicted_bytes", row.predicted_bytes}, {"measured_bytes", row.measured_bytes},
-                    {"relative_error", row.relative_error}, {"judged", row.judged}});
+  for (const auto& row : r.rows) {
+    nlohmann::ordered_json j_row{{"component", row.component}, {"space", row.space}, {"phase", row.phase}, {"rank", row.rank},
+                                 {"predicted_bytes", row.predicted_bytes}, {"measured_bytes", row.measured_bytes},
+                                 {"relative_error", row.relative_error}};
+    if (!row.judged) j_row["judged"] = false;  // reported, not part of the verdict
+    rows.push_back(j_row);
+  }
   j["results"] = rows;
   j["max_abs_dloss"] = r.max_abs_dloss;
   j["max_abs_dgrad"] = r.max_abs_dgrad;

@@ -86,8 +86,9 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
     // high-water mark less the cuBLAS workspace, plus the plan's runtime overhead (CUDA context,
     // cuBLAS and its workspace). The pool keeps what it reserved (release threshold: never), so
     // the device's used memory now is what it was at the peak.
+    // The process's own figure where NVML gives one; else the whole device's (run alone then).
     const cuda::DeviceMemoryView view = alloc.device_view();
-    const int64_t device_used = view.device_total_bytes - view.device_free_bytes;
+    const int64_t device_used = view.nvml_available ? view.nvml_process_used_bytes : view.device_total_bytes - view.device_free_bytes;
     const int64_t expected = alloc.high_water_bytes() - blas.workspace_bytes() + in.overhead_bytes;
     VerifyRow row{"vocab", "device", "device view", expected, device_used, relative_error(device_used, expected)};
     row.tolerance = kDeviceViewTolerance;
@@ -99,8 +100,10 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
         got.seconds, got.forward_s, got.backward_s, alloc.high_water_bytes(), alloc.high_water_phase(), view.pool_used_high_bytes,
         view.pool_reserved_high_bytes));
     report.notes.push_back(fmt::format(
-        "device view: the whole device's used memory (cudaMemGetInfo, run alone) against the tracked high-water less the cuBLAS "
-        "workspace plus /inputs/run/overhead_bytes ({} B); passes within {:.0f}% + {} MiB{}",
+        "device view: {} against the tracked high-water less the cuBLAS workspace plus /inputs/run/overhead_bytes ({} B); passes "
+        "within {:.0f}% + {} MiB{}",
+        view.nvml_available ? "this process's device memory (NVML)"
+                            : "the whole device's used memory (cudaMemGetInfo; NVML: " + view.nvml_reason + ")",
         in.overhead_bytes, 100.0 * kDeviceViewTolerance, kDeviceViewSlackBytes >> 20,
         in.overhead_calibrated ? "" : "; not judged: the plan's overhead is not a calibrated card's (tools/gpu-check.sh calibrates one)"));
   }
