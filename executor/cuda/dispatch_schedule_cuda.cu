@@ -232,10 +232,11 @@ struct RoundBuffers {
 };
 
 // Round j's rows [r0, r0 + n) (n = min(C, N − r0)) gathered by expert and run through the experts:
-// fills in, prob, gate_up and y; returns the FFN arguments the backward reuses.
+// fills in, prob, gate_up and y; returns the FFN arguments the backward reuses. Their
+// expert_counts point into `counts` (round_counts of the round), which the caller keeps alive.
 exec::ExpertFfnArgs forward_round(const CublasContext& blas, const Dims& d, const LayerData& L, const Routing& r,
-                                  RoundBuffers& b, int64_t r0, int64_t n, cudaStream_t s) {
-  const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
+                                  RoundBuffers& b, int64_t r0, int64_t n, const std::vector<int64_t>& counts,
+                                  cudaStream_t s) {
   gather_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(L.x.as<Bf16>(), r.topk_w.as<float>(),
       r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, b.in.as<Bf16>(), b.prob.as<float>());
   check_launch();
@@ -325,7 +326,8 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
     for (int64_t j = 0; j < rounds; ++j) {
       alloc.set_phase(round_phase(p, j));
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
-      forward_round(blas, d, L, r, b, r0, n, s);
+      const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
+      forward_round(blas, d, L, r, b, r0, n, counts, s);
       combine_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(b.y.as<Bf16>(), b.prob.as<float>(),
           r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, acc.as<float>());
       check_launch();
@@ -349,7 +351,8 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
     for (int64_t j = 0; j < rounds; ++j) {
       alloc.set_phase(round_phase(g, j));
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
-      exec::ExpertFfnArgs f = forward_round(blas, d, L, r, b, r0, n, s);  // recompute: gate_up and y of this round
+      const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);  // read by the backward too
+      exec::ExpertFfnArgs f = forward_round(blas, d, L, r, b, r0, n, counts, s);  // recompute: gate_up and y of this round
       if (n > 0) {
         combine_backward_round_kernel<<<static_cast<unsigned>(n), kThreads, 0, s>>>(
             L.d_out.as<Bf16>(), b.y.as<Bf16>(), b.prob.as<float>(), r.row_to_slot.as<int32_t>(), r0, d.H, d.k,
