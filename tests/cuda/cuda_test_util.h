@@ -117,6 +117,11 @@ inline DeviceBuffer upload_bytes(DeviceAllocator& alloc, const void* src, int64_
     FLATPEAK_CUDA_CHECK(cudaMemcpy(buffer.raw(), src, static_cast<size_t>(bytes),
                                    cudaMemcpyHostToDevice));
   }
+  // From pageable memory cudaMemcpy may return before its DMA has landed (CUDA's "API
+  // synchronization behavior"), and a non-blocking stream (the offload copy streams, each rank's
+  // stream in device_threads_comm_test) does not wait for the legacy stream: wait here, so the
+  // block and its bytes are ready for any stream.
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   return buffer;
 }
 template <class T>
