@@ -1,9 +1,11 @@
 // `verify --backend cuda` (tools/verify/cuda/verify_cuda.h) on the GPU: the vocab component of
 // gpt-oss-120b plans (materialised; blocked with the recompute backward and with gradients in
 // forward), scaled by verify (T = 512, H = 64, V = 3142), passes with every phase row within 1 %
-// (the CUDA schedule holds the CPU schedule's buffers); a prediction raised by 2 % fails; the
-// device-view row is judged only for a calibrated overhead; a component without a CUDA run is
-// refused when asked for alone. Exits 77 (skipped) without a device.
+// (the CUDA schedule holds the CPU schedule's buffers); so does the checkpoint component of the
+// baseline (kept), practice (offloaded in line) and flatpeak (SCO) plans, with the naive stack's
+// bits; a prediction raised by 2 % fails; the device-view row is judged only for a calibrated
+// overhead; a component without a CUDA run is refused when asked for alone. Exits 77 (skipped)
+// without a device.
 //   build/cuda/tests/verify_cuda_test
 #include <cmath>
 #include <cstdio>
@@ -47,10 +49,12 @@ void print_rows(const VerifyReport& r) {
 }
 
 // Every phase row (not the device view) within 1 %, and the report passing.
-void check_plan(const std::string& name, const VerifyInputs& in, const std::string& expected_mode) {
-  expect_true(name + "/mode", in.vocab_mode == expected_mode, "vocab mode " + in.vocab_mode);
+void check_plan(const std::string& name, const VerifyInputs& in, const std::string& expected_mode,
+                const std::string& component = "vocab") {
+  if (component == "vocab") expect_true(name + "/mode", in.vocab_mode == expected_mode, "vocab mode " + in.vocab_mode);
   const ScaledConfig s = scale_config(in, std::nullopt);
-  const VerifyReport r = run_verification_cuda(in, s, {"vocab"}, 0.03);
+  if (component == "checkpoint") expect_true(name + "/boundaries", s.boundaries == expected_mode, "boundaries " + s.boundaries);
+  const VerifyReport r = run_verification_cuda(in, s, {component}, 0.03);
   print_rows(r);
   int phase_rows = 0;
   double worst = 0.0;
@@ -67,8 +71,11 @@ void check_plan(const std::string& name, const VerifyInputs& in, const std::stri
   expect_true(name + "/rows", phase_rows >= 2 && device_view, std::to_string(phase_rows) + " phase rows and the device view");
   expect_true(name + "/within-1%", worst <= 0.01, "worst phase row " + std::to_string(100.0 * worst) + " %");
   expect_true(name + "/pass", r.pass, r.pass ? "pass" : "fail");
-  if (in.vocab_mode != "materialized")
+  if (component == "vocab" && in.vocab_mode != "materialized")
     expect_true(name + "/dloss", r.max_abs_dloss < 1e-2, "|dloss| vs materialised " + std::to_string(r.max_abs_dloss));
+  if (component == "checkpoint")
+    expect_true(name + "/bitwise", r.max_abs_dloss == 0.0 && r.max_abs_dgrad == 0.0,
+                "|dloss| " + std::to_string(r.max_abs_dloss) + ", |dgrad| " + std::to_string(r.max_abs_dgrad) + " vs the naive stack");
 }
 
 }  // namespace
@@ -81,6 +88,11 @@ int main() {
                "ring-dtp");
     check_plan("blocked-in-forward", gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}, {"--vocab-backward", "in-forward"}}),
                "ring-dtp");
+
+    check_plan("checkpoint-kept", gpt_oss_plan({{"--schedule", "baseline"}}), "device", "checkpoint");
+    check_plan("checkpoint-inline", gpt_oss_plan({{"--schedule", "practice"}}), "sync-offload", "checkpoint");
+    check_plan("checkpoint-sco", gpt_oss_plan({{"--schedule", "flatpeak"}, {"--sco-layers", "18"}, {"--sco-prefetch", "1"}}), "sco",
+               "checkpoint");
 
     // A prediction raised by 2 % must fail.
     const VerifyInputs in = gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}});

@@ -7,14 +7,17 @@
 //             device has too little free memory).
 //   dispatch  one MoE layer at EP = 1 (gpt-oss-120b dims, T = 32K): capped rounds vs one uncapped
 //             round, throughput ratio and tracked peaks.
+//   checkpoint an 8-layer checkpointed stack (T = 8192, H = 2048): boundaries kept, offloaded by
+//             SCO (copy streams, prefetch 1) and offloaded in line on the compute stream: step
+//             time ratios against kept, the device boundary peaks, and SCO's bits against kept.
 //   offload   OffloadStreamAdamW for a 1B-parameter shard: pipeline time vs its slowest stage +
 //             one bucket fill, serial offload, the optimizer time left exposed after a simulated
 //             backward (stream vs serial), CPU AdamW GB/s vs a STREAM copy on this machine.
 // Every figure is measured here; lines "summary|check|result|detail" feed tools/gpu-check.sh.
 // Exit: 0 done, 77 no CUDA device, 2 bad arguments, 1 a CUDA/cuBLAS or other runtime error.
-//   cuda_techniques [--only vocab,dispatch,offload] [--vocab-tokens 65536] [--big 262144,1048576]
+//   cuda_techniques [--only vocab,dispatch,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
 //                   [--t-blk 8192] [--v-blk 16384] [--dispatch-tokens 32768] [--cap 16384]
-//                   [--offload-params 1000000000] [--bucket 33554432] [--depth 2] [--threads N]
+//                   [--ckpt-tokens 8192] [--offload-params 1000000000] [--bucket 33554432] [--depth 2] [--threads N]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -34,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "executor/cuda/checkpoint_schedule_cuda.h"
 #include "executor/cuda/cublas_context.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/device_allocator.h"
@@ -60,7 +64,7 @@ constexpr int64_t kAlign = 256;
 constexpr int64_t kMarginBytes = int64_t{1} << 30;
 
 struct Options {
-  std::vector<std::string> only{"vocab", "dispatch", "offload"};
+  std::vector<std::string> only{"vocab", "dispatch", "checkpoint", "offload"};
   int64_t vocab_tokens = 65536;
   std::vector<int64_t> big{262144, 1048576};
   int64_t hidden = 2880;      // gpt-oss-120b hidden_size (models/gpt-oss-120b.json)
@@ -72,6 +76,7 @@ struct Options {
   int64_t v_blk = 16384;
   int64_t dispatch_tokens = 32768;
   int64_t cap = 16384;
+  int64_t ckpt_tokens = 8192;
   int64_t offload_params = 1000000000;
   int64_t bucket = int64_t{32} << 20;
   int depth = 2;
@@ -103,8 +108,8 @@ Options parse(int argc, char** argv) {
     if (flag == "--only") {
       o.only = split(v);
       for (const std::string& s : o.only)
-        if (s != "vocab" && s != "dispatch" && s != "offload")
-          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, offload)");
+        if (s != "vocab" && s != "dispatch" && s != "checkpoint" && s != "offload")
+          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, checkpoint, offload)");
     } else if (flag == "--big") {
       o.big.clear();
       for (const std::string& s : split(v)) o.big.push_back(parse_int(flag, s));
@@ -113,6 +118,7 @@ Options parse(int argc, char** argv) {
     else if (flag == "--v-blk") o.v_blk = parse_int(flag, v);
     else if (flag == "--dispatch-tokens") o.dispatch_tokens = parse_int(flag, v);
     else if (flag == "--cap") o.cap = parse_int(flag, v);
+    else if (flag == "--ckpt-tokens") o.ckpt_tokens = parse_int(flag, v);
     else if (flag == "--offload-params") o.offload_params = parse_int(flag, v);
     else if (flag == "--bucket") o.bucket = parse_int(flag, v);
     else if (flag == "--depth") o.depth = static_cast<int>(std::min<int64_t>(parse_int(flag, v), 64));
@@ -345,6 +351,50 @@ void dispatch_section(const Options& o) {
   }
 }
 
+// ---- checkpoint ------------------------------------------------------------------------------
+
+struct CheckpointRun {
+  flatpeak::cuda::CheckpointScheduleCudaResult r;
+  int64_t boundary_peak = 0;  // device boundaries, the largest over the phases
+};
+
+CheckpointRun run_checkpoint(const flatpeak::exec::CheckpointScheduleConfig& c, bool copy_streams) {
+  ScopedStream stream;
+  DeviceAllocator alloc({kAlign});
+  const CublasContext blas(alloc, stream.get());
+  (void)flatpeak::cuda::run_checkpoint_schedule_cuda(alloc, blas, c, {copy_streams, false});  // warm-up: pool, cuBLAS, pinning
+  alloc.reset_records();
+  CheckpointRun out;
+  out.r = flatpeak::cuda::run_checkpoint_schedule_cuda(alloc, blas, c, {copy_streams, false});
+  out.boundary_peak = category_peak(alloc, Category::Boundaries);
+  return out;
+}
+
+void checkpoint_section(const Options& o) {
+  flatpeak::exec::CheckpointScheduleConfig kept;
+  kept.tokens = o.ckpt_tokens;
+  kept.hidden = 2048;
+  kept.layers = 8;
+  kept.heads = 16;  // head dim 128
+  flatpeak::exec::CheckpointScheduleConfig offloaded = kept;
+  offloaded.offloaded.assign(static_cast<size_t>(kept.layers), true);
+  offloaded.prefetch = 1;
+  const CheckpointRun k = run_checkpoint(kept, true);
+  const CheckpointRun sco = run_checkpoint(offloaded, true);
+  offloaded.prefetch = 0;
+  const CheckpointRun in_line = run_checkpoint(offloaded, false);
+  const bool same_bits = sco.r.values.d_input == k.r.values.d_input && sco.r.values.d_weights == k.r.values.d_weights;
+  char detail[512];
+  std::snprintf(detail, sizeof detail,
+                "T=%lld H=2048 L=8: kept %.1f ms; SCO %.3fx kept; in-line offload %.3fx kept; device boundaries %s -> %s (SCO), host %s%s; "
+                "SCO bits %s kept's",
+                static_cast<long long>(kept.tokens), 1e3 * k.r.seconds, sco.r.seconds / k.r.seconds, in_line.r.seconds / k.r.seconds,
+                gib(k.boundary_peak).c_str(), gib(sco.boundary_peak).c_str(), gib(sco.r.host_boundary_bytes).c_str(),
+                sco.r.host_pinned ? " pinned" : " PAGEABLE", same_bits ? "equal to" : "DIFFER from");
+  std::printf("checkpoint: %s\n", detail);
+  summary("checkpoint SCO", same_bits ? "measured" : "FAIL", detail);
+}
+
 // ---- offload ---------------------------------------------------------------------------------
 
 // Spins one thread for `ns` nanoseconds of the device's global timer: a stand-in for a slice of
@@ -535,7 +585,7 @@ int main(int argc, char** argv) {
   // them too, each with its own message).
   int failed = 0;
   const std::pair<const char*, void (*)(const Options&)> sections[] = {
-      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"offload", offload_section}};
+      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"checkpoint", checkpoint_section}, {"offload", offload_section}};
   for (const auto& [name, run] : sections) {
     if (!wanted(o, name)) continue;
     try {

@@ -58,10 +58,11 @@ std::string measured_phase_for(const std::string& predicted) {
   return "";
 }
 
-void compare_boundaries(exec::MemorySpace space, const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
+}  // namespace
+
+void compare_boundaries(exec::MemorySpace space, const nlohmann::ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
                         VerifyReport& report) {
   const std::string space_name = exec::memory_space_name(space);
-  const auto records = alloc.phase_records();
   const auto column = static_cast<size_t>(exec::Category::Boundaries);
   int64_t predicted_peak = 0, measured_peak = 0;
   for (const auto& r : records)
@@ -81,11 +82,7 @@ void compare_boundaries(exec::MemorySpace space, const nlohmann::ordered_json& p
   report.rows.push_back({"checkpoint", space_name, "peak", predicted_peak, measured_peak, relative_error(measured_peak, predicted_peak)});
 }
 
-}  // namespace
-
-void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report) {
-  const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
+FlagList checkpoint_prediction_flags(const ScaledConfig& s, VerifyReport& report) {
   FlagList flags;
   if (s.boundaries == "sco") {
     flags = {{"--sco", "on"}, {"--sco-layers", layer_set_text(s.sco_offloaded)}, {"--sco-prefetch", std::to_string(s.sco_prefetch)}};
@@ -94,14 +91,24 @@ void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report) {
   } else {
     flags = {{"--sco", "off"}};  // practice: synchronous offload of every layer; otherwise kept
   }
-  const nlohmann::ordered_json predicted = predicted_timeline(ctx, flags);
+  return flags;
+}
 
+exec::CheckpointScheduleConfig checkpoint_schedule_config(const ScaledConfig& s) {
   exec::CheckpointScheduleConfig c;
   c.tokens = s.tokens;
   c.hidden = s.hidden;
   c.layers = s.layers;
   if (s.boundaries != "device") c.offloaded = s.sco_offloaded;  // sync-offload: every layer
   c.prefetch = s.boundaries == "sco" ? s.sco_prefetch : 0;
+  return c;
+}
+
+void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, checkpoint_prediction_flags(s, report));
+  const exec::CheckpointScheduleConfig c = checkpoint_schedule_config(s);
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   const exec::CheckpointScheduleResult got = exec::run_checkpoint_schedule(alloc, c);
 
@@ -121,8 +128,8 @@ void verify_checkpoint(const VerifyContext& ctx, VerifyReport& report) {
   dgrad(got.d_input, ref.d_input);
   dgrad(got.d_weights, ref.d_weights);
 
-  compare_boundaries(exec::MemorySpace::Device, predicted, alloc, report);
-  compare_boundaries(exec::MemorySpace::Host, predicted, alloc, report);
+  compare_boundaries(exec::MemorySpace::Device, predicted, alloc.phase_records(), report);
+  compare_boundaries(exec::MemorySpace::Host, predicted, alloc.phase_records(), report);
   report.measured_trace = measured_trace(alloc);
 }
 

@@ -15,6 +15,7 @@
 
 #include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/checkpoint_schedule.h"
 #include "executor/schedules/decoder_layer.h"
 #include "executor/schedules/dispatch_schedule.h"
 #include "executor/schedules/step_schedule.h"
@@ -148,6 +149,16 @@ bool main_loss_phase(const std::string& phase);
 // The vocab component's executor configuration on one rank (R = 1): the scaled T, H, V, blocks,
 // the plan's mode and backward.
 exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
+
+// The checkpoint component (verify_checkpoint.cpp), shared with the cuda backend.
+// The planner flags of the plan's boundaries (SCO's scaled layer set and prefetch; a note says which).
+FlagList checkpoint_prediction_flags(const ScaledConfig& s, VerifyReport& report);
+// The executor's configuration: the scaled T, H, L, the offloaded layers and prefetch.
+exec::CheckpointScheduleConfig checkpoint_schedule_config(const ScaledConfig& s);
+// Rows checkpoint.<space> of every decoder-layer and main-loss phase the stack runs (boundaries
+// column, the measured phase standing for each predicted one) and a "peak" row.
+void compare_boundaries(exec::MemorySpace space, const nlohmann::ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
+                        VerifyReport& report);
 
 // One verify component per file.
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report);

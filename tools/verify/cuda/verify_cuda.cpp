@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "executor/cuda/backend_error.h"
+#include "executor/cuda/checkpoint_schedule_cuda.h"
 #include "executor/cuda/cublas_context.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/device_allocator.h"
@@ -54,6 +55,42 @@ void require_free(const std::string& what, int64_t needed_bytes) {
                                          gib(needed_bytes + kFreeMarginBytes), gib(free_bytes)));
 }
 
+// The device's own view beside the tracked figures, as a row of `component`. Expected: every
+// tracked byte at the high-water mark less the cuBLAS workspace, plus the plan's runtime overhead
+// (CUDA context, cuBLAS and its workspace). The pool keeps what it reserved (release threshold:
+// never), so what the device holds now is what it held at the peak. Measured: the process's own
+// figure where NVML gives one; else the whole device's used memory (run alone then).
+void add_device_view_row(const std::string& component, const cuda::DeviceAllocator& alloc, const cuda::CublasContext& blas,
+                         const VerifyInputs& in, VerifyReport& report) {
+  const cuda::DeviceMemoryView view = alloc.device_view();
+  const int64_t device_used = view.nvml_available ? view.nvml_process_used_bytes : view.device_total_bytes - view.device_free_bytes;
+  const int64_t expected = alloc.high_water_bytes() - blas.workspace_bytes() + in.overhead_bytes;
+  VerifyRow row{component, "device", "device view", expected, device_used, relative_error(device_used, expected)};
+  row.tolerance = kDeviceViewTolerance;
+  row.slack_bytes = kDeviceViewSlackBytes;
+  row.judged = in.overhead_calibrated;
+  report.rows.push_back(row);
+  report.notes.push_back(fmt::format(
+      "{}: device view = {} against the tracked high-water {} B (in {}) less the cuBLAS workspace plus /inputs/run/overhead_bytes "
+      "({} B); pool used high {} B, reserved high {} B; passes within {:.0f}% + {} MiB{}",
+      component,
+      view.nvml_available ? "this process's device memory (NVML)"
+                          : "the whole device's used memory (cudaMemGetInfo; NVML: " + view.nvml_reason + ")",
+      alloc.high_water_bytes(), alloc.high_water_phase(), in.overhead_bytes, view.pool_used_high_bytes, view.pool_reserved_high_bytes,
+      100.0 * kDeviceViewTolerance, kDeviceViewSlackBytes >> 20,
+      in.overhead_calibrated ? "" : "; not judged: the plan's overhead is not a calibrated card's (tools/gpu-check.sh calibrates one)"));
+}
+
+// The allocator of a component run: the plan's alignment, and a capacity of the device's free
+// memory less a margin, so a run too large for the GPU stops with exec::OutOfMemory (exit 4)
+// before the device itself refuses.
+cuda::DeviceAllocator::Options allocator_options(const VerifyInputs& in) {
+  cuda::DeviceAllocator::Options options;
+  options.alignment_bytes = std::max<int64_t>(1, in.alignment_bytes);
+  options.capacity_bytes = std::max<int64_t>(0, free_device_bytes() - kFreeMarginBytes);
+  return options;
+}
+
 // The vocab component: the plan's vocab schedule (R = 1) on the GPU, its tracked `vocab` bytes
 // against the planner's vocab column of the loss phases, then the device's own view.
 void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
@@ -69,8 +106,7 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
   require_free("the vocab component", cuda::vocab_schedule_cuda_peak_bytes(config, in.alignment_bytes) +
                                           cuda::CublasContext::kDefaultWorkspaceBytes);
 
-  cuda::DeviceAllocator::Options options;
-  options.alignment_bytes = std::max<int64_t>(1, in.alignment_bytes);
+  const cuda::DeviceAllocator::Options options = allocator_options(in);
   double mean_loss = 0.0;
   {
     cuda::DeviceAllocator alloc(options);
@@ -82,30 +118,8 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
     compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, records, main_loss_phase, report);
     report.measured_trace = measured_trace(records);
 
-    // The device's own view beside the tracked figures. Expected: every tracked byte at the
-    // high-water mark less the cuBLAS workspace, plus the plan's runtime overhead (CUDA context,
-    // cuBLAS and its workspace). The pool keeps what it reserved (release threshold: never), so
-    // the device's used memory now is what it was at the peak.
-    // The process's own figure where NVML gives one; else the whole device's (run alone then).
-    const cuda::DeviceMemoryView view = alloc.device_view();
-    const int64_t device_used = view.nvml_available ? view.nvml_process_used_bytes : view.device_total_bytes - view.device_free_bytes;
-    const int64_t expected = alloc.high_water_bytes() - blas.workspace_bytes() + in.overhead_bytes;
-    VerifyRow row{"vocab", "device", "device view", expected, device_used, relative_error(device_used, expected)};
-    row.tolerance = kDeviceViewTolerance;
-    row.slack_bytes = kDeviceViewSlackBytes;
-    row.judged = in.overhead_calibrated;
-    report.rows.push_back(row);
-    report.notes.push_back(fmt::format(
-        "vocab: {:.3f} s on the GPU (fwd {:.3f} s, bwd {:.3f} s); tracked high-water {} B in {}; pool used high {} B, reserved high {} B",
-        got.seconds, got.forward_s, got.backward_s, alloc.high_water_bytes(), alloc.high_water_phase(), view.pool_used_high_bytes,
-        view.pool_reserved_high_bytes));
-    report.notes.push_back(fmt::format(
-        "device view: {} against the tracked high-water less the cuBLAS workspace plus /inputs/run/overhead_bytes ({} B); passes "
-        "within {:.0f}% + {} MiB{}",
-        view.nvml_available ? "this process's device memory (NVML)"
-                            : "the whole device's used memory (cudaMemGetInfo; NVML: " + view.nvml_reason + ")",
-        in.overhead_bytes, 100.0 * kDeviceViewTolerance, kDeviceViewSlackBytes >> 20,
-        in.overhead_calibrated ? "" : "; not judged: the plan's overhead is not a calibrated card's (tools/gpu-check.sh calibrates one)"));
+    add_device_view_row("vocab", alloc, blas, in, report);
+    report.notes.push_back(fmt::format("vocab: {:.3f} s on the GPU (fwd {:.3f} s, bwd {:.3f} s)", got.seconds, got.forward_s, got.backward_s));
   }
 
   // Blocked against the materialised schedule on the same data: the mean loss. The gradients of
@@ -119,11 +133,75 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
                                        gib(naive_bytes + kFreeMarginBytes)));
     return;
   }
-  cuda::DeviceAllocator alloc(options);
+  cuda::DeviceAllocator alloc(allocator_options(in));
   Stream stream;
   const cuda::CublasContext blas(alloc, stream.get());
   const cuda::VocabScheduleCudaResult ref = cuda::run_vocab_schedule_cuda(alloc, blas, naive);
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(mean_loss - ref.mean_loss));
+}
+
+// The checkpoint component: the L-layer stack with the plan's boundaries (kept; synchronous offload
+// as copies in line on the compute stream; SCO on copy streams with its prefetch) on the GPU, its
+// tracked boundary bytes, device and host, against the planner's boundaries column, then the
+// device's own view and the naive stack (no checkpointing) on the same data when it fits.
+void verify_checkpoint_cuda(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, checkpoint_prediction_flags(s, report));
+  const exec::CheckpointScheduleConfig config = checkpoint_schedule_config(s);
+  cuda::CheckpointCudaOptions options;
+  options.copy_streams = s.boundaries == "sco";
+  exec::CheckpointScheduleResult got;
+  {
+    cuda::DeviceAllocator alloc(allocator_options(in));
+    Stream stream;
+    const cuda::CublasContext blas(alloc, stream.get());
+    const cuda::CheckpointScheduleCudaResult run = cuda::run_checkpoint_schedule_cuda(alloc, blas, config, options);
+    got = run.values;
+    std::vector<exec::PhaseRecord> records = alloc.phase_records();
+    compare_boundaries(exec::MemorySpace::Device, predicted, records, report);
+    // The host arena is pinned once before the first phase and held to the end: every phase holds it.
+    std::vector<exec::PhaseRecord> host;
+    for (const auto& r : records) {
+      exec::PhaseRecord h;
+      h.phase = r.phase;
+      h.space = exec::MemorySpace::Host;
+      h.bytes_at_peak[static_cast<size_t>(exec::Category::Boundaries)] = run.host_boundary_bytes;
+      h.category_peak_bytes[static_cast<size_t>(exec::Category::Boundaries)] = run.host_boundary_bytes;
+      h.peak_bytes = run.host_boundary_bytes;
+      host.push_back(h);
+    }
+    compare_boundaries(exec::MemorySpace::Host, predicted, host, report);
+    report.measured_trace = measured_trace(records);
+    add_device_view_row("checkpoint", alloc, blas, in, report);
+    report.notes.push_back(fmt::format("checkpoint: {:.3f} s on the GPU (fwd {:.3f} s, bwd {:.3f} s), boundaries {}{}", run.seconds,
+                                       run.forward_s, run.backward_s,
+                                       s.boundaries == "sco" ? "by SCO on copy streams" : s.boundaries == "device" ? "kept" : "copied in line",
+                                       run.host_pinned ? "" : "; host arena pageable: " + run.fallback_reason));
+  }
+
+  // Against the naive stack (no checkpointing, nothing offloaded) on the same data: the offload
+  // moves bytes and the recompute reruns the same kernels, so the bits are expected equal.
+  exec::CheckpointScheduleConfig naive = config;
+  naive.offloaded.clear();
+  naive.prefetch = 0;
+  naive.checkpoint = false;
+  try {
+    cuda::DeviceAllocator alloc(allocator_options(in));
+    Stream stream;
+    const cuda::CublasContext blas(alloc, stream.get());
+    const exec::CheckpointScheduleResult ref = cuda::run_checkpoint_schedule_cuda(alloc, blas, naive).values;
+    report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
+    auto dgrad = [&](const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+      for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+        report.max_abs_dgrad =
+            std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(exec::bf16_value(a[i]) - exec::bf16_value(b[i]))));
+    };
+    dgrad(got.d_input, ref.d_input);
+    dgrad(got.d_weights, ref.d_weights);
+  } catch (const exec::OutOfMemory&) {
+    report.notes.push_back("checkpoint: the naive stack (every activation kept) does not fit the device; |dloss| and |dgrad| not measured");
+  }
 }
 
 using ComponentRun = void (*)(const VerifyContext&, VerifyReport&);
@@ -131,7 +209,7 @@ struct CudaComponent {
   const char* name;
   ComponentRun run;
 };
-const CudaComponent kCudaComponents[] = {{"vocab", verify_vocab_cuda}};
+const CudaComponent kCudaComponents[] = {{"vocab", verify_vocab_cuda}, {"checkpoint", verify_checkpoint_cuda}};
 
 std::string why(const InputError& e) {
   std::string text;
@@ -159,7 +237,7 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
     const bool has_twin = std::any_of(std::begin(kCudaComponents), std::end(kCudaComponents),
                                       [&](const CudaComponent& c) { return name == c.name; });
     if (has_twin) continue;
-    const std::string message = "the " + name + " component has no CUDA run yet (cuda runs: vocab); the cpu backend runs it";
+    const std::string message = "the " + name + " component has no CUDA run yet (cuda runs: vocab, checkpoint); the cpu backend runs it";
     if (alone) throw UnsupportedPlan({Diagnostic{"", "--component", message, "run it with --backend cpu"}});
     report.notes.push_back(name + ": not run (" + message + ")");
   }
@@ -175,7 +253,9 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
   FLATPEAK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   report.device = prop.name;
   if (scaled.ranks > 1)
-    report.notes.push_back(fmt::format("ran one rank of {} on one GPU (at R = 1 every rank's vocab component is the same)", scaled.ranks));
+    report.notes.push_back(fmt::format("ran one rank of {} on one GPU (at R = 1 every rank's vocab component is the same; the checkpoint "
+                                       "stack is one rank's)",
+                                       scaled.ranks));
 
   const VerifyContext ctx{in, scaled, adjust};
   for (const auto& c : kCudaComponents) {

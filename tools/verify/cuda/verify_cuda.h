@@ -3,7 +3,7 @@
 // the CPU), and the device's own view (what the device says this process holds) against the
 // tracked peak plus the plan's runtime overhead. Library flatpeak_verify_cuda, built with the CUDA
 // backend; the CLI calls it only where it was built (FLATPEAK_HAVE_CUDA_BACKEND).
-//   VerifyReport r = run_verification_cuda(in, scale_config(in, 1.0), {"vocab"}, 0.03);
+//   VerifyReport r = run_verification_cuda(in, scale_config(in, 1.0), {"vocab", "checkpoint"}, 0.03);
 #pragma once
 
 #include <cstdint>
@@ -16,7 +16,7 @@
 namespace flatpeak::cli {
 
 // The components with a CUDA twin, in report order: vocab (materialised or blocked, Ring-DTP at
-// R = 1).
+// R = 1) and checkpoint (boundaries kept, offloaded in line, or by SCO on copy streams).
 std::vector<std::string> cuda_verify_components();
 
 // The device's own view passes within this fraction of the expected footprint plus kDeviceViewSlackBytes.
