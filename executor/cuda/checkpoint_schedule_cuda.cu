@@ -408,29 +408,16 @@ void append_bits(const DeviceBuffer& t, std::vector<uint16_t>& out) {
   if (n > 0) FLATPEAK_CUDA_CHECK(cudaMemcpy(out.data() + first, t.raw(), n * 2, cudaMemcpyDeviceToHost));
 }
 
-void check(const exec::CheckpointScheduleConfig& c, const Dims& d) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.layers <= 0)
-    throw std::invalid_argument("checkpoint schedule: tokens, hidden and layers must be positive");
-  if (d.H % d.heads != 0) throw std::invalid_argument("checkpoint schedule: heads must divide hidden");
-  if (!c.offloaded.empty() && static_cast<int64_t>(c.offloaded.size()) != c.layers)
-    throw std::invalid_argument("checkpoint schedule: offloaded must list every layer (got " + std::to_string(c.offloaded.size()) +
-                                " for " + std::to_string(c.layers) + " layers)");
-  if (c.prefetch < 0) throw std::invalid_argument("checkpoint schedule: prefetch must be >= 0");
-  if (!c.checkpoint && !c.offloaded.empty())
-    for (bool off : c.offloaded)
-      if (off) throw std::invalid_argument("checkpoint schedule: the naive run (no checkpointing) offloads nothing");
-}
-
 }  // namespace
 
 CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc, const CublasContext& blas,
                                                           const exec::CheckpointScheduleConfig& c, const CheckpointCudaOptions& options) {
+  const exec::CheckpointDims resolved = exec::checkpoint_dims(c);  // the CPU schedule's checks
   Dims d;
-  d.T = c.tokens;
-  d.H = c.hidden;
-  d.F = c.ffn > 0 ? c.ffn : 2 * c.hidden;
-  d.heads = c.heads > 0 ? c.heads : (c.hidden % 4 == 0 ? 4 : (c.hidden % 2 == 0 ? 2 : 1));
-  check(c, d);
+  d.T = resolved.tokens;
+  d.H = resolved.hidden;
+  d.F = resolved.ffn;
+  d.heads = resolved.heads;
   const int64_t T = d.T, H = d.H, L = c.layers;
   cudaStream_t s = blas.stream();
   Stack stack(alloc, blas, d);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/cuda_raii.h"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/ops/dtype.h"
 
@@ -56,33 +57,5 @@ inline double event_seconds(cudaEvent_t start, cudaEvent_t stop) {
   FLATPEAK_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
   return static_cast<double>(ms) / 1000.0;
 }
-
-// A CUDA event owned by scope.
-class ScopedEvent {
- public:
-  ScopedEvent() { FLATPEAK_CUDA_CHECK(cudaEventCreate(&event_)); }
-  ~ScopedEvent() { (void)cudaEventDestroy(event_); }
-  ScopedEvent(const ScopedEvent&) = delete;
-  ScopedEvent& operator=(const ScopedEvent&) = delete;
-  cudaEvent_t get() const { return event_; }
-  void record(cudaStream_t stream) { FLATPEAK_CUDA_CHECK(cudaEventRecord(event_, stream)); }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-// A non-blocking CUDA stream owned by scope; declared before the allocator and buffers that use
-// it, it outlives them. As with ScopedEvent, a failed destroy is ignored (destructors do not throw).
-class ScopedStream {
- public:
-  ScopedStream() { FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~ScopedStream() { (void)cudaStreamDestroy(stream_); }
-  ScopedStream(const ScopedStream&) = delete;
-  ScopedStream& operator=(const ScopedStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 }  // namespace flatpeak::exec::cuda_detail

@@ -281,19 +281,6 @@ void append_bits(const Tensor& t, std::vector<uint16_t>& out) {
 
 int64_t ffn_width(const CheckpointScheduleConfig& c) { return c.ffn > 0 ? c.ffn : 2 * c.hidden; }
 
-void check(const CheckpointScheduleConfig& c, const Dims& d) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.layers <= 0)
-    throw std::invalid_argument("checkpoint schedule: tokens, hidden and layers must be positive");
-  if (d.H % d.heads != 0) throw std::invalid_argument("checkpoint schedule: heads must divide hidden");
-  if (!c.offloaded.empty() && static_cast<int64_t>(c.offloaded.size()) != c.layers)
-    throw std::invalid_argument("checkpoint schedule: offloaded must list every layer (got " + std::to_string(c.offloaded.size()) +
-                                " for " + std::to_string(c.layers) + " layers)");
-  if (c.prefetch < 0) throw std::invalid_argument("checkpoint schedule: prefetch must be >= 0");
-  if (!c.checkpoint && !c.offloaded.empty())
-    for (bool off : c.offloaded)
-      if (off) throw std::invalid_argument("checkpoint schedule: the naive run (no checkpointing) offloads nothing");
-}
-
 // The boundaries: device copies (x_0 .. x_L; x_L is the final hidden h_L) and the host arena.
 class Boundaries {
  public:
@@ -340,18 +327,37 @@ std::string layer_phase(const char* pass, int64_t l, const char* part) {
 
 float bf16_value(uint16_t bits) { return to_f32(Bf16{bits}); }
 
+CheckpointDims checkpoint_dims(const CheckpointScheduleConfig& c) {
+  CheckpointDims d;
+  d.tokens = c.tokens;
+  d.hidden = c.hidden;
+  d.ffn = ffn_width(c);
+  d.heads = c.heads > 0 ? c.heads : (c.hidden % 4 == 0 ? 4 : (c.hidden % 2 == 0 ? 2 : 1));
+  if (c.tokens <= 0 || c.hidden <= 0 || c.layers <= 0)
+    throw std::invalid_argument("checkpoint schedule: tokens, hidden and layers must be positive");
+  if (d.hidden % d.heads != 0) throw std::invalid_argument("checkpoint schedule: heads must divide hidden");
+  if (!c.offloaded.empty() && static_cast<int64_t>(c.offloaded.size()) != c.layers)
+    throw std::invalid_argument("checkpoint schedule: offloaded must list every layer (got " + std::to_string(c.offloaded.size()) +
+                                " for " + std::to_string(c.layers) + " layers)");
+  if (c.prefetch < 0) throw std::invalid_argument("checkpoint schedule: prefetch must be >= 0");
+  if (!c.checkpoint && !c.offloaded.empty())
+    for (bool off : c.offloaded)
+      if (off) throw std::invalid_argument("checkpoint schedule: the naive run (no checkpointing) offloads nothing");
+  return d;
+}
+
 int64_t checkpoint_weight_gradient_elements(const CheckpointScheduleConfig& c) {
   const int64_t H = c.hidden, F = ffn_width(c);
   return c.layers * (2 * H + 4 * H * H + 3 * F * H) + H;
 }
 
 CheckpointScheduleResult run_checkpoint_schedule(TrackingAllocator& alloc, const CheckpointScheduleConfig& c) {
+  const CheckpointDims resolved = checkpoint_dims(c);
   Dims d;
-  d.T = c.tokens;
-  d.H = c.hidden;
-  d.F = ffn_width(c);
-  d.heads = c.heads > 0 ? c.heads : (c.hidden % 4 == 0 ? 4 : (c.hidden % 2 == 0 ? 2 : 1));
-  check(c, d);
+  d.T = resolved.tokens;
+  d.H = resolved.hidden;
+  d.F = resolved.ffn;
+  d.heads = resolved.heads;
   const int64_t T = d.T, H = d.H, L = c.layers;
 
   // Weights, their gradients, the final norm, the loss target and the stack's input.

@@ -36,6 +36,14 @@ struct CheckpointScheduleResult {
   std::vector<uint16_t> d_weights;  // every weight gradient, layer by layer, then the final norm (bf16 bits)
 };
 
+// The stack's resolved dims (heads and F defaulted as CheckpointScheduleConfig says), after
+// checking the config: throws std::invalid_argument for non-positive sizes, heads not dividing H,
+// an offloaded list of the wrong length, a negative prefetch, or the naive run offloading.
+struct CheckpointDims {
+  int64_t tokens = 0, hidden = 0, ffn = 0, heads = 0;
+};
+CheckpointDims checkpoint_dims(const CheckpointScheduleConfig& config);
+
 // The value of a bf16 bit pattern of a CheckpointScheduleResult.
 float bf16_value(uint16_t bits);
 

@@ -14,6 +14,7 @@
 #include "executor/cuda/checkpoint_schedule_cuda.h"
 #include "executor/cuda/cublas_context.h"
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/cuda_raii.h"
 #include "executor/cuda/device_allocator.h"
 #include "executor/cuda/vocab_schedule_cuda.h"
 #include "verify_common.h"
@@ -26,18 +27,7 @@ double gib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0
 // Room left free beside a run's own peak: the CUDA context's later growth and cuBLAS's kernels.
 constexpr int64_t kFreeMarginBytes = int64_t{1} << 30;
 
-// A non-blocking stream owned by this scope.
-class Stream {
- public:
-  Stream() { FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() { (void)cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
+using Stream = exec::cuda_detail::ScopedStream;
 
 int64_t free_device_bytes() {
   size_t free_bytes = 0, total_bytes = 0;
