@@ -49,13 +49,20 @@ __global__ void add3_kernel(const Bf16* a, const Bf16* b, const Bf16* c, Bf16* o
   for (int64_t i = global_thread(); i < n; i += grid_threads())
     out[i] = exec::f32_to_bf16(exec::to_f32(a[i]) + exec::to_f32(b[i]) + exec::to_f32(c[i]));
 }
-// A norm weight: 1 + 0.1 · uniform(seed, base + i), as make_weights and the final norm.
+// A norm weight: 1 + 0.1 · uniform(seed, base + i), as make_weights and the final norm. The
+// product and the sum are rounded separately, as on the host: nvcc would contract them into one
+// fma, which rounds once and can give another bf16 weight than the CPU schedule's.
 __global__ void fill_norm_kernel(Bf16* p, int64_t n, uint64_t seed, uint64_t base) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
-    p[i] = exec::f32_to_bf16(1.0f + 0.1f * exec::cuda_detail::uniform_pm1_device(seed, base + static_cast<uint64_t>(i)));
+    p[i] = exec::f32_to_bf16(
+        __fadd_rn(1.0f, __fmul_rn(0.1f, exec::cuda_detail::uniform_pm1_device(seed, base + static_cast<uint64_t>(i)))));
 }
-// Σ (x − target)² in fp64 (one atomic per block), and d = (x − target) / T rounded to bf16.
-__global__ void squared_error_kernel(const Bf16* x, const Bf16* target, double* sum, int64_t n) {
+// Σ (x − target)² in fp64: each of the kLossBlocks blocks writes its partial sum, which the host
+// adds in block order after the step. Atomics would add the blocks' sums in whatever order they
+// finish, so the loss's last bits would change from run to run (and SCO vs kept vs naive, which
+// must agree bit for bit, would not).
+constexpr int kLossBlocks = 256;
+__global__ void squared_error_kernel(const Bf16* x, const Bf16* target, double* partials, int64_t n) {
   __shared__ double partial[kThreads];
   double local = 0.0;
   for (int64_t i = global_thread(); i < n; i += grid_threads()) {
@@ -68,7 +75,7 @@ __global__ void squared_error_kernel(const Bf16* x, const Bf16* target, double* 
     if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
     __syncthreads();
   }
-  if (threadIdx.x == 0) atomicAdd(sum, partial[0]);
+  if (threadIdx.x == 0) partials[blockIdx.x] = partial[0];
 }
 __global__ void loss_gradient_kernel(const Bf16* x, const Bf16* target, Bf16* d, int64_t n, float tokens) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
@@ -333,6 +340,18 @@ class Boundaries {
       if (offloaded_[l]) d2h_done_[l] = std::make_unique<ScopedEvent>(), h2d_done_[l] = std::make_unique<ScopedEvent>();
     fetch_pending_.assign(L, false);
   }
+  Boundaries(const Boundaries&) = delete;
+  Boundaries& operator=(const Boundaries&) = delete;
+  // The step ends with the compute stream synchronised after it waited for every copy; when an
+  // exception (OutOfMemory in a prefetch, say) unwinds the step instead, a copy may still be in
+  // flight into a device buffer or out of the arena that the members free (a stream-ordered free
+  // on the compute stream does not wait for a copy stream; cudaFreeHost is not stream-ordered):
+  // let the copies land first.
+  ~Boundaries() {
+    if (d2h_) (void)cudaStreamSynchronize(d2h_->get());
+    if (h2d_) (void)cudaStreamSynchronize(h2d_->get());
+    if (arena_) (void)cudaStreamSynchronize(compute_);
+  }
 
   int64_t bytes() const { return d_.T * d_.H * 2; }
   int64_t host_bytes() const { return host_bytes_; }
@@ -439,8 +458,7 @@ CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc
   Boundaries b(alloc, c, d, s, options);
   b.device(0) = b.make();
   exec::cuda_detail::fill_bf16_cuda(b.device(0).as<Bf16>(), T * H, c.seed * 7 + 1, 1.0f, s);
-  DeviceBuffer loss_sum(alloc, 8, Category::Workspace, s);  // fp64 Σ of the squared error
-  FLATPEAK_CUDA_CHECK(cudaMemsetAsync(loss_sum.raw(), 0, 8, s));
+  DeviceBuffer loss_partials(alloc, kLossBlocks * 8, Category::Workspace, s);  // [kLossBlocks] fp64 partial Σ of the squared error
 
   std::vector<AttnSaved> kept_attn(static_cast<size_t>(c.checkpoint ? 0 : L));
   std::vector<FfnSaved> kept_ffn(static_cast<size_t>(c.checkpoint ? 0 : L));
@@ -482,7 +500,7 @@ CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc
   exec::RmsNormArgs fn = norm_args(b.device(L), final_norm, rstd, T, H);
   fn.out = x_final.raw();
   exec::rmsnorm_forward_cuda(fn, s);
-  squared_error_kernel<<<grid_for(T * H), kThreads, 0, s>>>(x_final.as<Bf16>(), target.as<Bf16>(), loss_sum.as<double>(), T * H);
+  squared_error_kernel<<<kLossBlocks, kThreads, 0, s>>>(x_final.as<Bf16>(), target.as<Bf16>(), loss_partials.as<double>(), T * H);
   launch_check();
   forward_done.record(s);
   alloc.set_phase("loss/bwd");
@@ -534,8 +552,10 @@ CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc
   stop.record(s);
   FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));
 
+  std::vector<double> partials(kLossBlocks);
+  FLATPEAK_CUDA_CHECK(cudaMemcpy(partials.data(), loss_partials.raw(), partials.size() * sizeof(double), cudaMemcpyDeviceToHost));
   double sum = 0.0;
-  FLATPEAK_CUDA_CHECK(cudaMemcpy(&sum, loss_sum.raw(), sizeof sum, cudaMemcpyDeviceToHost));
+  for (double p : partials) sum += p;  // block order: the same bits every run
   result.values.loss = 0.5 * sum / static_cast<double>(T);
   result.values.d_input.reserve(static_cast<size_t>(T * H));
   append_bits(dy, result.values.d_input);
