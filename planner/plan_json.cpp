@@ -89,6 +89,13 @@ ojson run_json(const Plan& p) {
   j["imbalance"] = p.work.moe_loads.empty() ? std::string("balanced") : to_string(r.imbalance);
   j["overhead_bytes"] = r.overhead_bytes;
   j["overhead_calibrated"] = r.overhead_calibrated;
+  if (r.overhead_terms.present) {
+    const OverheadTerms& t = r.overhead_terms;
+    j["overhead_terms"] = {{"cuda_context_bytes", t.cuda_context_bytes},
+                           {"cublas_bytes", t.cublas_bytes},
+                           {"cublas_workspace_bytes", t.cublas_workspace_bytes},
+                           {"nccl_bytes", t.nccl_bytes}};
+  }
   j["fragmentation"] = r.fragmentation;
   j["allocation_alignment_bytes"] = r.alignment_bytes;
   return j;

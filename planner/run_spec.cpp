@@ -388,6 +388,7 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   r.host_fixed_bytes_per_node = kHostFixedBytesPerNode;
   r.overhead_bytes = s.overhead_bytes.value_or(hw.runtime_overhead_bytes > 0 ? hw.runtime_overhead_bytes : kDefaultOverheadBytes);
   r.overhead_calibrated = !s.overhead_bytes && hw.runtime_overhead_bytes > 0 && hw.overhead_calibrated;
+  if (!s.overhead_bytes && hw.runtime_overhead_terms.present) r.overhead_terms = hw.runtime_overhead_terms;
   r.fragmentation = s.fragmentation.value_or(hw.fragmentation_fraction > 0 ? hw.fragmentation_fraction : kDefaultFragmentation);
   if (s.fragmentation && (*s.fragmentation < 0 || *s.fragmentation >= 1))
     bad(errs, "--fragmentation", "must lie in [0, 1)", num(*s.fragmentation));

@@ -125,6 +125,7 @@ struct ResolvedRun {
   RoutingModel imbalance;
   int64_t overhead_bytes = 0;
   bool overhead_calibrated = false;  // overhead_bytes is the card's measured figure (not a default or --overhead)
+  OverheadTerms overhead_terms;      // its parts, when the card gives them (and no --overhead)
   double fragmentation = 0.05;
   int64_t alignment_bytes = 1;
 

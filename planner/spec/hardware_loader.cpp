@@ -22,7 +22,9 @@ std::string lowercase(std::string text) {
 // Reads the fields of one card, recording every problem instead of stopping at the first.
 class CardReader {
  public:
-  CardReader(const nlohmann::json& card, std::string file) : card_(card), file_(std::move(file)) {}
+  // `parent`: the JSON pointer of `card` inside the file ("" for the card itself).
+  CardReader(const nlohmann::json& card, std::string file, std::string parent = "")
+      : card_(card), file_(std::move(file)), parent_(std::move(parent)) {}
 
   int64_t positive_integer(const char* key) {
     const nlohmann::json* value = find(key, "a positive integer");
@@ -95,7 +97,7 @@ class CardReader {
     for (size_t i = 0; i < value->size(); ++i) {
       const auto& item = (*value)[i];
       if (!item.is_string()) {
-        errors_.add({file_, child_pointer("/" + std::string(key), std::to_string(i)),
+        errors_.add({file_, child_pointer(parent_ + "/" + std::string(key), std::to_string(i)),
                      fmt::format("must be a string (got {})", describe_json_value(item)), ""});
       } else {
         list.push_back(item.get<std::string>());
@@ -111,7 +113,7 @@ class CardReader {
     for (const auto& [key, value] : card_.items()) {
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
       const std::string guess = did_you_mean(key, known_);
-      errors_.add({file_, child_pointer("", key),
+      errors_.add({file_, child_pointer(parent_, key),
                    guess.empty() ? "unknown key" : fmt::format("unknown key (did you mean \"{}\"?)", guess), ""});
     }
   }
@@ -130,11 +132,12 @@ class CardReader {
   }
 
   void problem(const char* key, std::string message) {
-    errors_.add({file_, child_pointer("", key), std::move(message), ""});
+    errors_.add({file_, child_pointer(parent_, key), std::move(message), ""});
   }
 
   const nlohmann::json& card_;
   std::string file_;
+  std::string parent_;
   std::vector<std::string> known_;
   InputErrors errors_;
 };
@@ -174,6 +177,30 @@ HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& 
   spec.fragmentation_fraction = read.fraction("fragmentation_fraction");
   spec.allocation_alignment_bytes = read.positive_integer("allocation_alignment_bytes");
   spec.overhead_calibrated = read.boolean("overhead_calibrated");
+  // Optional: the calibrated overhead's parts (flatpeak_calibrate), which must add up to it.
+  read.allow("runtime_overhead_terms");
+  if (const auto terms = card.find("runtime_overhead_terms"); terms != card.end()) {
+    if (!terms->is_object()) {
+      read.errors().add({file, "/runtime_overhead_terms",
+                         fmt::format("must be an object of byte counts (got {})", describe_json_value(*terms)), ""});
+    } else {
+      CardReader parts(*terms, file, "/runtime_overhead_terms");
+      OverheadTerms& t = spec.runtime_overhead_terms;
+      t.cuda_context_bytes = parts.nonnegative_integer("cuda_context_bytes");
+      t.cublas_bytes = parts.nonnegative_integer("cublas_bytes");
+      t.cublas_workspace_bytes = parts.nonnegative_integer("cublas_workspace_bytes");
+      t.nccl_bytes = parts.nonnegative_integer("nccl_bytes");
+      parts.report_unknown_keys();
+      for (const auto& d : parts.errors().diagnostics()) read.errors().add(d);
+      t.present = parts.errors().empty();
+      if (t.present && t.sum() != spec.runtime_overhead_bytes)
+        read.errors().add({file, "/runtime_overhead_terms",
+                           fmt::format("must add up to runtime_overhead_bytes = {} (got {} + {} + {} + {} = {})",
+                                       spec.runtime_overhead_bytes, t.cuda_context_bytes, t.cublas_bytes, t.cublas_workspace_bytes,
+                                       t.nccl_bytes, t.sum()),
+                           ""});
+    }
+  }
   read.report_unknown_keys();
   if (spec.allocation_alignment_bytes > 0 &&
       (spec.allocation_alignment_bytes & (spec.allocation_alignment_bytes - 1)) != 0) {

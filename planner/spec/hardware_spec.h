@@ -10,6 +10,16 @@
 
 namespace flatpeak {
 
+// What a training process holds on the device beside its tensors, by source.
+struct OverheadTerms {
+  bool present = false;
+  int64_t cuda_context_bytes = 0;
+  int64_t cublas_bytes = 0;            // handle and loaded kernels
+  int64_t cublas_workspace_bytes = 0;  // the explicit cublasSetWorkspace block
+  int64_t nccl_bytes = 0;              // communicator buffers (one rank as calibrated)
+  int64_t sum() const { return cuda_context_bytes + cublas_bytes + cublas_workspace_bytes + nccl_bytes; }
+};
+
 struct HardwareSpec {
   std::string name;                 // card name: "H200"
   std::vector<std::string> aliases; // other accepted names: "H200-141GB", "h200"
@@ -32,6 +42,9 @@ struct HardwareSpec {
   double fragmentation_fraction = 0.0;      // allocator reserve as a fraction of the tracked peak
   int64_t allocation_alignment_bytes = 0;   // every device allocation rounds up to this
   bool overhead_calibrated = false;         // true once runtime_overhead_bytes was measured
+  // The calibrated overhead's parts, as flatpeak_calibrate measures them (optional in a card;
+  // present: they add up to runtime_overhead_bytes).
+  OverheadTerms runtime_overhead_terms;
 };
 
 }  // namespace flatpeak

@@ -82,6 +82,48 @@ TEST(HardwareCards, EveryProblemInOnePass) {
   }
 }
 
+// A card flatpeak_calibrate calibrated: the H200 card with its overhead's parts.
+nlohmann::json calibrated_card(int64_t nccl_bytes) {
+  nlohmann::json card = nlohmann::json::parse(R"({
+    "name": "H200-calibrated", "aliases": [], "device_memory_bytes": 150754820096, "hbm_bandwidth_bytes_per_s": 4.8e12,
+    "bf16_dense_flops": 989.4e12, "scale_up_bandwidth_bytes_per_s": 450e9, "host_link_bandwidth_bytes_per_s": 64e9,
+    "inter_node_bandwidth_bytes_per_s": 50e9, "gpus_per_node": 8, "host_memory_bytes_per_node": 2048000000000,
+    "host_memory_bandwidth_bytes_per_s": 5e11, "cpu_cores_per_node": 96, "runtime_overhead_bytes": 700000000,
+    "fragmentation_fraction": 0.05, "allocation_alignment_bytes": 512, "overhead_calibrated": true })");
+  card["runtime_overhead_terms"] = {{"cuda_context_bytes", 520000000}, {"cublas_bytes", 80000000},
+                                    {"cublas_workspace_bytes", 33554432}, {"nccl_bytes", nccl_bytes}};
+  return card;
+}
+
+TEST(HardwareCards, CalibratedOverheadTermsAddUp) {
+  const HardwareSpec ok = parse_hardware_card(calibrated_card(700000000 - 520000000 - 80000000 - 33554432), "c.json");
+  EXPECT_TRUE(ok.runtime_overhead_terms.present);
+  EXPECT_EQ(ok.runtime_overhead_terms.nccl_bytes, 700000000 - 520000000 - 80000000 - 33554432);
+  EXPECT_EQ(ok.runtime_overhead_terms.sum(), ok.runtime_overhead_bytes);
+  EXPECT_FALSE(load_hardware("H200").runtime_overhead_terms.present);  // the shipped cards are not calibrated yet
+
+  try {
+    parse_hardware_card(calibrated_card(1), "c.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    EXPECT_EQ(messages_of(e), std::vector<std::string>{"c.json: /runtime_overhead_terms: must add up to runtime_overhead_bytes = "
+                                                       "700000000 (got 520000000 + 80000000 + 33554432 + 1 = 633554433)"});
+  }
+  nlohmann::json bad = calibrated_card(0);
+  bad["runtime_overhead_terms"]["nccl_byte"] = 3;
+  bad["runtime_overhead_terms"]["cublas_bytes"] = -1;
+  try {
+    parse_hardware_card(bad, "c.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::vector<std::string> expected = {
+        "c.json: /runtime_overhead_terms/cublas_bytes: must be an integer >= 0 (got -1)",
+        "c.json: /runtime_overhead_terms/nccl_byte: unknown key (did you mean \"nccl_bytes\"?)",
+    };
+    EXPECT_EQ(messages_of(e), expected);
+  }
+}
+
 TEST(HardwareCards, NotAnObject) {
   EXPECT_THROW(parse_hardware_card(nlohmann::json::array(), "x.json"), InputError);
   EXPECT_THROW(parse_hardware_card(nlohmann::json(3), "x.json"), InputError);

@@ -93,6 +93,7 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     if (v.is_boolean()) in.overhead_calibrated = v.get<bool>();
     else r.errs.add(Diagnostic{file, "/inputs/run/overhead_calibrated", "must be true or false (got " + v.dump() + ")", ""});
   }
+  if (r.has("/inputs/run/overhead_terms/nccl_bytes")) in.overhead_nccl_bytes = r.integer("/inputs/run/overhead_terms/nccl_bytes", 0);
   if (r.has("/inputs/run/imbalance")) in.imbalance = r.text("/inputs/run/imbalance");
   if (const json* knobs = r.at("/knobs"); !knobs) {
     r.errs.throw_if_any();

@@ -35,6 +35,7 @@ struct VerifyInputs {
   // beside the tensors (CUDA context, cuBLAS, NCCL); the cuda backend's device-view row uses them.
   int64_t overhead_bytes = 0;
   bool overhead_calibrated = false;
+  int64_t overhead_nccl_bytes = 0;  // /inputs/run/overhead_terms/nccl_bytes (absent: 0)
   // Knobs (/knobs/<name>/value); absent ones are off.
   std::string vocab_mode = "materialized";   // materialized | blocked | ring-dtp
   std::string vocab_backward = "recompute";

@@ -54,7 +54,8 @@ void add_device_view_row(const std::string& component, const cuda::DeviceAllocat
                          const VerifyInputs& in, VerifyReport& report) {
   const cuda::DeviceMemoryView view = alloc.device_view();
   const int64_t device_used = view.nvml_available ? view.nvml_process_used_bytes : view.device_total_bytes - view.device_free_bytes;
-  const int64_t expected = alloc.high_water_bytes() - blas.workspace_bytes() + in.overhead_bytes;
+  // NCCL's buffers are part of the calibrated overhead, but a one-GPU run creates no communicator.
+  const int64_t expected = alloc.high_water_bytes() - blas.workspace_bytes() + in.overhead_bytes - in.overhead_nccl_bytes;
   VerifyRow row{component, "device", "device view", expected, device_used, relative_error(device_used, expected)};
   row.tolerance = kDeviceViewTolerance;
   row.slack_bytes = kDeviceViewSlackBytes;
@@ -62,11 +63,11 @@ void add_device_view_row(const std::string& component, const cuda::DeviceAllocat
   report.rows.push_back(row);
   report.notes.push_back(fmt::format(
       "{}: device view = {} against the tracked high-water {} B (in {}) less the cuBLAS workspace plus /inputs/run/overhead_bytes "
-      "({} B); pool used high {} B, reserved high {} B; passes within {:.0f}% + {} MiB{}",
+      "({} B) less its NCCL part ({} B); pool used high {} B, reserved high {} B; passes within {:.0f}% + {} MiB{}",
       component,
       view.nvml_available ? "this process's device memory (NVML)"
                           : "the whole device's used memory (cudaMemGetInfo; NVML: " + view.nvml_reason + ")",
-      alloc.high_water_bytes(), alloc.high_water_phase(), in.overhead_bytes, view.pool_used_high_bytes, view.pool_reserved_high_bytes,
+      alloc.high_water_bytes(), alloc.high_water_phase(), in.overhead_bytes, in.overhead_nccl_bytes, view.pool_used_high_bytes, view.pool_reserved_high_bytes,
       100.0 * kDeviceViewTolerance, kDeviceViewSlackBytes >> 20,
       in.overhead_calibrated ? "" : "; not judged: the plan's overhead is not a calibrated card's (tools/gpu-check.sh calibrates one)"));
 }
