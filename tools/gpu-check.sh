@@ -1,183 +1,222 @@
 #!/usr/bin/env bash
-# The one GPU check (issue 7, item 5): on a machine with one NVIDIA GPU and the CUDA toolkit but
-# without Debian's packages or network, build the CUDA backend and its CPU-vs-CUDA tests for
-# sm_90 only, run them, and print one summary table with the device and the date. Budget: under
-# 5 minutes, so that a second run fits in the same lease. Then the technique benchmark
-# (tools/bench/cuda_techniques.cu: vocab, dispatch, offload figures of issue 7) under its own time
-# limit (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s; FLATPEAK_TECHNIQUES_ARGS passes flags), its
-# figures as rows of the same table.
+# The one GPU check (issue 7, item 5): on a machine with one NVIDIA GPU, the CUDA toolkit and CMake
+# but without Debian's -dev packages or network, build the whole tool with CMake (the `flatpeak`
+# CLI, the CUDA backend, its CPU-vs-CUDA tests, flatpeak_calibrate, cuda_techniques) for sm_90
+# only, run them, and print one summary table with the device and the date. Aim: under 5
+# minutes on 16 cores, so that a second run fits in the same lease (not yet timed there). Stages, each with its own
+# time limit:
+#   build       configure build/gpu-check (Release, CUDA on, sm_90, MPI off, benchmarks off, tests
+#               on) and build only the targets below, on every core
+#   CUDA tests  each tests/cuda/*_test binary (the CPU-vs-CUDA ops, the schedules,
+#               verify_cuda_test), one row each (120 s each)
+#   calibrate   flatpeak_calibrate -> calibration.json and a calibrated copy of the card (60 s)
+#   verify      `flatpeak plan --format json` for a fixed set of plans, then
+#               `flatpeak verify PLAN --component vocab --backend cuda` at --scale 1 and auto, one
+#               row each (FLATPEAK_VERIFY_TIMEOUT per run, default 60 s; the stage stops starting
+#               runs after FLATPEAK_VERIFY_STAGE_TIMEOUT, default 150 s)
+#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, offload figures of issue 7), its
+#               figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
+#               FLATPEAK_TECHNIQUES_ARGS passes flags)
 #
-# Needs: bash, a C++17 host compiler (g++ or $CXX), the CUDA toolkit (nvcc, cudart, cuBLAS) under
-# $CUDA_HOME (default /usr/local/cuda); cuBLAS may instead come from a Python package
-# (site-packages/nvidia/cublas/lib). Eigen (header-only) for the CPU reference ops: found in
-# third_party/eigen, third_party/eigen3, $EIGEN_INCLUDE_DIR or /usr/include/eigen3; without it
-# the op tests are reported as skipped (the allocator and device tests still run).
-# Does NOT need CMake, nlohmann-json, fmt, CLI11 or GoogleTest: it compiles only executor/memory,
-# executor/cpu, executor/cuda, executor/schedules/vocab_schedule.cpp (the CPU twin
-# schedules_cuda_test compares with), tests/cuda and tools/bench/cuda_techniques.cu, which
-# include none of them.
+# Dependencies: Debian's packages where installed, else the copies in third_party/ that
+# tools/vendor-deps.sh makes on a machine that has them (cmake/FlatpeakDeps.cmake picks per
+# package). CUDA toolkit under $CUDA_HOME (default /usr/local/cuda); cuBLAS and NCCL from the
+# toolkit, else from the machine's Python packages (nvidia-cublas, nvidia-nccl-cu13): this script
+# points CUBLAS_HOME / NCCL_HOME at them. Without NCCL the nccl test is skipped.
 #
-# Usage: tools/gpu-check.sh [OUT_DIR]   (default build/gpu-check; logs and summary.txt there)
+# On a lent GPU machine (the device tool of this workplace):
+#   1. here, on a machine with Debian's packages:  bash tools/vendor-deps.sh   (third_party/, ~10 MiB)
+#   2. the device tool's `run` with command `bash tools/gpu-check.sh` and carry ["third_party"]
+#      and timeout_s 600. Carry no build folder: CMake's tree records this checkout's absolute
+#      paths and is rebuilt there from scratch anyway (ccache is not on that image)
+#   3. the results come back from $OUT: summary.txt, calibration.json, the calibrated card
+#      (<card>.calibrated.json) and logs.tar.gz (every log and the verify JSON); the table is also
+#      at the end of the command's output.
+#
+# Exit status: 0 every check ran and passed; 1 a check failed (or the build did); 2 it could not
+# start (no nvcc or cmake, configure failed); 77 it built and nothing failed, but no CUDA device
+# was seen, so every GPU row is skipped.
+#
+# Usage: tools/gpu-check.sh [BUILD_DIR]   (default build/gpu-check; logs/ and summary.txt there)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out_dir="${1:-build/gpu-check}"
-mkdir -p "$out_dir/obj" "$out_dir/bin" "$out_dir/logs"
+cd "$(dirname "$0")/.." || exit 2
+build_dir="${1:-build/gpu-check}"
+logs="$build_dir/logs"
+rm -rf "$logs"
+mkdir -p "$logs"
 start_s=$(date +%s)
 cuda_home="${CUDA_HOME:-/usr/local/cuda}"
 nvcc="$cuda_home/bin/nvcc"
-cxx="${CXX:-g++}"
+if [ ! -x "$nvcc" ] && [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1; then
+  nvcc=$(command -v nvcc)  # a toolkit elsewhere, on PATH
+  cuda_home=$(dirname "$(dirname "$nvcc")")
+fi
 jobs=$(nproc 2>/dev/null || echo 4)
-arch=sm_90
+arch=90
 summary=()  # rows "name|result|seconds|detail"
+failures=0
+device_seen=unknown  # yes / no, from device_query_test
 
 note() { echo "gpu-check: $*"; }
 elapsed() { echo $(( $(date +%s) - start_s )); }
+add_row() { summary+=("$1|$2|$3|$4"); case "$2" in FAIL*) failures=$((failures + 1)) ;; esac; }
 
-if [ ! -x "$nvcc" ]; then
-  note "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"
-  exit 2
+print_summary() {
+  local device
+  device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+  [ -z "$device" ] && device=$(grep -h '^device 0:' "$logs"/*_test.log 2>/dev/null | head -1)
+  {
+    echo
+    echo "flatpeak gpu-check  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "device: ${device:-none found}   toolkit: $("$nvcc" --version 2>/dev/null | tail -1)   arch: sm_$arch"
+    local row c r s d width=28
+    for row in "${summary[@]}"; do c=${row%%|*}; [ ${#c} -gt "$width" ] && width=${#c}; done
+    printf '%-*s %-18s %6s  %s\n' "$width" "check" "result" "sec" "detail"
+    for row in "${summary[@]}"; do
+      IFS='|' read -r c r s d <<<"$row"
+      printf '%-*s %-18s %6s  %s\n' "$width" "$c" "$r" "$s" "$d"
+    done
+    echo "total: $(elapsed) s; $failures failed"
+  } | tee "$build_dir/summary.txt"
+}
+
+# Results back from the device machine: at most 8 files there, so the logs travel as one archive.
+copy_out() {
+  [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
+  cp "$build_dir/summary.txt" "$OUT/"
+  cp "$build_dir"/calibration.json "$build_dir"/*.calibrated.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/logs.tar.gz" -C "$build_dir" logs 2>/dev/null
+  note "results copied to $OUT"
+}
+
+finish() {  # finish [forced status]
+  print_summary
+  copy_out
+  if [ -n "${1:-}" ]; then exit "$1"; fi
+  if [ "$failures" -gt 0 ]; then exit 1; fi
+  if [ "$device_seen" = no ]; then exit 77; fi
+  exit 0
+}
+
+if [ ! -x "$nvcc" ]; then note "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"; exit 2; fi
+# CMake and ninja may be the Python packages' (cmake, ninja) without their folder on PATH.
+for tool in cmake ninja; do
+  if ! command -v $tool >/dev/null 2>&1; then
+    dir=$(python3 -c "import $tool; print(getattr($tool, 'CMAKE_BIN_DIR', None) or $tool.BIN_DIR)" 2>/dev/null)
+    [ -n "$dir" ] && [ -x "$dir/$tool" ] && export PATH="$dir:$PATH"
+  fi
+done
+if ! command -v cmake >/dev/null 2>&1; then note "cmake not found; nothing can be built"; exit 2; fi
+
+# ---- cuBLAS and NCCL: the toolkit's, else the Python packages' --------------------------------
+# NAME: the folder above the first lib/NAME inside the Python `nvidia` namespace packages.
+python_nvidia_home() {
+  python3 - "$1" 2>/dev/null <<'PY'
+import glob, os, sys
+try:
+    import nvidia
+except ImportError:
+    sys.exit(0)
+for root in list(nvidia.__path__):
+    hits = sorted(glob.glob(os.path.join(root, "**", "lib", sys.argv[1]), recursive=True))
+    if hits:
+        print(os.path.dirname(os.path.dirname(hits[0])))
+        break
+PY
+}
+toolkit_has() {  # GLOB: whether a library matching it lies in one of the toolkit's library folders
+  local f
+  # shellcheck disable=SC2086,SC2231  # $1 is a glob
+  for f in "$cuda_home"/lib64/$1 "$cuda_home"/lib/$1 "$cuda_home"/targets/*/lib/$1; do [ -e "$f" ] && return 0; done
+  return 1
+}
+lib_path=""
+if ! toolkit_has 'libcublas.so*'; then
+  CUBLAS_HOME="${CUBLAS_HOME:-$(python_nvidia_home 'libcublas.so.*')}"
+  if [ -z "$CUBLAS_HOME" ]; then note "cuBLAS not found in $cuda_home nor in a Python nvidia-cublas package"; exit 2; fi
+  export CUBLAS_HOME
+  lib_path="$CUBLAS_HOME/lib"
+  note "cuBLAS from $CUBLAS_HOME"
 fi
-
-# ---- libraries -------------------------------------------------------------------------------
-cublas_flags=(-L"$cuda_home/lib64" -lcublas)
-lib_path="$cuda_home/lib64"
-if ! ls "$cuda_home"/lib64/libcublas.so* >/dev/null 2>&1; then
-  py_cublas=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
-  so=$(ls "$py_cublas"/libcublas.so.* 2>/dev/null | head -1)
-  if [ -n "$so" ]; then
-    note "cuBLAS from the Python package: $so"
-    lt=$(ls "$py_cublas"/libcublasLt.so.* 2>/dev/null | head -1)
-    cublas_flags=(-L"$py_cublas" "-l:$(basename "$so")")
-    [ -n "$lt" ] && cublas_flags+=("-l:$(basename "$lt")")
-    lib_path="$py_cublas:$lib_path"
+if [ -z "${NCCL_HOME:-}" ] && ! { toolkit_has 'libnccl.so*' && [ -f "$cuda_home/include/nccl.h" ]; }; then
+  home=$(python_nvidia_home 'libnccl.so.*')
+  if [ -n "$home" ] && [ -f "$home/include/nccl.h" ]; then
+    export NCCL_HOME="$home"
+    note "NCCL from $NCCL_HOME"
   else
-    note "cuBLAS not found in $cuda_home/lib64 nor in a Python nvidia-cublas package"
-    exit 2
+    note "NCCL not found beside the toolkit nor in a Python nvidia-nccl package: the nccl test is skipped"
   fi
 fi
-export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ -n "${NCCL_HOME:-}" ] && lib_path="$NCCL_HOME/lib${lib_path:+:$lib_path}"
+# CMake's build RPATH already names these; the path also serves binaries built by an older configure.
+[ -n "$lib_path" ] && export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
-# NCCL (the nccl communicator's one-rank smoke test): beside the toolkit or from a Python package.
-nccl_flags=()
-for d in "$cuda_home/lib" "$cuda_home/lib64" $(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null); do
-  so=$(ls "$d"/libnccl.so* 2>/dev/null | head -1)
-  if [ -n "$so" ] && { [ -f "$cuda_home/include/nccl.h" ] || [ -f "$d/../include/nccl.h" ]; }; then
-    nccl_flags=(-L"$d" "-l:$(basename "$so")")
-    [ -f "$d/../include/nccl.h" ] && nccl_flags+=(-I"$d/../include")
-    lib_path="$d:$lib_path"
-    break
-  fi
-done
-export LD_LIBRARY_PATH="$lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-
-eigen_dir=""
-for d in third_party/eigen third_party/eigen3 "${EIGEN_INCLUDE_DIR:-}" /usr/include/eigen3 /usr/local/include/eigen3; do
-  if [ -n "$d" ] && [ -f "$d/Eigen/Core" ]; then eigen_dir="$d"; break; fi
-done
-
-# ---- compile ---------------------------------------------------------------------------------
-host_flags=(-std=c++17 -O2 -fno-math-errno -I. -Iplanner -isystem "$cuda_home/include")
-nvcc_flags=(-std=c++17 -O2 -arch="$arch" -I. -Iplanner -Xcompiler=-Wall,-Wextra)
-for f in "${nccl_flags[@]}"; do case "$f" in -I*) host_flags+=("$f"); nvcc_flags+=("$f") ;; esac; done
-objects=()
-compile_pids=()
-compile_logs=()
-compile() {  # compile SRC with nvcc or the host compiler, in the background
-  local src="$1" obj="$out_dir/obj/$(echo "$1" | tr '/' '_').o" log="$out_dir/logs/$(echo "$1" | tr '/' '_').log"
-  objects+=("$obj")
-  compile_logs+=("$log")
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 0.2; done
-  case "$src" in
-    *.cu) "$nvcc" "${nvcc_flags[@]}" -c "$src" -o "$obj" >"$log" 2>&1 & ;;
-    *) "$cxx" "${host_flags[@]}" ${eigen_dir:+-isystem "$eigen_dir"} -c "$src" -o "$obj" >"$log" 2>&1 & ;;
-  esac
-  compile_pids+=($!)
-}
-wait_compiles() {  # 0 when every background compile succeeded; failing logs are printed
-  local failed=0 i
-  for i in "${!compile_pids[@]}"; do
-    if ! wait "${compile_pids[$i]}"; then failed=1; note "compile failed: ${compile_logs[$i]}"; tail -20 "${compile_logs[$i]}"; fi
-  done
-  compile_pids=()
-  compile_logs=()
-  return $failed
-}
-
-note "building for $arch with $("$nvcc" --version | tail -1), $jobs jobs; Eigen: ${eigen_dir:-not found}"
-lib_sources=(executor/memory/tensor.cpp executor/memory/tracking_allocator.cpp executor/cuda/*.cpp executor/cuda/*.cu
-             executor/comm/communicator.cpp executor/comm/threads_comm.cpp planner/spec/errors.cpp)
-if [ ${#nccl_flags[@]} -gt 0 ]; then lib_sources+=(executor/cuda/nccl/nccl_comm.cpp); fi
-if [ -n "$eigen_dir" ]; then lib_sources+=(executor/cpu/*.cpp executor/schedules/vocab_schedule.cpp); fi
-for src in "${lib_sources[@]}"; do compile "$src"; done
-test_sources=()
-for src in tests/cuda/*_test.cu; do
-  case "$(basename "$src")" in
-    nccl_*) if [ ${#nccl_flags[@]} -eq 0 ]; then summary+=("$(basename "$src" .cu)|skipped|0|NCCL not found"); continue; fi ;;
-  esac
-  test_sources+=("$src")
-done
-lib_objects=("${objects[@]}")
-objects=()
-for src in "${test_sources[@]}"; do compile "$src"; done
-test_objects=("${objects[@]}")
-# The technique benchmark calls the CPU twins (workspace sizes, the CPU AdamW): only with Eigen.
-objects=()
-[ -n "$eigen_dir" ] && compile tools/bench/cuda_techniques.cu
-bench_objects=("${objects[@]}")
-if ! wait_compiles; then
-  note "build failed after $(elapsed) s"
-  exit 1
+# ---- configure and build ---------------------------------------------------------------------
+configure=(-S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DFLATPEAK_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc"
+           -DCMAKE_CUDA_ARCHITECTURES="$arch" -DFLATPEAK_MPI=OFF -DFLATPEAK_BENCH=OFF -DFLATPEAK_TESTS=ON)
+if [ ! -f "$build_dir/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1; then configure+=(-G Ninja); fi
+if command -v ccache >/dev/null 2>&1; then
+  configure+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
 fi
-ar rcs "$out_dir/libflatpeak_gpu_check.a" "${lib_objects[@]}"
-build_s=$(elapsed)
-summary+=("build ($arch)|ok|$build_s|${#lib_sources[@]} library sources, ${#test_sources[@]} tests")
+note "configuring $build_dir ($("$nvcc" --version | tail -1), sm_$arch, $jobs jobs)"
+if ! cmake "${configure[@]}" >"$logs/configure.log" 2>&1; then
+  tail -20 "$logs/configure.log"
+  note "configure failed ($logs/configure.log); without Debian's packages, run 'bash tools/vendor-deps.sh' on a machine that has them and bring third_party/ along"
+  add_row "configure" FAIL "$(elapsed)" "$(grep -m1 'Error\|error' "$logs/configure.log")"
+  finish 2
+fi
+grep '^-- flatpeak:' "$logs/configure.log" | sed 's/^-- /  /'
+# flatpeak_cuda_tests: every CUDA test, flatpeak_calibrate and cuda_techniques (tests/CMakeLists.txt).
+t0=$(date +%s)
+if ! cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
+  grep -B2 -A12 -m3 'error' "$logs/build.log" | head -60
+  add_row "build (sm_$arch)" FAIL "$(( $(date +%s) - t0 ))" "$logs/build.log"
+  finish 1
+fi
+cuda_tests=()
+for src in tests/cuda/*_test.cu tests/cuda/*_test.cpp; do name=$(basename "$src"); cuda_tests+=("${name%.*}"); done
+add_row "build (sm_$arch)" ok "$(( $(date +%s) - t0 ))" "flatpeak, ${#cuda_tests[@]} CUDA tests, flatpeak_calibrate, cuda_techniques"
 
-# ---- run -------------------------------------------------------------------------------------
-needs_cpu_ops() { grep -q -e 'executor/cuda/ops_cuda.h' -e 'executor/schedules/' "$1"; }
-failures=0
-for i in "${!test_sources[@]}"; do
-  src="${test_sources[$i]}"
-  name=$(basename "$src" .cu)
-  if [ -z "$eigen_dir" ] && needs_cpu_ops "$src"; then
-    summary+=("$name|skipped|0|Eigen not found: the CPU reference ops cannot be built")
+# ---- CUDA tests ------------------------------------------------------------------------------
+for name in "${cuda_tests[@]}"; do
+  bin="$build_dir/tests/$name"
+  if [ ! -x "$bin" ]; then
+    case "$name" in
+      nccl_*) add_row "$name" skipped 0 "NCCL not found (not built)" ;;
+      *) add_row "$name" FAIL 0 "not built: $bin" ;;
+    esac
     continue
   fi
   t0=$(date +%s)
-  if ! "$nvcc" -arch="$arch" "${test_objects[$i]}" "$out_dir/libflatpeak_gpu_check.a" \
-        "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -ldl -o "$out_dir/bin/$name" >"$out_dir/logs/$name.link.log" 2>&1; then
-    summary+=("$name|FAIL|0|link failed: $out_dir/logs/$name.link.log")
-    failures=$((failures + 1))
-    continue
-  fi
-  timeout 120 "$out_dir/bin/$name" >"$out_dir/logs/$name.log" 2>&1
+  timeout 120 "$bin" >"$logs/$name.log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
-  checks=$(grep -E '^[0-9]+ of [0-9]+ checks failed' "$out_dir/logs/$name.log" | tail -1)
+  checks=$(grep -E '^[0-9]+ of [0-9]+ checks failed' "$logs/$name.log" | tail -1)
   case $rc in
-    0) result=ok ;;
-    77) result=skipped; checks=$(head -1 "$out_dir/logs/$name.log") ;;
-    124) result=FAIL; checks="timed out after 120 s"; failures=$((failures + 1)) ;;
-    *) result=FAIL; checks="exit $rc; ${checks:-$(tail -1 "$out_dir/logs/$name.log")}"; failures=$((failures + 1)) ;;
+    0) add_row "$name" ok "$seconds" "$checks" ;;
+    77) add_row "$name" skipped "$seconds" "$(head -1 "$logs/$name.log")" ;;
+    124) add_row "$name" FAIL "$seconds" "timed out after 120 s" ;;
+    *) add_row "$name" FAIL "$seconds" "exit $rc; ${checks:-$(tail -1 "$logs/$name.log")}" ;;
   esac
-  summary+=("$name|$result|$seconds|$checks")
-  grep -E '^(FAIL|ok  )' "$out_dir/logs/$name.log" | sed "s/^/  [$name] /"
+  if [ "$name" = device_query_test ]; then
+    case $rc in 0) device_seen=yes ;; 77) device_seen=no ;; esac
+  fi
+  grep -E '^(FAIL|ok  )' "$logs/$name.log" | sed "s/^/  [$name] /"
 done
 
 # ---- calibration: the runtime overhead terms of the hardware card ----------------------------
 t0=$(date +%s)
-cal_defs=()
-[ ${#nccl_flags[@]} -gt 0 ] && cal_defs=(-DFLATPEAK_HAVE_NCCL)
-if "$nvcc" "${nvcc_flags[@]}" "${cal_defs[@]}" tools/calibrate/calibrate_overhead.cu "$out_dir/libflatpeak_gpu_check.a" \
-     "${cublas_flags[@]}" "${nccl_flags[@]}" -lpthread -ldl -o "$out_dir/bin/flatpeak_calibrate" >"$out_dir/logs/calibrate.build.log" 2>&1 &&
-   "$out_dir/bin/flatpeak_calibrate" >"$out_dir/calibration.json" 2>"$out_dir/logs/calibrate.log"; then
-  overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$out_dir/calibration.json")
-  source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$out_dir/calibration.json")
-  detail="runtime_overhead_bytes $overhead by $source ($out_dir/calibration.json)"
+timeout 60 "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
+rc=$?
+if [ $rc -eq 0 ]; then
+  overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$build_dir/calibration.json")
+  source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
+  detail="runtime_overhead_bytes $overhead by $source ($build_dir/calibration.json)"
   # A calibrated copy of the card (python3 when present; the card itself is left as it is).
-  gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$out_dir/calibration.json")
+  gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
   case "$gpu_name" in *H200*) card=models/hardware/H200.json ;; *H100*) card=models/hardware/H100-80GB.json ;; *) card="" ;; esac
   if [ -n "$card" ] && command -v python3 >/dev/null 2>&1; then
-    python3 - "$card" "$out_dir/calibration.json" "$out_dir/$(basename "$card" .json).calibrated.json" <<'PY'
+    python3 - "$card" "$build_dir/calibration.json" "$build_dir/$(basename "$card" .json).calibrated.json" <<'PY'
 import json, sys
 card, cal = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 card["runtime_overhead_bytes"] = cal["runtime_overhead_bytes"]
@@ -188,56 +227,111 @@ card.setdefault("notes", {})["runtime_overhead_bytes"] = (
        cal["overhead_source"]))
 json.dump(card, open(sys.argv[3], "w"), indent=2)
 PY
-    detail="$detail; calibrated card: $out_dir/$(basename "$card" .json).calibrated.json"
+    detail="$detail; calibrated card: $build_dir/$(basename "$card" .json).calibrated.json"
   fi
-  summary+=("calibrate overhead|ok|$(( $(date +%s) - t0 ))|$detail")
-elif grep -q "no CUDA device" "$out_dir/logs/calibrate.log" 2>/dev/null; then
-  summary+=("calibrate overhead|skipped|$(( $(date +%s) - t0 ))|no CUDA device (the tool built)")
+  add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail"
 else
-  summary+=("calibrate overhead|FAIL|$(( $(date +%s) - t0 ))|$(cat "$out_dir/logs/calibrate.log" "$out_dir/logs/calibrate.build.log" 2>/dev/null | tail -1)")
-  failures=$((failures + 1))
+  rm -f "$build_dir/calibration.json"
+  if grep -q "no CUDA device" "$logs/calibrate.log"; then
+    add_row "calibrate overhead" skipped "$(( $(date +%s) - t0 ))" "no CUDA device (the tool built)"
+  elif [ $rc -eq 124 ]; then
+    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after 60 s"
+  else
+    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
+  fi
 fi
 
-summary+=("verify (fixed plans)|not yet available|0|flatpeak verify has no CUDA backend yet, and the CLI needs nlohmann-json, fmt and CLI11")
+# ---- verify: the vocab component on the GPU against the planner, for fixed plans ---------------
+# Exit codes of `flatpeak verify` (tools/cli/exit_codes.h): 0 pass, 5 mismatch beyond tolerance,
+# 4 backend failure (also its answer when there is no device), 2 input error, 77 skipped.
+verify_plans=(  # name|flatpeak plan arguments
+  "gpt-oss-120b baseline|--model gpt-oss-120b --gpu H200 --gpus 8 --context 64K --schedule baseline"
+  "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
+  "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
+)
+verify_limit="${FLATPEAK_VERIFY_TIMEOUT:-60}"
+verify_stage_limit="${FLATPEAK_VERIFY_STAGE_TIMEOUT:-150}"
+flatpeak="$build_dir/tools/flatpeak"
+
+# The largest |relative error| row of a `verify --format json` report, as "worst: ..." (or nothing).
+worst_row() {
+  python3 - "$1" 2>/dev/null <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1])).get("results", [])
+rows = [r for r in rows if r.get("judged", True)] or rows  # rows not judged are only reported
+if rows:
+    r = max(rows, key=lambda r: abs(r["relative_error"]))
+    print("worst %s %s rank %s: %+.3f%% (predicted %d, measured %d)" % (
+        r["component"], r["phase"], r["rank"], 100 * r["relative_error"], r["predicted_bytes"], r["measured_bytes"]))
+PY
+}
+
+verify_row() {  # verify_row ROW_NAME PLAN_JSON SCALE LOG_STEM
+  local name="$1" plan="$2" scale="$3" stem="$4" t0 rc seconds worst err
+  if [ $(( $(date +%s) - verify_t0 )) -ge "$verify_stage_limit" ]; then
+    add_row "$name" skipped 0 "not run: the verify stage's $verify_stage_limit s were spent"
+    return
+  fi
+  t0=$(date +%s)
+  timeout "$verify_limit" "$flatpeak" verify "$plan" --component vocab --backend cuda --scale "$scale" --format json \
+    >"$logs/$stem.json" 2>"$logs/$stem.err"
+  rc=$?
+  seconds=$(( $(date +%s) - t0 ))
+  worst=$(worst_row "$logs/$stem.json")
+  err=$(grep -v '^\s*$' "$logs/$stem.err" | tail -1)
+  case $rc in
+    0) add_row "$name" ok "$seconds" "pass; ${worst:-no rows}" ;;
+    5) add_row "$name" "FAIL: mismatch" "$seconds" "beyond tolerance; ${worst:-no rows}" ;;
+    77) add_row "$name" skipped "$seconds" "${err:-exit 77}" ;;
+    4) if [ "$device_seen" = no ] || grep -qi 'no CUDA device' "$logs/$stem.err"; then
+         add_row "$name" skipped "$seconds" "no CUDA device (exit 4)"
+       else
+         add_row "$name" "FAIL: backend" "$seconds" "exit 4; $err"
+       fi ;;
+    2) if grep -q -- '--backend' "$logs/$stem.err"; then
+         add_row "$name" "FAIL" "$seconds" "--backend not accepted (exit 2): $err"
+       else
+         add_row "$name" "FAIL: input" "$seconds" "exit 2; $err"
+       fi ;;
+    124) add_row "$name" FAIL "$seconds" "timed out after $verify_limit s" ;;
+    *) add_row "$name" FAIL "$seconds" "exit $rc; $err" ;;
+  esac
+}
+
+verify_t0=$(date +%s)
+for entry in "${verify_plans[@]}"; do
+  IFS='|' read -r plan_name plan_args <<<"$entry"
+  stem="verify-$(echo "$plan_name" | tr ' ' '-')"
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  "$flatpeak" plan $plan_args --format json >"$logs/$stem.plan.json" 2>"$logs/$stem.plan.err"
+  rc=$?
+  if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then  # 3: computed but does not fit; still a plan to verify
+    add_row "plan $plan_name" FAIL "$(( $(date +%s) - t0 ))" "flatpeak plan exit $rc; $(tail -1 "$logs/$stem.plan.err")"
+    continue
+  fi
+  verify_row "verify $plan_name s=1" "$logs/$stem.plan.json" 1 "$stem-scale1"
+  verify_row "verify $plan_name s=auto" "$logs/$stem.plan.json" auto "$stem-auto"
+done
+
 # ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
 # Its own time limit keeps the script under 5 minutes; rows printed before a timeout are kept.
 t0=$(date +%s)
 tech_limit="${FLATPEAK_TECHNIQUES_TIMEOUT:-150}"
-tech_log="$out_dir/logs/cuda_techniques.log"
-if [ ${#bench_objects[@]} -eq 0 ]; then
-  summary+=("technique benchmarks|skipped|0|Eigen not found: the CPU twins the schedules call cannot be built")
-elif ! "$nvcc" -arch="$arch" "${bench_objects[0]}" "$out_dir/libflatpeak_gpu_check.a" "${cublas_flags[@]}" \
-        -lpthread -ldl -o "$out_dir/bin/cuda_techniques" >"$out_dir/logs/cuda_techniques.link.log" 2>&1; then
-  summary+=("technique benchmarks|FAIL|0|link failed: $out_dir/logs/cuda_techniques.link.log")
-  failures=$((failures + 1))
-else
-  # FLATPEAK_TECHNIQUES_ARGS: extra flags, e.g. "--only vocab --big 262144".
-  # shellcheck disable=SC2086
-  timeout "$tech_limit" "$out_dir/bin/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:-} >"$tech_log" 2>&1
-  rc=$?
-  seconds=$(( $(date +%s) - t0 ))
-  while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$tech_log")
-  case $rc in
-    0) summary+=("technique benchmarks|ok|$seconds|figures above; full output: $tech_log") ;;
-    77) summary+=("technique benchmarks|skipped|$seconds|$(head -1 "$tech_log")") ;;
-    124) summary+=("technique benchmarks|FAIL|$seconds|timed out after $tech_limit s (rows above: the figures printed before)"); failures=$((failures + 1)) ;;
-    *) summary+=("technique benchmarks|FAIL|$seconds|exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)"); failures=$((failures + 1)) ;;
-  esac
-  grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
-fi
+tech_log="$logs/cuda_techniques.log"
+# FLATPEAK_TECHNIQUES_ARGS: extra flags, e.g. "--only vocab --big 262144".
+# shellcheck disable=SC2086
+timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:-} >"$tech_log" 2>&1
+rc=$?
+seconds=$(( $(date +%s) - t0 ))
+# Figure rows as printed; a failed section also ends the run with exit 1, counted once below.
+while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$tech_log")
+case $rc in
+  0) add_row "technique benchmarks" ok "$seconds" "figures above; full output: $tech_log" ;;
+  77) add_row "technique benchmarks" skipped "$seconds" "$(head -1 "$tech_log")" ;;
+  124) add_row "technique benchmarks" FAIL "$seconds" "timed out after $tech_limit s (rows above: the figures printed before)" ;;
+  *) add_row "technique benchmarks" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)" ;;
+esac
+grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
 
-# ---- summary ---------------------------------------------------------------------------------
-device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
-[ -z "$device" ] && device=$(grep -h '^device 0:' "$out_dir"/logs/*_test.log 2>/dev/null | head -1)
-{
-  echo
-  echo "flatpeak gpu-check  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "device: ${device:-none found}   toolkit: $("$nvcc" --version | tail -1)   arch: $arch"
-  printf '%-28s %-18s %6s  %s\n' "check" "result" "sec" "detail"
-  for row in "${summary[@]}"; do
-    IFS='|' read -r c r s d <<<"$row"
-    printf '%-28s %-18s %6s  %s\n' "$c" "$r" "$s" "$d"
-  done
-  echo "total: $(elapsed) s; $failures failed"
-} | tee "$out_dir/summary.txt"
-[ "$failures" -eq 0 ]
+finish
