@@ -11,9 +11,10 @@
 #               verify_cuda_test), one row each (120 s each)
 #   calibrate   flatpeak_calibrate -> calibration.json and a calibrated copy of the card (60 s)
 #   verify      `flatpeak plan --format json` for a fixed set of plans, then
-#               `flatpeak verify PLAN --component vocab --backend cuda` at --scale 1 and auto, one
-#               row each (FLATPEAK_VERIFY_TIMEOUT per run, default 60 s; the stage stops starting
-#               runs after FLATPEAK_VERIFY_STAGE_TIMEOUT, default 150 s)
+#               `flatpeak verify PLAN --component C --backend cuda` at --scale 1 and auto, one
+#               row each; C from FLATPEAK_VERIFY_COMPONENTS (default vocab; "vocab checkpoint"
+#               adds the other component with a CUDA twin) (FLATPEAK_VERIFY_TIMEOUT per run,
+#               default 60 s; the stage starts no run after FLATPEAK_VERIFY_STAGE_TIMEOUT, 150 s)
 #   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, offload figures of issue 7), its
 #               figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
 #               FLATPEAK_TECHNIQUES_ARGS passes flags)
@@ -249,6 +250,7 @@ verify_plans=(  # name|flatpeak plan arguments
   "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
   "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
 )
+verify_components="${FLATPEAK_VERIFY_COMPONENTS:-vocab}"
 verify_limit="${FLATPEAK_VERIFY_TIMEOUT:-60}"
 verify_stage_limit="${FLATPEAK_VERIFY_STAGE_TIMEOUT:-150}"
 flatpeak="$build_dir/tools/flatpeak"
@@ -266,14 +268,14 @@ if rows:
 PY
 }
 
-verify_row() {  # verify_row ROW_NAME PLAN_JSON SCALE LOG_STEM
-  local name="$1" plan="$2" scale="$3" stem="$4" t0 rc seconds worst err
+verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
+  local name="$1" plan="$2" component="$3" scale="$4" stem="$5" t0 rc seconds worst err
   if [ $(( $(date +%s) - verify_t0 )) -ge "$verify_stage_limit" ]; then
     add_row "$name" skipped 0 "not run: the verify stage's $verify_stage_limit s were spent"
     return
   fi
   t0=$(date +%s)
-  timeout "$verify_limit" "$flatpeak" verify "$plan" --component vocab --backend cuda --scale "$scale" --format json \
+  timeout "$verify_limit" "$flatpeak" verify "$plan" --component "$component" --backend cuda --scale "$scale" --format json \
     >"$logs/$stem.json" 2>"$logs/$stem.err"
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
@@ -310,8 +312,12 @@ for entry in "${verify_plans[@]}"; do
     add_row "plan $plan_name" FAIL "$(( $(date +%s) - t0 ))" "flatpeak plan exit $rc; $(tail -1 "$logs/$stem.plan.err")"
     continue
   fi
-  verify_row "verify $plan_name s=1" "$logs/$stem.plan.json" 1 "$stem-scale1"
-  verify_row "verify $plan_name s=auto" "$logs/$stem.plan.json" auto "$stem-auto"
+  for component in $verify_components; do
+    label="verify $plan_name"
+    [ "$verify_components" = vocab ] || label="verify $component $plan_name"
+    verify_row "$label s=1" "$logs/$stem.plan.json" "$component" 1 "$stem-$component-scale1"
+    verify_row "$label s=auto" "$logs/$stem.plan.json" "$component" auto "$stem-$component-auto"
+  done
 done
 
 # ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
