@@ -3,14 +3,16 @@
 # but without Debian's -dev packages or network, build the whole tool with CMake (the `flatpeak`
 # CLI, the CUDA backend, its CPU-vs-CUDA tests, flatpeak_calibrate, cuda_techniques) for sm_90
 # only, run them, and print one summary table with the device and the date. Aim: under 5
-# minutes on 16 cores, so that a second run fits in the same lease (not yet timed there). Stages, each with its own
-# time limit:
+# minutes on 16 cores, so that a second run fits in the same lease (not yet timed there).
+# Stages, each with its own time limit:
 #   build       configure build/gpu-check (Release, CUDA on, sm_90, MPI off, benchmarks off, tests
 #               on) and build only the targets below, on every core
 #   CUDA tests  each tests/cuda/*_test binary (the CPU-vs-CUDA ops, the schedules,
 #               verify_cuda_test), one row each (120 s each)
-#   calibrate   flatpeak_calibrate -> calibration.json and a calibrated copy of the card (60 s)
-#   verify      `flatpeak plan --format json` for a fixed set of plans, then
+#   calibrate   flatpeak_calibrate -> calibration.json and a calibrated copy of the card, with
+#               runtime_overhead_terms, that flatpeak must load (60 s)
+#   verify      `flatpeak plan --format json` for a fixed set of plans (on the calibrated H200
+#               card when there is one, so that the device view is judged), then
 #               `flatpeak verify PLAN --component C --backend cuda` at --scale 1 and auto, one
 #               row each; C from FLATPEAK_VERIFY_COMPONENTS (default vocab; "vocab checkpoint"
 #               adds the other component with a CUDA twin) (FLATPEAK_VERIFY_TIMEOUT per run,
@@ -206,31 +208,52 @@ for name in "${cuda_tests[@]}"; do
 done
 
 # ---- calibration: the runtime overhead terms of the hardware card ----------------------------
+# A calibrated copy of the matching card (the card itself is left as it is), checked by loading it
+# with flatpeak; the verify plans below use it when it is the H200's, so that verify judges the
+# device's own view of a calibrated overhead.
 t0=$(date +%s)
+rm -f "$build_dir/calibration.json" "$build_dir"/*.calibrated.json
+flatpeak="$build_dir/tools/flatpeak"
+verify_gpu=H200
 timeout 60 "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
 rc=$?
 if [ $rc -eq 0 ]; then
   overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$build_dir/calibration.json")
   source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
   detail="runtime_overhead_bytes $overhead by $source ($build_dir/calibration.json)"
-  # A calibrated copy of the card (python3 when present; the card itself is left as it is).
   gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
   case "$gpu_name" in *H200*) card=models/hardware/H200.json ;; *H100*) card=models/hardware/H100-80GB.json ;; *) card="" ;; esac
-  if [ -n "$card" ] && command -v python3 >/dev/null 2>&1; then
-    python3 - "$card" "$build_dir/calibration.json" "$build_dir/$(basename "$card" .json).calibrated.json" <<'PY'
+  calibrated="$build_dir/$(basename "$card" .json).calibrated.json"
+  if [ -n "$card" ] && python3 - "$card" "$build_dir/calibration.json" "$calibrated" 2>"$logs/calibrated-card.log" <<'PY'
 import json, sys
 card, cal = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+nccl = cal["nccl_bytes"] if cal["nccl_bytes"] is not None and cal["nccl_bytes"] > 0 else 0  # as the tool's total
 card["runtime_overhead_bytes"] = cal["runtime_overhead_bytes"]
 card["overhead_calibrated"] = True
+card["runtime_overhead_terms"] = {
+    "cuda_context_bytes": cal["cuda_context_bytes"], "cublas_bytes": cal["cublas_bytes"],
+    "cublas_workspace_bytes": cal["cublas_workspace_bytes"], "nccl_bytes": nccl}
 card.setdefault("notes", {})["runtime_overhead_bytes"] = (
     "measured by flatpeak_calibrate on %s, %s: CUDA context %d + cuBLAS %d + workspace %d + NCCL %s bytes (%s)"
     % (cal["device"], cal["date"], cal["cuda_context_bytes"], cal["cublas_bytes"], cal["cublas_workspace_bytes"], cal["nccl_bytes"],
        cal["overhead_source"]))
 json.dump(card, open(sys.argv[3], "w"), indent=2)
 PY
-    detail="$detail; calibrated card: $build_dir/$(basename "$card" .json).calibrated.json"
+  then
+    "$flatpeak" plan --model gpt-oss-120b --gpu "$calibrated" --gpus 8 --context 64K >/dev/null 2>>"$logs/calibrated-card.log"
+    rc=$?
+    if [ $rc -eq 0 ] || [ $rc -eq 3 ]; then
+      detail="$detail; calibrated card: $calibrated"
+      case "$card" in *H200*) verify_gpu="$calibrated" ;; esac
+      add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail"
+    else
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; flatpeak rejects the calibrated card (exit $rc): $(tail -1 "$logs/calibrated-card.log")"
+    fi
+  elif [ -n "$card" ]; then
+    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; no calibrated card: $(tail -1 "$logs/calibrated-card.log")"
+  else
+    add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail; no card for '$gpu_name'"
   fi
-  add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail"
 else
   rm -f "$build_dir/calibration.json"
   if grep -q "no CUDA device" "$logs/calibrate.log"; then
@@ -245,15 +268,14 @@ fi
 # ---- verify: the vocab component on the GPU against the planner, for fixed plans ---------------
 # Exit codes of `flatpeak verify` (tools/cli/exit_codes.h): 0 pass, 5 mismatch beyond tolerance,
 # 4 backend failure (also its answer when there is no device), 2 input error, 77 skipped.
-verify_plans=(  # name|flatpeak plan arguments
-  "gpt-oss-120b baseline|--model gpt-oss-120b --gpu H200 --gpus 8 --context 64K --schedule baseline"
-  "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
-  "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpu H200 --gpus 8 --context 64K --schedule flatpeak"
+verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calibrated copy above)
+  "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
+  "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak"
+  "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
 )
 verify_components="${FLATPEAK_VERIFY_COMPONENTS:-vocab}"
 verify_limit="${FLATPEAK_VERIFY_TIMEOUT:-60}"
 verify_stage_limit="${FLATPEAK_VERIFY_STAGE_TIMEOUT:-150}"
-flatpeak="$build_dir/tools/flatpeak"
 
 # The largest |relative error| row of a `verify --format json` report, as "worst: ..." (or nothing).
 worst_row() {
@@ -301,12 +323,13 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
 }
 
 verify_t0=$(date +%s)
+note "verify plans on --gpu $verify_gpu"
 for entry in "${verify_plans[@]}"; do
   IFS='|' read -r plan_name plan_args <<<"$entry"
   stem="verify-$(echo "$plan_name" | tr ' ' '-')"
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  "$flatpeak" plan $plan_args --format json >"$logs/$stem.plan.json" 2>"$logs/$stem.plan.err"
+  "$flatpeak" plan $plan_args --gpu "$verify_gpu" --format json >"$logs/$stem.plan.json" 2>"$logs/$stem.plan.err"
   rc=$?
   if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then  # 3: computed but does not fit; still a plan to verify
     add_row "plan $plan_name" FAIL "$(( $(date +%s) - t0 ))" "flatpeak plan exit $rc; $(tail -1 "$logs/$stem.plan.err")"
