@@ -28,7 +28,8 @@
 # points CUBLAS_HOME / NCCL_HOME at them. Without NCCL the nccl test is skipped.
 #
 # On a lent GPU machine (the device tool of this workplace):
-#   1. here, on a machine with Debian's packages:  bash tools/vendor-deps.sh   (third_party/, ~10 MiB)
+#   1. here, on a machine with Debian's packages, in the checkout the device tool sends (the
+#      session's own, not a helper's worktree):  bash tools/vendor-deps.sh   (third_party/, ~10 MiB)
 #   2. the device tool's `run` with command `bash tools/gpu-check.sh` and carry ["third_party"]
 #      and timeout_s 600. Carry no build folder: CMake's tree records this checkout's absolute
 #      paths and is rebuilt there from scratch anyway (ccache is not on that image)
