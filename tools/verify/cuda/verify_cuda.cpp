@@ -140,6 +140,16 @@ void verify_checkpoint_cuda(const VerifyContext& ctx, VerifyReport& report) {
   const ScaledConfig& s = ctx.scaled;
   const nlohmann::ordered_json predicted = predicted_timeline(ctx, checkpoint_prediction_flags(s, report));
   const exec::CheckpointScheduleConfig config = checkpoint_schedule_config(s);
+  // The stack's attention kernel (attention_cuda.cu) takes head dims up to 512: refused here by
+  // name rather than failing inside the op.
+  const exec::CheckpointDims dims = exec::checkpoint_dims(config);
+  constexpr int64_t kMaxHeadDim = 512;
+  if (dims.hidden / dims.heads > kMaxHeadDim)
+    throw UnsupportedPlan({Diagnostic{"", "--scale",
+                                      fmt::format("the cuda checkpoint stack's attention takes head dims up to {} (got H = {} over {} "
+                                                  "heads = {} at scale {:.4g})",
+                                                  kMaxHeadDim, dims.hidden, dims.heads, dims.hidden / dims.heads, s.factor),
+                                      "use --scale auto, or a larger --scale"}});
   cuda::CheckpointCudaOptions options;
   options.copy_streams = s.boundaries == "sco";
   exec::CheckpointScheduleResult got;
