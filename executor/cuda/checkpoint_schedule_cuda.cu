@@ -183,11 +183,11 @@ class Stack {
     launch_check();
   }
 
-  exec::ExpertFfnArgs ffn_args(const FfnSaved& s, const LayerWeights& w, const int64_t* counts) const {
+  exec::ExpertFfnArgs ffn_args(const FfnSaved& s, const LayerWeights& w) const {
     exec::ExpertFfnArgs a;
     a.dtype = DType::BF16;
     a.x = s.n2.raw();
-    a.expert_counts = counts;  // a host pointer (ops_cuda.h)
+    a.expert_counts = &rows_;  // a host pointer (ops_cuda.h)
     a.w_gate_up = w.gate_up.raw();
     a.w_down = w.down.raw();
     a.gate_up = s.gate_up.raw();
@@ -232,7 +232,7 @@ class Stack {
     exec::rmsnorm_forward_cuda(n, s_);
     s.gate_up = act(T * 2 * d_.F);
     DeviceBuffer f = act(T * H);
-    exec::ExpertFfnArgs a = ffn_args(s, w, &rows_);
+    exec::ExpertFfnArgs a = ffn_args(s, w);
     a.out = f.raw();
     DeviceBuffer ws(alloc_, exec::expert_ffn_workspace_bytes_cuda(a), Category::Activations, s_);
     a.workspace = ws.as<float>();
@@ -245,7 +245,7 @@ class Stack {
     const int64_t T = d_.T, H = d_.H;
     DeviceBuffer d_n2 = act(T * H);
     {
-      exec::ExpertFfnArgs a = ffn_args(s, w, &rows_);
+      exec::ExpertFfnArgs a = ffn_args(s, w);
       a.d_out = dy.raw();
       a.d_x = d_n2.raw();
       a.d_w_gate_up = g.gate_up.raw();

@@ -1,4 +1,4 @@
-// verify on the CUDA backend (verify_cuda.h): the vocab component on one GPU.
+// verify on the CUDA backend (verify_cuda.h): the vocab and checkpoint components on one GPU.
 #include "verify_cuda.h"
 
 #include <cuda_runtime.h>
@@ -35,10 +35,13 @@ int64_t free_device_bytes() {
   return static_cast<int64_t>(free_bytes);
 }
 
+// Whether a run holding `needed_bytes` at its peak fits the device's free memory with the margin.
+bool fits_free(int64_t needed_bytes) { return needed_bytes + kFreeMarginBytes <= free_device_bytes(); }
+
 // A run that would not fit is refused before it starts, naming what it needs.
 void require_free(const std::string& what, int64_t needed_bytes) {
   const int64_t free_bytes = free_device_bytes();
-  if (needed_bytes + kFreeMarginBytes > free_bytes)
+  if (!fits_free(needed_bytes))
     throw cuda::BackendError(what, "device 0",
                              fmt::format("needs {:.2f} GiB of device memory and {:.2f} GiB are free (a larger --scale runs a smaller "
                                          "configuration)",
@@ -119,7 +122,7 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
   exec::VocabScheduleConfig naive = config;
   naive.mode = exec::VocabScheduleMode::Materialized;
   const int64_t naive_bytes = cuda::vocab_schedule_cuda_peak_bytes(naive, in.alignment_bytes) + cuda::CublasContext::kDefaultWorkspaceBytes;
-  if (naive_bytes + kFreeMarginBytes > free_device_bytes()) {
+  if (!fits_free(naive_bytes)) {
     report.notes.push_back(fmt::format("vocab: the materialised reference was not run (needs {:.2f} GiB); |dloss| not measured",
                                        gib(naive_bytes + kFreeMarginBytes)));
     return;
