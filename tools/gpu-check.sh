@@ -278,6 +278,8 @@ verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calib
   "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
   "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak"
   "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
+  # Ring-DTP at R = 4 (the planner picks R = 1 above): the ring's 4 ranks share the GPU.
+  "gpt-oss-120b ring4|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak --ring-size 4"
 )
 # --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's reference
 # attention kernel is O(T²) per layer and takes head dims up to 512, far from a 64K-token, 36-layer

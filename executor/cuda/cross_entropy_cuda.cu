@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "executor/cpu/op_util.h"
+#include "executor/cuda/cross_entropy_blocks_cuda.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/ops_cuda.h"
@@ -268,6 +269,46 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
   cuda::gemm_cuda(blas, true, false, V, H, T, 1.0f, a.dtype, a.logits, V, a.dtype, a.x, H, false,
                   a.dtype, a.d_w, H);
 }
+
+namespace cuda_detail {
+
+// One CUDA block per row: rows must fit the grid's x dimension.
+void check_block_rows(int64_t rows) {
+  require(rows >= 0 && rows <= 0x7fffffff, "cross_entropy", "a logits block has at most 2^31 - 1 rows");
+}
+
+void init_online_rows_cuda(float* row_max, float* row_sum, float* target_logit, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0) return;
+  init_rows_kernel<<<grid_for(rows), kThreads, 0, stream>>>(row_max, row_sum, target_logit, rows);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void fold_logits_block_cuda(const float* logits, int64_t rows, int64_t cols, int64_t first_col, const int32_t* targets,
+                            float* row_max, float* row_sum, float* target_logit, cudaStream_t stream) {
+  check_block_rows(rows);
+  if (rows == 0 || cols <= 0) return;
+  fold_block_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, cols, first_col, targets, row_max,
+                                                                          row_sum, target_logit);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void finish_online_rows_cuda(const float* row_max, const float* row_sum, const float* target_logit, const int32_t* targets,
+                             float* lse, float* loss, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0) return;
+  finish_rows_kernel<<<grid_for(rows), kThreads, 0, stream>>>(row_max, row_sum, target_logit, targets, lse, loss, rows);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+void dlogits_block_bf16_cuda(const float* logits, Bf16* dz, int64_t rows, int64_t cols, int64_t first_col,
+                             const int32_t* targets, const float* lse, float grad_scale, cudaStream_t stream) {
+  check_block_rows(rows);
+  if (rows == 0 || cols <= 0) return;
+  dlogits_kernel<Bf16><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, dz, cols, first_col, targets, lse,
+                                                                             grad_scale);
+  FLATPEAK_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace cuda_detail
 
 int64_t blocked_cross_entropy_workspace_bytes_cuda(const CrossEntropyArgs& a) {
   return blocked_cross_entropy_workspace_bytes(a);  // the CPU's layout, byte for byte

@@ -253,11 +253,11 @@ void DeviceThreadsCommunicator::abort(int exit_code, const std::string& message)
 
 exec::RunResult run_ranks_on_device(int n, int device,
                                     const std::function<void(int rank, exec::Communicator& comm)>& fn,
-                                    exec::ThreadsOptions options) {
+                                    exec::ThreadsOptions options, DeviceAllocator::Options allocator_options) {
   return exec::run_ranks_with(
       n,
-      [device](exec::ThreadsWorld& world, int rank) {
-        return std::make_unique<DeviceThreadsCommunicator>(world, rank, device);
+      [device, allocator_options](exec::ThreadsWorld& world, int rank) {
+        return std::make_unique<DeviceThreadsCommunicator>(world, rank, device, allocator_options);
       },
       fn, options);
 }

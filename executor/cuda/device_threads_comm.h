@@ -70,9 +70,11 @@ class DeviceThreadsCommunicator final : public exec::Communicator {
   std::shared_ptr<exec::ThreadsWorld> owned_world_;  // a split's sub-world
 };
 
-// run_ranks_with (threads_comm.h) with a DeviceThreadsCommunicator per rank on `device`.
+// run_ranks_with (threads_comm.h) with a DeviceThreadsCommunicator per rank on `device`, each
+// rank's allocator made with `allocator_options` (its device set to `device`).
 exec::RunResult run_ranks_on_device(int n, int device,
                                     const std::function<void(int rank, exec::Communicator& comm)>& fn,
-                                    exec::ThreadsOptions options = {});
+                                    exec::ThreadsOptions options = {},
+                                    DeviceAllocator::Options allocator_options = {});
 
 }  // namespace flatpeak::cuda

@@ -27,27 +27,29 @@ __device__ inline float uniform_pm1_device(uint64_t seed, uint64_t index) {
 }
 
 // Templates so that a header kernel is defined once per program however many files include it.
+// Element i holds the value of index first_index + i (a rank's slice of a global tensor).
 template <class T>
-__global__ void fill_bf16_kernel(T* p, int64_t n, uint64_t seed, float scale) {
+__global__ void fill_bf16_kernel(T* p, int64_t n, uint64_t seed, float scale, uint64_t first_index) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
-    p[i] = f32_to_bf16(scale * uniform_pm1_device(seed, static_cast<uint64_t>(i)));
+    p[i] = f32_to_bf16(scale * uniform_pm1_device(seed, first_index + static_cast<uint64_t>(i)));
 }
 
 template <class I>
-__global__ void fill_targets_kernel(I* p, int64_t n, int64_t vocab, uint64_t seed) {
+__global__ void fill_targets_kernel(I* p, int64_t n, int64_t vocab, uint64_t seed, uint64_t first_index) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
-    p[i] = static_cast<I>(mix64_device(seed, static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
+    p[i] = static_cast<I>(mix64_device(seed, first_index + static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
 }
 
-inline void fill_bf16_cuda(Bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+inline void fill_bf16_cuda(Bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream, uint64_t first_index = 0) {
   if (n <= 0) return;
-  fill_bf16_kernel<Bf16><<<grid_for(n), kThreads, 0, stream>>>(p, n, seed, scale);
+  fill_bf16_kernel<Bf16><<<grid_for(n), kThreads, 0, stream>>>(p, n, seed, scale, first_index);
   FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
-inline void fill_targets_cuda(int32_t* p, int64_t n, int64_t vocab, uint64_t seed, cudaStream_t stream) {
+inline void fill_targets_cuda(int32_t* p, int64_t n, int64_t vocab, uint64_t seed, cudaStream_t stream,
+                              uint64_t first_index = 0) {
   if (n <= 0) return;
-  fill_targets_kernel<int32_t><<<grid_for(n), kThreads, 0, stream>>>(p, n, vocab, seed);
+  fill_targets_kernel<int32_t><<<grid_for(n), kThreads, 0, stream>>>(p, n, vocab, seed, first_index);
   FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 

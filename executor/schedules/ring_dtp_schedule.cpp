@@ -17,80 +17,14 @@
 #include "executor/memory/tensor.h"
 #include "executor/ops/cross_entropy.h"
 #include "executor/ops/dtype.h"
+#include "executor/schedules/ring_dtp_internal.h"
 #include "executor/schedules/schedule_util.h"
 
 namespace flatpeak::exec {
 
 namespace {
 
-// The ring this rank belongs to: ranks [g·R, (g+1)·R) of the communicator. shift() sends to the
-// next position and receives from the previous one.
-class Ring {
- public:
-  Ring(Communicator& comm, int64_t ring_size)
-      : comm_(comm), size(ring_size), position(comm.rank() % ring_size), first_rank_(comm.rank() - position) {}
-
-  void shift(const void* send, void* recv, int64_t count, DType dtype) {
-    if (size == 1) {
-      std::memcpy(recv, send, static_cast<size_t>(count * dtype_bytes(dtype)));
-    } else if (size == comm_.size()) {
-      comm_.sendrecv_shift(send, recv, count, dtype, 1);
-    } else {
-      // Several rings in one communicator: a ring hop is an all-to-all with one peer each way.
-      const size_t n = static_cast<size_t>(comm_.size());
-      std::vector<int64_t> send_counts(n, 0), recv_counts(n, 0), displs(n, 0);
-      send_counts[static_cast<size_t>(first_rank_ + (position + 1) % size)] = count;
-      recv_counts[static_cast<size_t>(first_rank_ + (position + size - 1) % size)] = count;
-      comm_.all_to_allv(send, send_counts.data(), displs.data(), recv, recv_counts.data(), displs.data(), dtype);
-    }
-  }
-  // The rank of the ring position `p` in the communicator.
-  int64_t rank_of(int64_t p) const { return first_rank_ + p; }
-
- private:
-  Communicator& comm_;
-
- public:
-  const int64_t size;      // R
-  const int64_t position;  // this rank's place in the ring, 0..R-1
-
- private:
-  const int64_t first_rank_;
-};
-
-struct Dims {
-  int64_t T, H, V, R, shard, Tb, Vb, token_blocks;
-  float grad_scale;  // 1 / (R·T): the loss is the mean over the ring's tokens
-  int64_t rows_of(int64_t owner) const { return std::max<int64_t>(0, std::min(shard, V - owner * shard)); }
-};
-
-Dims dims_of(const RingDtpConfig& c) {
-  Dims d{};
-  d.T = c.tokens;
-  d.H = c.hidden;
-  d.V = c.vocab;
-  d.R = c.ring_size;
-  d.shard = (c.vocab + c.ring_size - 1) / c.ring_size;
-  d.Tb = std::min(c.token_block_rows, c.tokens);
-  d.Vb = std::min(c.vocab_block_rows, d.shard);
-  d.token_blocks = (d.T + d.Tb - 1) / d.Tb;
-  d.grad_scale = 1.0f / static_cast<float>(d.R * d.T);
-  return d;
-}
-
-void check(const Communicator& comm, const RingDtpConfig& c) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.vocab <= 0 || c.ring_size <= 0)
-    throw std::invalid_argument("ring-dtp schedule: tokens, hidden, vocab and ring_size must be positive");
-  if (c.token_block_rows <= 0 || c.vocab_block_rows <= 0)
-    throw std::invalid_argument("ring-dtp schedule: token and vocab blocks must be positive");
-  if (comm.size() % c.ring_size != 0)
-    throw std::invalid_argument("ring-dtp schedule: ring_size " + std::to_string(c.ring_size) +
-                                " must divide the communicator's " + std::to_string(comm.size()) + " ranks");
-  const int64_t shard = (c.vocab + c.ring_size - 1) / c.ring_size;
-  if ((c.ring_size - 1) * shard >= c.vocab)
-    throw std::invalid_argument("ring-dtp schedule: V = " + std::to_string(c.vocab) + " leaves the last of " +
-                                std::to_string(c.ring_size) + " shards of ceil(V/R) rows empty");
-}
+using Dims = RingDims;
 
 // Blocks of logits are numbered per pass; each one is its own phase (traces/ grammar).
 struct PhaseCounter {
@@ -372,9 +306,9 @@ void copy_out(const Dims& d, const Ring& ring, Communicator& comm, const LossSta
 }  // namespace
 
 RingDtpResult run_ring_dtp_schedule(Communicator& comm, TrackingAllocator& alloc, const RingDtpConfig& config) {
-  check(comm, config);
-  const Dims d = dims_of(config);
-  Ring ring(comm, d.R);
+  check_ring_dtp(comm, config);
+  const Dims d = ring_dims_of(config);
+  Ring ring(comm, d.R, [](void* dst, const void* src, int64_t bytes) { std::memcpy(dst, src, static_cast<size_t>(bytes)); });
   const bool activations = config.rotation == RingRotation::Activations;
   RankData in(alloc, d, ring, config.seed);
   LossState ls{Tensor(alloc, DType::F32, {d.T}, Category::Vocab),   // lse [T] fp32

@@ -18,6 +18,7 @@
 #include "executor/schedules/checkpoint_schedule.h"
 #include "executor/schedules/decoder_layer.h"
 #include "executor/schedules/dispatch_schedule.h"
+#include "executor/schedules/ring_dtp_schedule.h"
 #include "executor/schedules/step_schedule.h"
 #include "executor/schedules/vocab_schedule.h"
 #include "spec/errors.h"
@@ -149,6 +150,16 @@ bool main_loss_phase(const std::string& phase);
 // The vocab component's executor configuration on one rank (R = 1): the scaled T, H, V, blocks,
 // the plan's mode and backward.
 exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
+
+// Ring-DTP's verify run on `ranks` ranks (verify_vocab_ring.cpp), shared with the cuda backend:
+// the ring (the plan's R when the ranks hold whole rings, else the largest that divides both),
+// the scaled blocks, the planner's timeline for that ring, and a note that says so.
+struct RingVerifySetup {
+  exec::RingDtpConfig config;
+  nlohmann::ordered_json predicted;
+  std::string note;
+};
+RingVerifySetup ring_verify_setup(const VerifyContext& ctx, int64_t ranks);
 
 // The checkpoint component (verify_checkpoint.cpp), shared with the cuda backend.
 // The planner flags of the plan's boundaries (SCO's scaled layer set and prefetch; a note says which).

@@ -98,21 +98,9 @@ exec::RingDtpResultSink comparing_sink(const ReferenceSlice& want, VerifyReport&
 
 }  // namespace
 
-void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
-  if (ctx.comm == nullptr) throw std::logic_error("verify_vocab_ring runs on every rank of a communicator");
-  exec::Communicator& comm = *ctx.comm;
+RingVerifySetup ring_verify_setup(const VerifyContext& ctx, int64_t ranks) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  if (in.vocab_mode != "ring-dtp" || in.ring_size == 1) {
-    // Materialised, blocked, or Ring-DTP on rings of one rank (which is the blocked loss): the
-    // loss needs no other rank; each rank runs it on its own tokens.
-    const VerifyContext one_rank{ctx.in, ctx.scaled, ctx.adjust, nullptr};
-    const size_t first = report.rows.size();
-    verify_vocab(one_rank, report);
-    for (size_t i = first; i < report.rows.size(); ++i) report.rows[i].rank = comm.rank();
-    return;
-  }
-  const int64_t ranks = comm.size();
   // The ring keeps the plan's R when the scaled ranks hold whole rings, else the largest ring that
   // divides both.
   const int64_t R = std::gcd(in.ring_size, ranks);
@@ -122,14 +110,13 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   const exec::RingRotation rotation = rotation_of(in);
   const std::string rotation_name = rotation == exec::RingRotation::Weights ? "weights" : "activations";
 
-  const nlohmann::ordered_json predicted =
-      predicted_timeline(ctx, {{"--gpus", std::to_string(ranks)},
-                               {"--gpus-per-node", std::to_string(ranks)},
-                               {"--ring-size", std::to_string(R)},
-                               {"--ring-rotate", rotation_name},
-                               {"--vocab-block", std::to_string(vocab_block)}});
-  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  exec::RingDtpConfig c;
+  RingVerifySetup setup;
+  setup.predicted = predicted_timeline(ctx, {{"--gpus", std::to_string(ranks)},
+                                             {"--gpus-per-node", std::to_string(ranks)},
+                                             {"--ring-size", std::to_string(R)},
+                                             {"--ring-rotate", rotation_name},
+                                             {"--vocab-block", std::to_string(vocab_block)}});
+  exec::RingDtpConfig& c = setup.config;
   c.tokens = s.tokens;
   c.hidden = s.hidden;
   c.vocab = s.vocab;
@@ -138,6 +125,28 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   c.vocab_block_rows = vocab_block;
   c.rotation = rotation;
   c.gradients_in_forward = in.vocab_backward == "in-forward";
+  setup.note = "vocab: Ring-DTP on rings of R = " + std::to_string(R) + " of the " + std::to_string(ranks) + " ranks, rotating " +
+               rotation_name + ", V_blk = " + std::to_string(vocab_block) + " (" + std::to_string(blocks_per_shard) +
+               " per shard of ceil(V/R) = " + std::to_string(ceil_div(s.vocab, R)) + ")";
+  return setup;
+}
+
+void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
+  if (ctx.comm == nullptr) throw std::logic_error("verify_vocab_ring runs on every rank of a communicator");
+  exec::Communicator& comm = *ctx.comm;
+  const VerifyInputs& in = ctx.in;
+  if (in.vocab_mode != "ring-dtp" || in.ring_size == 1) {
+    // Materialised, blocked, or Ring-DTP on rings of one rank (which is the blocked loss): the
+    // loss needs no other rank; each rank runs it on its own tokens.
+    const VerifyContext one_rank{ctx.in, ctx.scaled, ctx.adjust, nullptr};
+    const size_t first = report.rows.size();
+    verify_vocab(one_rank, report);
+    for (size_t i = first; i < report.rows.size(); ++i) report.rows[i].rank = comm.rank();
+    return;
+  }
+  const RingVerifySetup setup = ring_verify_setup(ctx, comm.size());
+  exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
+  exec::RingDtpConfig c = setup.config;
   // The reference first, so that the ring hands its dX and dW straight to the comparison while its
   // buffers hold them: a rank keeps only the reference's values of its own slice.
   const ReferenceSlice want = reference_slice(comm, in, c);
@@ -146,14 +155,12 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   if (comm.rank() == 0) report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mean_loss - want.mean_loss));
 
   const size_t first = report.rows.size();
-  compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc,
+  compare_category("vocab", "vocab", exec::MemorySpace::Device, setup.predicted, alloc,
                    [](const std::string& name) { return name.rfind("loss/fwd", 0) == 0 || name.rfind("loss/bwd", 0) == 0; },
                    report);
   for (size_t i = first; i < report.rows.size(); ++i) report.rows[i].rank = comm.rank();
   if (comm.rank() == 0) {
-    report.notes.push_back("vocab: Ring-DTP on rings of R = " + std::to_string(R) + " of the " + std::to_string(ranks) +
-                           " ranks, rotating " + rotation_name + ", V_blk = " + std::to_string(vocab_block) + " (" +
-                           std::to_string(blocks_per_shard) + " per shard of ceil(V/R) = " + std::to_string(ceil_div(s.vocab, R)) + ")");
+    report.notes.push_back(setup.note);
     report.measured_trace = measured_trace(alloc);
   }
 }

@@ -1,4 +1,5 @@
-// verify on the CUDA backend (verify_cuda.h): the vocab and checkpoint components on one GPU.
+// verify on the CUDA backend (verify_cuda.h): the vocab and checkpoint components on one GPU (a
+// Ring-DTP ring of R ranks sharing it).
 #include "verify_cuda.h"
 
 #include <cuda_runtime.h>
@@ -6,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -16,8 +18,11 @@
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/cuda_raii.h"
 #include "executor/cuda/device_allocator.h"
+#include "executor/cuda/device_threads_comm.h"
+#include "executor/cuda/ring_dtp_schedule_cuda.h"
 #include "executor/cuda/vocab_schedule_cuda.h"
 #include "verify_common.h"
+#include "verify_ranks.h"
 
 namespace flatpeak::cli {
 
@@ -85,16 +90,89 @@ cuda::DeviceAllocator::Options allocator_options(const VerifyInputs& in) {
   return options;
 }
 
+// The vocab component with Ring-DTP on a ring of R > 1 ranks, sharing device 0 (a
+// DeviceThreadsCommunicator each: its own stream and allocator, hops by device-to-device copies),
+// each rank's tracked vocab bytes against the planner's prediction for that ring, merged as the
+// CPU's ranks are (per phase the rank that holds most); the mean loss against the materialised
+// schedule on the ring's R·T tokens when that fits. No device-view row: R pools share the device,
+// and the card's overhead is one process's on one GPU.
+void verify_vocab_ring_cuda(const VerifyContext& ctx, int64_t R, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const RingVerifySetup setup = ring_verify_setup(ctx, R);
+  const exec::RingDtpConfig& config = setup.config;
+  const int64_t per_rank_bytes =
+      cuda::ring_dtp_schedule_cuda_peak_bytes(config, in.alignment_bytes) + cuda::CublasContext::kDefaultWorkspaceBytes;
+  require_free(fmt::format("the vocab component's ring of {} ranks on one GPU", R), R * per_rank_bytes);
+
+  cuda::DeviceAllocator::Options options = allocator_options(in);
+  options.capacity_bytes /= R;  // each rank's share of the free memory
+  exec::ThreadsOptions threads;
+  threads.peer_timeout_s = 600.0;  // a hop waits for every rank's blocks on the shared GPU
+  std::vector<VerifyReport> per_rank(static_cast<size_t>(R));
+  std::vector<double> seconds(static_cast<size_t>(R), 0.0);
+  double mean_loss = 0.0;
+  const exec::RunResult run = cuda::run_ranks_on_device(
+      static_cast<int>(R), 0,
+      [&](int rank, exec::Communicator& base) {
+        auto& comm = static_cast<cuda::DeviceThreadsCommunicator&>(base);
+        const cuda::CublasContext blas(comm.allocator(), comm.stream());
+        const cuda::RingDtpCudaResult got = cuda::run_ring_dtp_schedule_cuda(comm, comm.allocator(), blas, config);
+        VerifyReport& mine = per_rank[static_cast<size_t>(rank)];
+        const std::vector<exec::PhaseRecord> records = comm.allocator().phase_records();
+        compare_category("vocab", "vocab", exec::MemorySpace::Device, setup.predicted, records, main_loss_phase, mine);
+        for (auto& row : mine.rows) row.rank = rank;
+        if (rank == 0) {
+          mean_loss = got.mean_loss;
+          mine.measured_trace = measured_trace(records);
+        }
+        seconds[static_cast<size_t>(rank)] = got.seconds;
+      },
+      threads, options);
+  if (!run.ok())
+    throw exec::RankFailed(run.failing_rank, run.exit_code, run.ranks[static_cast<size_t>(run.failing_rank)].message);
+  const VerifyReport merged = merge_rank_reports(per_rank);
+  report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
+  report.measured_trace = merged.measured_trace;
+  report.ranks = std::max<int>(report.ranks, static_cast<int>(R));
+  report.notes.push_back(setup.note + fmt::format(", {} ranks sharing one GPU (rank 0's trace)", R));
+  report.notes.push_back(fmt::format("vocab: {:.3f} s on the GPU (the slowest rank; the ranks share the device's time)",
+                                     *std::max_element(seconds.begin(), seconds.end())));
+  report.notes.push_back("vocab: no device-view row (R ranks' pools share one device; the card's overhead is one process's)");
+
+  // The materialised schedule on the ring's R·T tokens (the same data): the mean loss.
+  exec::VocabScheduleConfig naive;
+  naive.tokens = R * config.tokens;
+  naive.hidden = config.hidden;
+  naive.vocab = config.vocab;
+  naive.mode = exec::VocabScheduleMode::Materialized;
+  naive.seed = config.seed;
+  const int64_t naive_bytes = cuda::vocab_schedule_cuda_peak_bytes(naive, in.alignment_bytes) + cuda::CublasContext::kDefaultWorkspaceBytes;
+  if (!fits_free(naive_bytes)) {
+    report.notes.push_back(fmt::format("vocab: the materialised reference on R·T = {} tokens was not run (needs {:.2f} GiB); |dloss| "
+                                       "not measured",
+                                       naive.tokens, gib(naive_bytes + kFreeMarginBytes)));
+    return;
+  }
+  cuda::DeviceAllocator alloc(allocator_options(in));
+  Stream stream;
+  const cuda::CublasContext blas(alloc, stream.get());
+  const cuda::VocabScheduleCudaResult ref = cuda::run_vocab_schedule_cuda(alloc, blas, naive);
+  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(mean_loss - ref.mean_loss));
+  report.notes.push_back("vocab: the ring's dX and dW are checked against the CPU ring, element by element, by "
+                         "tests/cuda/ring_dtp_cuda_test.cu; here the mean loss only");
+}
+
 // The vocab component: the plan's vocab schedule (R = 1) on the GPU, its tracked `vocab` bytes
 // against the planner's vocab column of the loss phases, then the device's own view.
 void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
-  if (in.vocab_mode == "ring-dtp" && in.ring_size > 1)
-    throw UnsupportedPlan({Diagnostic{in.file, "/knobs/ring_size/value",
-                                      fmt::format("the cuda backend runs the vocab component at R = 1 only (got R = {}); the cpu "
-                                                  "backend runs the ring",
-                                                  in.ring_size),
-                                      ""}});
+  // The ring the CPU backend would run (the plan's R when the scaled ranks hold whole rings, else
+  // the largest that divides both), once: every ring holds the same data.
+  const int64_t ring = in.vocab_mode == "ring-dtp" ? std::gcd(in.ring_size, std::max<int64_t>(1, ctx.scaled.ranks)) : 1;
+  if (ring > 1) {
+    verify_vocab_ring_cuda(ctx, ring, report);
+    return;
+  }
   const exec::VocabScheduleConfig config = vocab_schedule_config(in, ctx.scaled);
   const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
   require_free("the vocab component", cuda::vocab_schedule_cuda_peak_bytes(config, in.alignment_bytes) +
@@ -257,8 +335,8 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
   FLATPEAK_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   report.device = prop.name;
   if (scaled.ranks > 1)
-    report.notes.push_back(fmt::format("ran one rank of {} on one GPU (at R = 1 every rank's vocab component is the same; the checkpoint "
-                                       "stack is one rank's)",
+    report.notes.push_back(fmt::format("ran one rank of {} on one GPU (every rank's vocab component is the same at R = 1, and a Ring-DTP "
+                                       "ring runs its R ranks sharing the GPU; the checkpoint stack is one rank's)",
                                        scaled.ranks));
 
   const VerifyContext ctx{in, scaled, adjust};

@@ -15,8 +15,8 @@
 
 namespace flatpeak::cli {
 
-// The components with a CUDA twin, in report order: vocab (materialised or blocked, Ring-DTP at
-// R = 1) and checkpoint (boundaries kept, offloaded in line, or by SCO on copy streams).
+// The components with a CUDA twin, in report order: vocab (materialised, blocked, or Ring-DTP: a
+// ring of R > 1 runs its R ranks sharing device 0) and checkpoint (boundaries kept, offloaded in line, or by SCO on copy streams).
 std::vector<std::string> cuda_verify_components();
 
 // The device's own view passes within this fraction of the expected footprint plus kDeviceViewSlackBytes.
