@@ -10,54 +10,20 @@
 
 namespace flatpeak::exec::dispatch_detail {
 
-namespace {
-
-// Rounds [0, stored) whose rows fit in the store on every rank (prefix sums of each
-// destination's received rows ≤ store_rows); the rest are recomputed in backward.
-int64_t stored_rounds(const std::vector<CountMatrix>& counts, int64_t ep, int64_t store_rows) {
-  std::vector<int64_t> used(z(ep), 0);
-  for (size_t j = 0; j < counts.size(); ++j)
-    for (int64_t t = 0; t < ep; ++t) {
-      for (int64_t s = 0; s < ep; ++s) used[z(t)] += counts[j][z(s)][z(t)];
-      if (used[z(t)] > store_rows) return static_cast<int64_t>(j);
-    }
-  return static_cast<int64_t>(counts.size());
-}
-
-}  // namespace
-
 void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, LayerData& L, const RowPlan& p,
                 const std::vector<int32_t>& ids, const DispatchScheduleConfig& c, DispatchScheduleResult& res) {
-  const int64_t C = std::min(c.chunk_cap_rows, d.N), D = c.depth;
-  // Launch-time sizes (spec/least_loaded.h), the same whatever the routing: round buffers of B
-  // rows, the foreign-weight pool (LLA lent no rank more: make_row_plan), the store's rows.
-  const int64_t B = dispatch_round_buffer_rows(c, d.ep);
-  const int64_t pool = dispatch_foreign_pool(c, d.ep);
-  const int64_t store_rows = c.store ? dispatch_store_rows(c, d.ep) : 0;
-  // The buffers hold B rows per round whatever the routing; known loads that would overflow
-  // them shrink the cap (more rounds, same memory).
-  int64_t cap = C;
-  if (d.ep > 1 && c.striping && round_receive_bound_rows(p.send_rows, C) > B) {
-    cap = shrink_chunk_cap(p.send_rows, C, B);
-    if (cap < 1) throw std::logic_error("dispatch schedule: no chunk cap fits the launch-time round buffers");
-  }
-  const std::vector<CountMatrix> counts = round_counts(p, cap, c.striping);
-  const std::vector<Round> rounds = make_rounds(p, counts);
-  const int64_t n = static_cast<int64_t>(rounds.size());
-  const int64_t stored = c.store ? stored_rounds(counts, d.ep, store_rows) : 0;
+  const CappedPlan cp = plan_capped(c, d, p);
+  const int64_t C = cp.C, B = cp.B, D = c.depth, pool = cp.pool, store_rows = cp.store_rows, n = cp.n(), stored = cp.stored;
+  const std::vector<Round>& rounds = cp.rounds;
+  const std::vector<int64_t>& store_row = cp.store_row;
   res.rounds = n;
-  res.chunk_cap_rows = cap;
+  res.chunk_cap_rows = cp.cap;
   res.launch_chunk_cap_rows = C;
   res.round_buffer_rows = B;
   res.foreign_pool = pool;
   res.store_rows = store_rows;
   res.stored_rounds = stored;
-  for (const Round& rd : rounds) {
-    res.max_round_received_rows = std::max(res.max_round_received_rows, rd.received);
-    if (rd.received > B || rd.sent > C) throw std::logic_error("dispatch schedule: a round exceeds the launch-time buffers");
-  }
-  if (c.store && n > stored && res.max_round_received_rows > store_rows)
-    throw std::logic_error("dispatch schedule: a recomputed round does not fit the store");
+  res.max_round_received_rows = cp.max_received;
   auto round = [&](const std::string& prefix, int64_t j) { return prefix + "dispatch/r" + std::to_string(j); };
   // No-grad forward: one set of round expert buffers [B, ·], reused by every round.
   {
@@ -88,8 +54,6 @@ void run_capped(Communicator& comm, TrackingAllocator& alloc, const Dims& d, Lay
   // the ones that fit on every rank are skipped here and recomputed in backward into the store,
   // by then free (no per-round allocation). Recompute mode: only the routing (and the borrowed
   // weights); each round is recomputed in the backward.
-  std::vector<int64_t> store_row(z(n) + 1, 0);  // first store row of each round
-  for (int64_t j = 0; j < n; ++j) store_row[z(j) + 1] = store_row[z(j)] + rounds[z(j)].received;
   const std::string q = "bwd/" + c.layer + "/recompute/moe/";
   Tensor saved_in, saved_fc1, saved_act;  // store: [R_store, H], [R_store, 2F], [R_store, F] bf16
   if (!c.store) alloc.set_phase(q + "route");

@@ -1,11 +1,12 @@
 // Internals of the dispatch schedule (dispatch_schedule.h), shared by its source files and by
-// nothing else (namespace dispatch_detail):
+// nothing else (namespace dispatch_detail); the host-side plan over counts and raw pointers is
+// dispatch_plan.h, shared with the CUDA twin (executor/cuda/dispatch_ep_cuda.h):
 //   dispatch_schedule.cpp  entry points, validation, inputs, launch-time sizes, the one-rank comm;
 //   dispatch_plan.cpp      where every copy goes (RowPlan), receive grouping, all-to-allv helper;
 //   dispatch_experts.cpp   router forward/backward and the grouped SwiGLU experts' GEMMs;
 //   dispatch_lending.cpp   LLEP: borrowed-expert weights lent, their fp32 gradients returned;
 //   dispatch_uncapped.cpp  one uncapped dispatch/combine per pass (standard EP, LLEP);
-//   dispatch_rounds.cpp    PipelinedLLEP's rounds: counts, round buffers, one round's traffic;
+//   dispatch_rounds.cpp    PipelinedLLEP's rounds: counts, launch-time plan, round buffers, traffic;
 //   dispatch_capped.cpp    the capped passes (forward, store or recompute, backward).
 #pragma once
 
@@ -20,24 +21,13 @@
 #include "executor/memory/tensor.h"
 #include "executor/memory/tracking_allocator.h"
 #include "executor/ops/dtype.h"
+#include "executor/schedules/dispatch_plan.h"
 #include "executor/schedules/dispatch_schedule.h"
 #include "spec/least_loaded.h"
 
 namespace flatpeak::exec::dispatch_detail {
 
 inline constexpr Category kDsp = Category::Dispatch;
-inline size_t z(int64_t i) { return static_cast<size_t>(i); }
-
-struct Dims {
-  int64_t T, H, E, k, F, N;  // N = T·k token copies a rank sends
-  int64_t ep, me, L;         // EP ranks, this rank, native experts per rank (E/EP)
-  int64_t P;                 // elements of one expert's weights: [2F, H] gate/up then [H, F] down
-};
-
-inline Dims dims_of(const DispatchScheduleConfig& c, int64_t ep, int64_t me) {
-  return Dims{c.tokens, c.hidden, c.experts, c.top_k, c.ffn, c.tokens * c.top_k, ep, me, c.experts / ep, 3 * c.hidden * c.ffn};
-}
-
 // What lives through the whole layer and is not the dispatch's own: the layer input and the
 // upstream gradient (activations), the gathered weights of the rank's native experts and the
 // router, and their fp32 gradient accumulators (fsdp).
@@ -71,63 +61,6 @@ struct Routing {
 // The routing of one pass from this rank's drawn ids (router GEMM, softmax, top-k weights).
 void compute_routing(const Dims& d, const LayerData& L, const std::vector<int32_t>& ids, Routing& r);
 
-// ---- where every copy goes: identical on every rank (made from the all-gathered counts)
-
-struct RowPlan {
-  struct Seg {
-    int64_t start, rows, dest, pos;  // this source's copies [start, start+rows) of an expert → dest, at send position pos
-  };
-  int64_t ep = 1, me = 0, E = 0, L = 0;
-  CountMatrix copies;                          // [EP][E] copies per source and expert
-  std::vector<int64_t> c;                      // [EP][E][EP] rows of source s's copies of e computed on d
-  bool lla_ran = false;
-  CountMatrix send_rows;                       // [EP][EP] source × destination
-  std::vector<int64_t> rank_rows;              // [EP] rows each rank computes
-  std::vector<int64_t> foreign;                // experts this rank borrows, ascending
-  std::vector<int64_t> local_of;               // [E] local index: native e − me·L, borrowed L + i; −1
-  std::vector<std::vector<int64_t>> helpers;   // [E] ranks other than the native one computing rows of e
-  std::vector<std::vector<int64_t>> lent_slot; // [E] native here: slot of (e, helpers[e][i]) in the lent grads
-  int64_t lent = 0;                            // S_sent
-  std::vector<std::vector<Seg>> segs;          // this rank as source: [E], in row order
-  std::vector<int64_t> dest_begin;             // [EP + 1] send-order offset of each destination
-  std::vector<int64_t> recv_begin;             // [EP + 1] receive offset of each source (uncapped)
-
-  int64_t rows(int64_t s, int64_t e, int64_t d) const { return c[z((s * E + e) * ep + d)]; }
-  int64_t locals() const { return L + static_cast<int64_t>(foreign.size()); }
-  int64_t received() const { return rank_rows[z(me)]; }
-  // Send position of this source's i-th copy (token order) of expert e.
-  int64_t position(int64_t e, int64_t i) const {
-    for (const Seg& s : segs[z(e)])
-      if (i >= s.start && i < s.start + s.rows) return s.pos + i - s.start;
-    throw std::logic_error("dispatch schedule: a copy outside its expert's ranges");
-  }
-  int64_t destination(int64_t e, int64_t i) const {
-    for (const Seg& s : segs[z(e)])
-      if (i >= s.start && i < s.start + s.rows) return s.dest;
-    throw std::logic_error("dispatch schedule: a copy outside its expert's ranges");
-  }
-};
-
-RowPlan make_row_plan(const Dims& d, CountMatrix copies, bool llep, const LlaKnobs& knobs);
-// Fills the send order of this rank's copies: sort[pos] = slot; unsort[slot] = pos and
-// dest[slot] = destination when given. At one rank: the stable sort of the copies by expert.
-void fill_send_order(const RowPlan& p, const Dims& d, const int64_t* ids, int64_t* sort, int64_t* unsort, int64_t* dest);
-
-// Rows a destination received (source-major), grouped in expert order: chunk = rows of one
-// (source, expert), contiguous in both layouts; begin[l] = first expert-order row of local l.
-struct Grouping {
-  struct Chunk {
-    int64_t local, source, exp_row, recv_row, rows;
-  };
-  std::vector<Chunk> chunks;    // sorted by exp_row
-  std::vector<int64_t> begin;   // [locals + 1]
-  int64_t rows = 0;
-};
-
-// Source s sent rows [first[s], first[s] + count[s]) of its list for this rank (experts
-// ascending, plan rows each), placed source-major in the receive buffer.
-Grouping make_grouping(const RowPlan& p, const std::vector<int64_t>& first, const std::vector<int64_t>& count);
-
 // Source-major rows (width W) into expert order, and back.
 template <class V>
 void regroup(const Grouping& g, const V* src, V* dst, int64_t W) {
@@ -144,17 +77,6 @@ inline void copy_rows(const Bf16* src, Bf16* dst, int64_t rows, int64_t H) {
 
 // An fp32 accumulator set to zero before its += passes.
 inline void zero_f32(Tensor& t) { std::fill(t.data<float>(), t.data<float>() + t.numel(), 0.0f); }
-
-// ---- exchanges
-
-// One all-to-allv of rows of width W: this rank sends out[d] rows to d from send (at
-// out_begin[d]) and receives in[s] rows from s into recv (at in_begin[s]).
-void exchange(Communicator& comm, const void* send, const std::vector<int64_t>& out, const std::vector<int64_t>& out_begin,
-              void* recv, const std::vector<int64_t>& in, const std::vector<int64_t>& in_begin, int64_t W, DType dtype);
-// Per-destination counts and offsets of a matrix row / column.
-std::vector<int64_t> row_of(const CountMatrix& m, int64_t s);
-std::vector<int64_t> column_of(const CountMatrix& m, int64_t d);
-std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts);
 
 // ---- the experts a destination computes
 
@@ -207,10 +129,6 @@ void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan
 
 // ---- capped rounds (PipelinedLLEP; dispatch_rounds.cpp)
 
-// Rows every source sends every destination in each round: proportional striping (spec
-// pipelined_rounds), or the send order cut into rounds of C (O1).
-std::vector<CountMatrix> round_counts(const RowPlan& p, int64_t cap, bool striping);
-
 // The round buffers of one pass, allocated once at its launch: send [D, C, H], receive [D, B, H],
 // combine send [D, B, H], combine receive [D, C, H] (bf16), probs and indices [D, 2(B+C)] (fp32,
 // int64), destination/sort/unsort indices [3, T·k] (int64) and the combine accumulator [T, H]
@@ -242,16 +160,6 @@ struct RoundSet {
   Bf16* recv_rows(int64_t j) { return recv.data<Bf16>() + slot_of(j) * B * recv.dim(2); }
 };
 
-// One round's traffic: rows this rank sends each destination and receives from each source,
-// where they start in its lists, and the grouping of what it receives.
-struct Round {
-  std::vector<int64_t> out, out_begin, in, in_begin;  // [EP] (+1 for the begins)
-  std::vector<int64_t> first_out;                     // [EP] start in this source's list for d
-  int64_t sent = 0, received = 0;
-  Grouping g;
-};
-
-std::vector<Round> make_rounds(const RowPlan& p, const std::vector<CountMatrix>& counts);
 // Round j at the source: its rows (x, or d_out for `grads`) into the send buffer `rows`, their
 // probs and expert ids, and the slot of each row kept for the way home.
 void pack_round(const Dims& d, const RowPlan& p, const Routing& r, RoundSet& rs, const Round& rd, int64_t j, const Bf16* src, Bf16* rows);

@@ -4,37 +4,13 @@
 // fp32 gradients of those experts come back and are added to the native accumulators.
 #include "executor/schedules/dispatch_internal.h"
 
+#include <functional>
 #include <stdexcept>
 #include <vector>
 
 namespace flatpeak::exec::dispatch_detail {
 
 namespace {
-
-// LLEP: every expert with helpers goes from its native rank to them, gate/up then down, into
-// the helpers' foreign slots [S, P] (two collectives per lent expert, in expert order).
-void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const LayerData& L, Tensor& foreign) {
-  const std::vector<int64_t> none(z(d.ep), 0);
-  for (int64_t e = 0; e < d.E; ++e) {
-    if (p.helpers[z(e)].empty()) continue;
-    const int64_t native = e / d.L;
-    for (int part = 0; part < 2; ++part) {
-      const int64_t count = part == 0 ? 2 * d.F * d.H : d.H * d.F;
-      std::vector<int64_t> sc = none, sd = none, rc = none, rd = none;
-      if (d.me == native)
-        for (int64_t h : p.helpers[z(e)]) {
-          sc[z(h)] = count;
-          sd[z(h)] = (e - native * d.L) * count;
-        }
-      if (p.local_of[z(e)] >= d.L) {
-        rc[z(native)] = count;
-        rd[z(native)] = (p.local_of[z(e)] - d.L) * d.P + (part == 0 ? 0 : 2 * d.F * d.H);
-      }
-      const Bf16* src = part == 0 ? L.w_gate_up.data<Bf16>() : L.w_down.data<Bf16>();
-      exchange(comm, src, sc, sd, foreign.empty() ? nullptr : foreign.raw(), rc, rd, 1, DType::BF16);
-    }
-  }
-}
 
 // Adds the fp32 gradient g ([P]: gate/up, then down) a helper returned for expert e, native on
 // this rank, into its accumulators.
@@ -51,13 +27,51 @@ Tensor borrow_weights(Communicator& comm, TrackingAllocator& alloc, const Dims& 
                       int64_t slots) {
   if (static_cast<int64_t>(p.foreign.size()) > slots) throw std::logic_error("dispatch schedule: more borrowed experts than weight slots");
   Tensor w(alloc, DType::BF16, {slots, d.P}, kDsp);  // [S, P] bf16
-  if (p.lla_ran) lend_weights(comm, d, p, L, w);
+  if (p.lla_ran) lend_weights(comm, d, p, L.w_gate_up.raw(), L.w_down.raw(), w.empty() ? nullptr : w.raw());
   return w;
 }
 
 // LLEP: the helpers' fp32 gradients of every lent expert back to its native rank ([S_sent, P]
 // slots), which adds them to its fp32 accumulators in helper-rank order.
 void return_weight_grads(Communicator& comm, const Dims& d, const RowPlan& p, LayerData& L, const Tensor& foreign_dw, Tensor& lent_dw) {
+  send_lent_grads(comm, d, p, foreign_dw.empty() ? nullptr : foreign_dw.raw(), lent_dw.empty() ? nullptr : lent_dw.raw());
+  for (int64_t e = d.me * d.L; e < (d.me + 1) * d.L; ++e)
+    for (int64_t slot : p.lent_slot[z(e)]) add_returned_grads(d, L, e, lent_dw.data<float>() + slot * d.P);
+}
+
+// LLEP, capped: the helpers' fp32 gradients of every lent expert back to its native rank one
+// (expert, helper) pair at a time through one [1, P] staging slot, added in helper-rank order
+// (the same sums in the same order as the [S_sent, P] way, in a buffer that does not depend on
+// the routing).
+void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan& p, LayerData& L, const Tensor& foreign_dw,
+                                Tensor& staging) {
+  send_lent_grads_staged(comm, d, p, foreign_dw.empty() ? nullptr : foreign_dw.raw(), staging.empty() ? nullptr : staging.raw(),
+                         [&](int64_t e) { add_returned_grads(d, L, e, staging.data<float>()); });
+}
+
+void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const void* w_gate_up, const void* w_down, void* foreign) {
+  const std::vector<int64_t> none(z(d.ep), 0);
+  for (int64_t e = 0; e < d.E; ++e) {
+    if (p.helpers[z(e)].empty()) continue;
+    const int64_t native = e / d.L;
+    for (int part = 0; part < 2; ++part) {
+      const int64_t count = part == 0 ? 2 * d.F * d.H : d.H * d.F;
+      std::vector<int64_t> sc = none, sd = none, rc = none, rd = none;
+      if (d.me == native)
+        for (int64_t h : p.helpers[z(e)]) {
+          sc[z(h)] = count;
+          sd[z(h)] = (e - native * d.L) * count;
+        }
+      if (p.local_of[z(e)] >= d.L) {
+        rc[z(native)] = count;
+        rd[z(native)] = (p.local_of[z(e)] - d.L) * d.P + (part == 0 ? 0 : 2 * d.F * d.H);
+      }
+      exchange(comm, part == 0 ? w_gate_up : w_down, sc, sd, foreign, rc, rd, 1, DType::BF16);
+    }
+  }
+}
+
+void send_lent_grads(Communicator& comm, const Dims& d, const RowPlan& p, const void* foreign_dw, void* lent_dw) {
   const std::vector<int64_t> none(z(d.ep), 0);
   for (int64_t e = 0; e < d.E; ++e) {
     if (p.helpers[z(e)].empty()) continue;
@@ -72,19 +86,12 @@ void return_weight_grads(Communicator& comm, const Dims& d, const RowPlan& p, La
         rc[z(p.helpers[z(e)][i])] = 1;
         rd[z(p.helpers[z(e)][i])] = p.lent_slot[z(e)][i];
       }
-    exchange(comm, foreign_dw.empty() ? nullptr : foreign_dw.raw(), sc, sd, lent_dw.empty() ? nullptr : lent_dw.raw(), rc, rd, d.P,
-             DType::F32);
+    exchange(comm, foreign_dw, sc, sd, lent_dw, rc, rd, d.P, DType::F32);
   }
-  for (int64_t e = d.me * d.L; e < (d.me + 1) * d.L; ++e)
-    for (int64_t slot : p.lent_slot[z(e)]) add_returned_grads(d, L, e, lent_dw.data<float>() + slot * d.P);
 }
 
-// LLEP, capped: the helpers' fp32 gradients of every lent expert back to its native rank one
-// (expert, helper) pair at a time through one [1, P] staging slot, added in helper-rank order
-// (the same sums in the same order as the [S_sent, P] way, in a buffer that does not depend on
-// the routing).
-void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan& p, LayerData& L, const Tensor& foreign_dw,
-                                Tensor& staging) {
+void send_lent_grads_staged(Communicator& comm, const Dims& d, const RowPlan& p, const void* foreign_dw, void* staging,
+                            const std::function<void(int64_t e)>& add) {
   const std::vector<int64_t> none(z(d.ep), 0);
   for (int64_t e = 0; e < d.E; ++e) {
     const int64_t native = e / d.L;
@@ -95,9 +102,8 @@ void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan
         sd[z(native)] = p.local_of[z(e)] - d.L;
       }
       if (d.me == native) rc[z(h)] = 1;
-      exchange(comm, d.me == h ? foreign_dw.raw() : nullptr, sc, sd, d.me == native ? staging.raw() : nullptr, rc, rd, d.P,
-               DType::F32);
-      if (d.me == native) add_returned_grads(d, L, e, staging.data<float>());
+      exchange(comm, d.me == h ? foreign_dw : nullptr, sc, sd, d.me == native ? staging : nullptr, rc, rd, d.P, DType::F32);
+      if (d.me == native) add(e);
     }
   }
 }

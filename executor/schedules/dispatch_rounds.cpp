@@ -4,6 +4,7 @@
 #include "executor/schedules/dispatch_internal.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -52,6 +53,52 @@ std::vector<Round> make_rounds(const RowPlan& p, const std::vector<CountMatrix>&
     rounds.push_back(std::move(r));
   }
   return rounds;
+}
+
+namespace {
+
+// Rounds [0, stored) whose rows fit in the store on every rank (prefix sums of each
+// destination's received rows ≤ store_rows); the rest are recomputed in backward.
+int64_t stored_rounds(const std::vector<CountMatrix>& counts, int64_t ep, int64_t store_rows) {
+  std::vector<int64_t> used(z(ep), 0);
+  for (size_t j = 0; j < counts.size(); ++j)
+    for (int64_t t = 0; t < ep; ++t) {
+      for (int64_t s = 0; s < ep; ++s) used[z(t)] += counts[j][z(s)][z(t)];
+      if (used[z(t)] > store_rows) return static_cast<int64_t>(j);
+    }
+  return static_cast<int64_t>(counts.size());
+}
+
+}  // namespace
+
+CappedPlan plan_capped(const DispatchScheduleConfig& c, const Dims& d, const RowPlan& p) {
+  CappedPlan cp;
+  cp.C = std::min(c.chunk_cap_rows, d.N);
+  // Launch-time sizes (spec/least_loaded.h), the same whatever the routing: round buffers of B
+  // rows, the foreign-weight pool (LLA lent no rank more: plan_rows), the store's rows.
+  cp.B = dispatch_round_buffer_rows(c, d.ep);
+  cp.pool = dispatch_foreign_pool(c, d.ep);
+  cp.store_rows = c.store ? dispatch_store_rows(c, d.ep) : 0;
+  // The buffers hold B rows per round whatever the routing; known loads that would overflow
+  // them shrink the cap (more rounds, same memory).
+  cp.cap = cp.C;
+  if (d.ep > 1 && c.striping && round_receive_bound_rows(p.send_rows, cp.C) > cp.B) {
+    cp.cap = shrink_chunk_cap(p.send_rows, cp.C, cp.B);
+    if (cp.cap < 1) throw std::logic_error("dispatch schedule: no chunk cap fits the launch-time round buffers");
+  }
+  cp.counts = round_counts(p, cp.cap, c.striping);
+  cp.rounds = make_rounds(p, cp.counts);
+  const int64_t n = cp.n();
+  cp.stored = c.store ? stored_rounds(cp.counts, d.ep, cp.store_rows) : 0;
+  for (const Round& rd : cp.rounds) {
+    cp.max_received = std::max(cp.max_received, rd.received);
+    if (rd.received > cp.B || rd.sent > cp.C) throw std::logic_error("dispatch schedule: a round exceeds the launch-time buffers");
+  }
+  if (c.store && n > cp.stored && cp.max_received > cp.store_rows)
+    throw std::logic_error("dispatch schedule: a recomputed round does not fit the store");
+  cp.store_row.assign(z(n) + 1, 0);
+  for (int64_t j = 0; j < n; ++j) cp.store_row[z(j) + 1] = cp.store_row[z(j)] + cp.rounds[z(j)].received;
+  return cp;
 }
 
 void pack_round(const Dims& d, const RowPlan& p, const Routing& r, RoundSet& rs, const Round& rd, int64_t j, const Bf16* src, Bf16* rows) {

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,6 +38,32 @@
 namespace flatpeak::exec {
 
 using namespace dispatch_detail;
+
+namespace dispatch_detail {
+
+void validate_config(const DispatchScheduleConfig& c, int64_t ep) {
+  if (c.tokens <= 0 || c.hidden <= 0 || c.experts <= 0 || c.ffn <= 0 || c.top_k <= 0 || c.top_k > c.experts)
+    throw std::invalid_argument("dispatch schedule: need tokens, hidden, experts, ffn > 0 and 1 <= top_k <= experts");
+  if (c.chunk_cap_rows < 0 || c.depth < 1)
+    throw std::invalid_argument("dispatch schedule: chunk_cap_rows must be >= 0 and depth >= 1");
+  if (c.experts % ep != 0) throw std::invalid_argument("dispatch schedule: the experts must divide over the EP ranks");
+  if (c.topk_ids && static_cast<int64_t>(c.topk_ids->size()) != c.tokens * c.top_k)
+    throw std::invalid_argument("dispatch schedule: topk_ids must hold tokens x top_k ids");
+  {
+    InputErrors errors;
+    if (c.llep) validate_lla_knobs(c.lla, errors);
+    errors.throw_if_any();
+  }
+}
+
+RowPlan plan_rows(const DispatchScheduleConfig& c, const Dims& d, CountMatrix copies) {
+  // PipelinedLLEP: LLA lends no rank more experts than the launch-time foreign-weight pool holds.
+  LlaKnobs knobs = c.lla;
+  if (c.chunk_cap_rows > 0 && c.llep) knobs.max_foreign_experts = dispatch_foreign_pool(c, d.ep);
+  return make_row_plan(d, std::move(copies), c.llep, knobs);
+}
+
+}  // namespace dispatch_detail
 
 namespace {
 
@@ -86,19 +113,8 @@ void fill_inputs(const DispatchScheduleConfig& c, const Dims& d, Bf16* x, Bf16* 
 }
 
 DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, const DispatchScheduleConfig& c) {
-  if (c.tokens <= 0 || c.hidden <= 0 || c.experts <= 0 || c.ffn <= 0 || c.top_k <= 0 || c.top_k > c.experts)
-    throw std::invalid_argument("dispatch schedule: need tokens, hidden, experts, ffn > 0 and 1 <= top_k <= experts");
-  if (c.chunk_cap_rows < 0 || c.depth < 1)
-    throw std::invalid_argument("dispatch schedule: chunk_cap_rows must be >= 0 and depth >= 1");
   const int64_t ep = comm.size();
-  if (c.experts % ep != 0) throw std::invalid_argument("dispatch schedule: the experts must divide over the EP ranks");
-  if (c.topk_ids && static_cast<int64_t>(c.topk_ids->size()) != c.tokens * c.top_k)
-    throw std::invalid_argument("dispatch schedule: topk_ids must hold tokens x top_k ids");
-  {
-    InputErrors errors;
-    if (c.llep) validate_lla_knobs(c.lla, errors);
-    errors.throw_if_any();
-  }
+  validate_config(c, ep);
   const Dims d = dims_of(c, ep, comm.rank());
   DispatchScheduleResult res;
   const std::vector<int32_t> ids = c.topk_ids ? *c.topk_ids : draw_dispatch_routing(c, ep, d.me);
@@ -108,10 +124,7 @@ DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, cons
   std::vector<int64_t> gathered(z(ep * d.E));
   comm.all_gather(res.expert_counts.data(), gathered.data(), d.E, DType::I64);
   for (int64_t s = 0; s < ep; ++s) res.source_counts.emplace_back(gathered.begin() + s * d.E, gathered.begin() + (s + 1) * d.E);
-  // PipelinedLLEP: LLA lends no rank more experts than the launch-time foreign-weight pool holds.
-  LlaKnobs knobs = c.lla;
-  if (c.chunk_cap_rows > 0 && c.llep) knobs.max_foreign_experts = dispatch_foreign_pool(c, ep);
-  const RowPlan p = make_row_plan(d, res.source_counts, c.llep, knobs);
+  const RowPlan p = plan_rows(c, d, res.source_counts);
   res.received_rows = p.received();
   res.foreign_experts = static_cast<int64_t>(p.foreign.size());
   res.lent_weights = p.lla_ran ? p.lent : 0;

@@ -7,6 +7,10 @@
 //             device has too little free memory).
 //   dispatch  one MoE layer at EP = 1 (gpt-oss-120b dims, T = 32K): capped rounds vs one uncapped
 //             round, throughput ratio and tracked peaks.
+//   dispatch-ep one MoE layer at EP = 4 with the 4 ranks sharing the GPU (DeviceThreadsCommunicator,
+//             gpt-oss-120b's H, F, E, k; T = 32K per rank), routing rho=2.5: uncapped standard EP
+//             vs PipelinedLLEP (striped capped rounds, LLA): the largest per-rank tracked peak of
+//             each, their ratio against issue 7's 0.41, the dispatch category's, and times.
 //   checkpoint an 8-layer checkpointed stack (T = 4096, H = 2048): boundaries kept, offloaded by
 //             SCO (copy streams, prefetch 1) and offloaded in line on the compute stream: step
 //             time ratios against kept, the device boundary peaks, and SCO's bits against kept.
@@ -15,8 +19,9 @@
 //             backward (stream vs serial), CPU AdamW GB/s vs a STREAM copy on this machine.
 // Every figure is measured here; lines "summary|check|result|detail" feed tools/gpu-check.sh.
 // Exit: 0 done, 77 no CUDA device, 2 bad arguments, 1 a CUDA/cuBLAS or other runtime error.
-//   cuda_techniques [--only vocab,dispatch,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
-//                   [--t-blk 8192] [--v-blk 16384] [--dispatch-tokens 32768] [--cap 16384]
+//   cuda_techniques [--only vocab,dispatch,dispatch-ep,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
+//                   [--t-blk 8192] [--v-blk 16384] [--dispatch-tokens 32768] [--cap 16384] [--ep-tokens 32768] [--ep-cap 8192]
+//                   [--ep-min-rows 1024]
 //                   [--ckpt-tokens 4096] [--offload-params 1000000000] [--bucket 33554432] [--depth 2] [--threads N]
 #include <cuda_runtime.h>
 
@@ -41,6 +46,8 @@
 #include "executor/cuda/cublas_context.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/device_allocator.h"
+#include "executor/cuda/device_threads_comm.h"
+#include "executor/cuda/dispatch_ep_cuda.h"
 #include "executor/cuda/dispatch_schedule_cuda.h"
 #include "executor/cuda/offload_adamw_cuda.h"
 #include "executor/cuda/pinned_arena.h"
@@ -64,7 +71,7 @@ constexpr int64_t kAlign = 256;
 constexpr int64_t kMarginBytes = int64_t{1} << 30;
 
 struct Options {
-  std::vector<std::string> only{"vocab", "dispatch", "checkpoint", "offload"};
+  std::vector<std::string> only{"vocab", "dispatch", "dispatch-ep", "checkpoint", "offload"};
   int64_t vocab_tokens = 65536;
   std::vector<int64_t> big{262144, 1048576};
   int64_t hidden = 2880;      // gpt-oss-120b hidden_size (models/gpt-oss-120b.json)
@@ -76,6 +83,10 @@ struct Options {
   int64_t v_blk = 16384;
   int64_t dispatch_tokens = 32768;
   int64_t cap = 16384;
+  // dispatch-ep: tokens per rank and PipelinedLLEP's cap C (about 16 rounds at rho=2.5 after LLA).
+  int64_t ep_tokens = 32768;
+  int64_t ep_cap = 8192;
+  int64_t ep_min_rows = 1024;  // LLA's m: with B ≈ 10.7K rows the launch-time pool is 1 expert
   // The reference attention kernels grow with T² (about 1 s per layer's recompute and backward
   // at T = 8192, estimated, not measured): at 8192 the section's six steps would take a minute
   // or more of the 150 s budget gpu-check.sh gives the whole benchmark.
@@ -111,8 +122,8 @@ Options parse(int argc, char** argv) {
     if (flag == "--only") {
       o.only = split(v);
       for (const std::string& s : o.only)
-        if (s != "vocab" && s != "dispatch" && s != "checkpoint" && s != "offload")
-          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, checkpoint, offload)");
+        if (s != "vocab" && s != "dispatch" && s != "dispatch-ep" && s != "checkpoint" && s != "offload")
+          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, dispatch-ep, checkpoint, offload)");
     } else if (flag == "--big") {
       o.big.clear();
       for (const std::string& s : split(v)) o.big.push_back(parse_int(flag, s));
@@ -121,6 +132,9 @@ Options parse(int argc, char** argv) {
     else if (flag == "--v-blk") o.v_blk = parse_int(flag, v);
     else if (flag == "--dispatch-tokens") o.dispatch_tokens = parse_int(flag, v);
     else if (flag == "--cap") o.cap = parse_int(flag, v);
+    else if (flag == "--ep-tokens") o.ep_tokens = parse_int(flag, v);
+    else if (flag == "--ep-cap") o.ep_cap = parse_int(flag, v);
+    else if (flag == "--ep-min-rows") o.ep_min_rows = parse_int(flag, v);
     else if (flag == "--ckpt-tokens") o.ckpt_tokens = parse_int(flag, v);
     else if (flag == "--offload-params") o.offload_params = parse_int(flag, v);
     else if (flag == "--bucket") o.bucket = parse_int(flag, v);
@@ -352,6 +366,143 @@ void dispatch_section(const Options& o) {
   } else {
     summary("dispatch EP=1 capped", "skipped", unc.ran ? cap.skipped : unc.skipped);
   }
+}
+
+// ---- dispatch-ep -----------------------------------------------------------------------------
+
+constexpr int kEpRanks = 4;
+
+// A rank's device bytes for one run, estimated from its routing (for the fit check only): the
+// layer (x, d_out, native weights bf16 + fp32 gradients, router), the routing [T, E] tensors, and
+// uncapped: the backward's expert buffers over R rows plus two [T·k, H] rows; capped: the round
+// buffers, the foreign pool's weights and gradients and the round expert buffers; 32 MiB cuBLAS.
+int64_t dispatch_ep_bytes(const flatpeak::exec::DispatchScheduleConfig& c, int64_t received_rows) {
+  const int64_t T = c.tokens, H = c.hidden, F = c.ffn, E = c.experts, N = c.tokens * c.top_k, L = E / kEpRanks, P = 3 * H * F;
+  const int64_t layer = 2 * T * H * 2 + E * H * 6 + L * P * 6 + T * H * 4, routing = T * E * 13 + N * 12;
+  int64_t work = 0;
+  if (c.chunk_cap_rows == 0) {
+    work = received_rows * (4 * H + 12 * F + 4) + 2 * N * H * 2 + N * 8;
+  } else {
+    const int64_t C = std::min(c.chunk_cap_rows, N), B = flatpeak::exec::dispatch_round_buffer_rows(c, kEpRanks);
+    work = 2 * c.depth * 2 * (B + C) * H * 2 + c.depth * 2 * (B + C) * 12 + 3 * N * 8 + flatpeak::exec::dispatch_foreign_pool(c, kEpRanks) * P * 6 +
+           B * (6 * H + 12 * F) + T * H * 4;
+  }
+  return layer + routing + work + (int64_t{32} << 20);
+}
+
+struct EpRun {
+  bool ran = false;
+  std::string why;  // skipped or failed
+  int64_t high = 0, dispatch_peak = 0;  // the largest over the ranks
+  int high_rank = 0;
+  double seconds = 0, forward_s = 0, backward_s = 0;  // the slowest rank's
+  flatpeak::exec::DispatchScheduleResult plan;      // rank 0's
+  double rho = 0;
+};
+
+EpRun run_dispatch_ep(const flatpeak::exec::DispatchScheduleConfig& c) {
+  EpRun out;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<int64_t> native(kEpRanks, 0);  // copies whose expert is native on each rank
+  for (int r = 0; r < kEpRanks; ++r) {
+    ids.push_back(flatpeak::exec::draw_dispatch_routing(c, kEpRanks, r));
+    for (int32_t e : ids.back()) ++native[static_cast<size_t>(e / (c.experts / kEpRanks))];
+  }
+  int64_t need = 0;
+  for (int64_t rows : native) need += dispatch_ep_bytes(c, rows);
+  const int64_t free_b = free_device_bytes();
+  if (need + kMarginBytes > free_b) {
+    out.why = "skipped: 4 ranks need about " + gib(need) + " (+ " + gib(kMarginBytes) + " margin), " + gib(free_b) + " free";
+    return out;
+  }
+  std::vector<flatpeak::cuda::DispatchEpCudaResult> res(kEpRanks);
+  std::vector<int64_t> high(kEpRanks), dsp(kEpRanks);
+  const flatpeak::exec::RunResult run =
+      flatpeak::cuda::run_ranks_on_device(kEpRanks, 0, [&](int rank, flatpeak::exec::Communicator& base) {
+        auto& comm = static_cast<flatpeak::cuda::DeviceThreadsCommunicator&>(base);
+        DeviceAllocator& alloc = comm.allocator();
+        const CublasContext blas(alloc, comm.stream());
+        const std::vector<int32_t>& mine = ids[static_cast<size_t>(rank)];
+        (void)flatpeak::cuda::run_dispatch_ep_cuda(comm, alloc, blas, c, mine);  // warm-up: pool, cuBLAS
+        alloc.reset_records();
+        res[static_cast<size_t>(rank)] = flatpeak::cuda::run_dispatch_ep_cuda(comm, alloc, blas, c, mine);
+        high[static_cast<size_t>(rank)] = alloc.high_water_bytes();
+        dsp[static_cast<size_t>(rank)] = category_peak(alloc, Category::Dispatch);
+      });
+  if (!run.ok()) {
+    out.why = "failed: " + run.message;
+    return out;
+  }
+  out.ran = true;
+  for (int r = 0; r < kEpRanks; ++r) {
+    const size_t i = static_cast<size_t>(r);
+    if (high[i] > out.high) {
+      out.high = high[i];
+      out.high_rank = r;
+    }
+    out.dispatch_peak = std::max(out.dispatch_peak, dsp[i]);
+    if (res[i].seconds > out.seconds) {
+      out.seconds = res[i].seconds;
+      out.forward_s = res[i].forward_s;
+      out.backward_s = res[i].backward_s;
+    }
+  }
+  out.plan = res[0].plan;
+  return out;
+}
+
+void dispatch_ep_section(const Options& o) {
+  flatpeak::exec::DispatchScheduleConfig c;
+  c.tokens = o.ep_tokens;
+  c.hidden = o.hidden;
+  c.experts = o.experts;
+  c.top_k = o.top_k;
+  c.ffn = o.ffn;
+  c.routing = flatpeak::parse_routing_model("rho=2.5");
+  c.lla.min_rows_per_gemm = o.ep_min_rows;
+  c.outputs = false;  // memory and time only
+  std::printf("== dispatch-ep: EP=4 ranks sharing the GPU, T=%lld per rank, H=%lld E=%lld k=%lld F=%lld, routing rho=2.5; "
+              "uncapped standard EP vs PipelinedLLEP (C=%lld, striping, LLA: alpha %.2f, m %lld, lambda %.2f), one warm-up run each\n",
+              static_cast<long long>(c.tokens), static_cast<long long>(c.hidden), static_cast<long long>(c.experts),
+              static_cast<long long>(c.top_k), static_cast<long long>(c.ffn), static_cast<long long>(o.ep_cap), c.lla.llep_alpha,
+              static_cast<long long>(c.lla.min_rows_per_gemm), c.lla.imbalance_trigger);
+  const EpRun unc = run_dispatch_ep(c);
+  c.chunk_cap_rows = o.ep_cap;
+  c.llep = true;
+  const EpRun cap = run_dispatch_ep(c);
+  const std::pair<const char*, const EpRun*> runs[] = {{"uncapped EP", &unc}, {"PipelinedLLEP", &cap}};
+  for (const auto& [name, rp] : runs) {
+    const EpRun& r = *rp;
+    if (!r.ran) {
+      std::printf("dispatch-ep %-13s %s\n", name, r.why.c_str());
+      continue;
+    }
+    std::printf("dispatch-ep %-13s per-rank tracked peak %s (rank %d), dispatch peak %s; slowest rank %.4f s (fwd %.4f, "
+                "bwd %.4f); rank 0: R=%lld rows, rho %.3f, rounds %lld, C %lld, B %lld, pool %lld, S_p %lld, LLA %s\n",
+                name, gib(r.high).c_str(), r.high_rank, gib(r.dispatch_peak).c_str(), r.seconds, r.forward_s, r.backward_s,
+                static_cast<long long>(r.plan.received_rows), r.plan.rho, static_cast<long long>(r.plan.rounds),
+                static_cast<long long>(r.plan.chunk_cap_rows), static_cast<long long>(r.plan.round_buffer_rows),
+                static_cast<long long>(r.plan.foreign_pool), static_cast<long long>(r.plan.foreign_experts),
+                r.plan.lla_triggered ? "ran" : "not triggered");
+  }
+  if (!unc.ran || !cap.ran) {
+    const bool failed = unc.why.rfind("failed", 0) == 0 || cap.why.rfind("failed", 0) == 0;
+    summary("dispatch EP=4 shared GPU rho=2.5", failed ? "FAIL" : "skipped", unc.ran ? cap.why : unc.why);
+    return;
+  }
+  const double ratio = static_cast<double>(cap.high) / static_cast<double>(unc.high);
+  const double dratio = static_cast<double>(cap.dispatch_peak) / static_cast<double>(unc.dispatch_peak);
+  std::printf("dispatch-ep: PipelinedLLEP/uncapped per-rank peak %.3fx [issue 7: <= 0.41x], dispatch category %.3fx, "
+              "time %.3fx\n", ratio, dratio, cap.seconds / unc.seconds);
+  char detail[512];
+  std::snprintf(detail, sizeof detail,
+                "T=%lld/rank H=%lld F=%lld E=%lld k=%lld: per-rank peak %s -> %s = %.3fx [<= 0.41x]; dispatch %s -> %s; "
+                "time %.3f s -> %.3f s (%lld rounds of C=%lld)",
+                static_cast<long long>(c.tokens), static_cast<long long>(c.hidden), static_cast<long long>(c.ffn),
+                static_cast<long long>(c.experts), static_cast<long long>(c.top_k), gib(unc.high).c_str(), gib(cap.high).c_str(),
+                ratio, gib(unc.dispatch_peak).c_str(), gib(cap.dispatch_peak).c_str(), unc.seconds, cap.seconds,
+                static_cast<long long>(cap.plan.rounds), static_cast<long long>(cap.plan.chunk_cap_rows));
+  summary("dispatch EP=4 shared GPU rho=2.5", ratio <= 0.41 ? "PASS" : "FAIL", detail);
 }
 
 // ---- checkpoint ------------------------------------------------------------------------------
@@ -588,7 +739,8 @@ int main(int argc, char** argv) {
   // them too, each with its own message).
   int failed = 0;
   const std::pair<const char*, void (*)(const Options&)> sections[] = {
-      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"checkpoint", checkpoint_section}, {"offload", offload_section}};
+      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"dispatch-ep", dispatch_ep_section},
+      {"checkpoint", checkpoint_section}, {"offload", offload_section}};
   for (const auto& [name, run] : sections) {
     if (!wanted(o, name)) continue;
     try {

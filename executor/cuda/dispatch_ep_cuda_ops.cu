@@ -1,0 +1,489 @@
+// The kernels of the CUDA dispatch at EP ≥ 1 (dispatch_ep_cuda_internal.cuh): each the device
+// form of a loop of the CPU schedule (executor/schedules/dispatch_*.cpp), in the same order of
+// fp32 operations where a sum's order is the CPU's (a token's rows; the router's kept experts).
+// Every launch is on the rank's stream; grid-stride loops over 64-bit element counts.
+#include "executor/cuda/dispatch_ep_cuda_internal.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/kernel_util.cuh"
+#include "executor/cuda/schedule_util_cuda.cuh"
+#include "executor/ops/expert_ffn.h"
+
+namespace flatpeak::cuda::dispatch_ep_detail {
+
+namespace {
+
+using exec::cuda_detail::block_sum;
+using exec::cuda_detail::global_thread;
+using exec::cuda_detail::grid_for;
+using exec::cuda_detail::grid_threads;
+using exec::cuda_detail::kThreads;
+using exec::f32_to_bf16;
+using exec::to_f32;
+
+void check_launch() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
+
+// Blocks for a kernel that takes one row per block (grid-stride over rows).
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{1} << 20))); }
+
+// ---- routing (the CPU's compute_routing, one thread per token)
+
+__global__ void routing_kernel(const float* logits, const int64_t* ids, float* scores, float* scattered, uint8_t* map, float* w,
+                               int64_t T, int64_t E, int64_t k) {
+  for (int64_t t = global_thread(); t < T; t += grid_threads()) {
+    const float* zt = logits + t * E;
+    float* sc = scores + t * E;
+    float mx = zt[0];
+    for (int64_t e = 1; e < E; ++e) mx = fmaxf(mx, zt[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (sc[e] = expf(zt[e] - mx));
+    for (int64_t e = 0; e < E; ++e) sc[e] /= sum;
+    float kept = 0.0f;
+    for (int64_t s = 0; s < k; ++s) kept += sc[ids[t * k + s]];
+    for (int64_t e = 0; e < E; ++e) scattered[t * E + e] = 0.0f;
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t e = ids[t * k + s];
+      w[t * k + s] = sc[e] / kept;
+      scattered[t * E + e] = w[t * k + s];
+      map[t * E + e] = 1;
+    }
+  }
+}
+
+// ---- experts
+
+// act[i] = silu(gate)·up·prob over rows [i0, i0 + n), prob index j0 + (i − i0).
+__global__ void act_kernel(const Bf16* fc1, const float* prob, Bf16* act, int64_t i0, int64_t j0, int64_t n, int64_t F) {
+  for (int64_t idx = global_thread(); idx < n * F; idx += grid_threads()) {
+    const int64_t r = idx / F, f = idx % F, i = i0 + r;
+    const float g = to_f32(fc1[i * 2 * F + f]), u = to_f32(fc1[i * 2 * F + F + f]);
+    act[i * F + f] = f32_to_bf16(exec::silu_f32(g) * u * prob[j0 + r]);
+  }
+}
+
+// Per row (a block each): d fc1 from d act, and d prob = Σ_f d act·silu(gate)·up written over
+// the row's prob once every thread has read it.
+__global__ void act_backward_kernel(const Bf16* fc1, const Bf16* d_act, float* prob, Bf16* d_fc1, int64_t i0, int64_t j0,
+                                    int64_t n, int64_t F) {
+  __shared__ float scratch[32];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const int64_t i = i0 + r, j = j0 + r;
+    const float p = prob[j];
+    float dp = 0.0f;
+    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
+      const float g = to_f32(fc1[i * 2 * F + f]), u = to_f32(fc1[i * 2 * F + F + f]);
+      const float dh = to_f32(d_act[i * F + f]);
+      dp += dh * exec::silu_f32(g) * u;
+      const float da = dh * p;
+      d_fc1[i * 2 * F + f] = f32_to_bf16(da * u * exec::silu_grad_f32(g));
+      d_fc1[i * 2 * F + F + f] = f32_to_bf16(da * exec::silu_f32(g));
+    }
+    dp = block_sum(dp, scratch);  // synchronises: every thread has read p
+    if (threadIdx.x == 0) prob[j] = dp;
+  }
+}
+
+// ---- router backward
+
+// dz[t, e] = w_e·(dw_e − Σ_j w_j dw_j) at the kept experts, 0 elsewhere (one thread per token).
+__global__ void router_dz_kernel(const float* dw, const float* w, const int64_t* ids, float* dz, int64_t T, int64_t E, int64_t k) {
+  for (int64_t t = global_thread(); t < T; t += grid_threads()) {
+    float dot = 0.0f;
+    for (int64_t s = 0; s < k; ++s) dot += w[t * k + s] * dw[t * E + ids[t * k + s]];
+    for (int64_t e = 0; e < E; ++e) dz[t * E + e] = 0.0f;
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t e = ids[t * k + s];
+      dz[t * E + e] = w[t * k + s] * (dw[t * E + e] - dot);
+    }
+  }
+}
+
+// The token's k kept experts in increasing order (k ≤ kMaxTopK).
+__device__ inline void sorted_experts(const int64_t* ids, int64_t t, int64_t k, int64_t* e) {
+  for (int64_t s = 0; s < k; ++s) {
+    const int64_t v = ids[t * k + s];
+    int64_t m = s;
+    for (; m > 0 && e[m - 1] > v; --m) e[m] = e[m - 1];
+    e[m] = v;
+  }
+}
+
+// d_x[t, h] += Σ_e dz[t, e]·W[e, h] over the kept experts, increasing e (the other terms are 0).
+__global__ void router_dx_kernel(const float* dz, const Bf16* w_router, const int64_t* ids, float* d_x, int64_t T, int64_t H,
+                                 int64_t E, int64_t k) {
+  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
+    const int64_t t = idx / H, h = idx % H;
+    int64_t e[kMaxTopK];
+    sorted_experts(ids, t, k, e);
+    float sum = 0.0f;
+    for (int64_t s = 0; s < k; ++s) sum += dz[t * E + e[s]] * to_f32(w_router[e[s] * H + h]);
+    d_x[idx] += sum;
+  }
+}
+
+// dW_router[e, h] += Σ_t dz[t, e]·x[t, h], tokens in order (zero d logits skipped: they add 0).
+__global__ void router_dw_kernel(const float* dz, const Bf16* x, float* dw, int64_t T, int64_t H, int64_t E) {
+  for (int64_t idx = global_thread(); idx < E * H; idx += grid_threads()) {
+    const int64_t e = idx / H, h = idx % H;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < T; ++t) {
+      const float v = dz[t * E + e];
+      if (v != 0.0f) sum += v * to_f32(x[t * H + h]);
+    }
+    dw[idx] += sum;
+  }
+}
+
+// ---- uncapped pass
+
+__global__ void gather_probs_kernel(const int32_t* sort32, const float* topk_w, float* pprobs, int64_t N) {
+  for (int64_t i = global_thread(); i < N; i += grid_threads()) pprobs[i] = topk_w[sort32[i]];
+}
+
+__global__ void gather_rows_kernel(const int32_t* sort32, const Bf16* src, bool per_copy, Bf16* rows, int64_t N, int64_t H,
+                                   int64_t k) {
+  for (int64_t idx = global_thread(); idx < N * H; idx += grid_threads()) {
+    const int64_t i = idx / H, h = idx % H;
+    const int64_t slot = sort32[i];
+    rows[idx] = src[(per_copy ? slot : slot / k) * H + h];
+  }
+}
+
+__global__ void repeat_kernel(const Bf16* x, Bf16* repeated, int64_t N, int64_t H, int64_t k) {
+  for (int64_t idx = global_thread(); idx < N * H; idx += grid_threads()) {
+    const int64_t i = idx / H, h = idx % H;
+    repeated[idx] = x[(i / k) * H + h];
+  }
+}
+
+// A token's k rows (send positions unsort32[slot]) in increasing expert order, fp32 from zero
+// (out) or added one by one to acc (the CPU's d_x loop).
+__global__ void sum_token_rows_kernel(const int64_t* ids, const int32_t* unsort32, const Bf16* rows, Bf16* out, float* acc,
+                                      int64_t T, int64_t H, int64_t k) {
+  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
+    const int64_t t = idx / H, h = idx % H;
+    int64_t e[kMaxTopK], pos[kMaxTopK];
+    for (int64_t s = 0; s < k; ++s) {  // insertion by expert id
+      const int64_t v = ids[t * k + s], ps = unsort32[t * k + s];
+      int64_t m = s;
+      for (; m > 0 && e[m - 1] > v; --m) {
+        e[m] = e[m - 1];
+        pos[m] = pos[m - 1];
+      }
+      e[m] = v;
+      pos[m] = ps;
+    }
+    float sum = acc ? acc[idx] : 0.0f;
+    for (int64_t s = 0; s < k; ++s) sum += to_f32(rows[pos[s] * H + h]);
+    if (acc) acc[idx] = sum;
+    else out[idx] = f32_to_bf16(sum);
+  }
+}
+
+__global__ void scatter_dprobs_kernel(const int32_t* sort32, const int64_t* ids, const float* pprobs, float* scores, int64_t N,
+                                      int64_t E, int64_t k) {
+  for (int64_t i = global_thread(); i < N; i += grid_threads()) {
+    const int64_t slot = sort32[i];
+    scores[(slot / k) * E + ids[slot]] = pprobs[i];
+  }
+}
+
+// ---- capped rounds
+
+__global__ void pack_round_kernel(const int64_t* sort, const float* topk_w, const int64_t* topk_ids, const Bf16* src, Bf16* rows,
+                                  float* p_send, int64_t* i_send, int64_t* i_home, int64_t lo, int64_t q0, int64_t n, int64_t H,
+                                  int64_t k) {
+  for (int64_t idx = global_thread(); idx < n * H; idx += grid_threads()) {
+    const int64_t i = idx / H, h = idx % H, q = q0 + i;
+    const int64_t slot = sort[lo + i];
+    rows[q * H + h] = src[(slot / k) * H + h];
+    if (h == 0) {
+      p_send[q] = topk_w[slot];
+      i_send[q] = topk_ids[slot];
+      i_home[q] = slot;
+    }
+  }
+}
+
+// A token's rows of this round in send order (ascending q), added one by one to acc.
+__global__ void add_round_rows_kernel(RoundRanges rr, const int64_t* dest, const int64_t* unsort, const Bf16* rows, float* acc,
+                                      int64_t T, int64_t H, int64_t k) {
+  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
+    const int64_t t = idx / H, h = idx % H;
+    int64_t q[kMaxTopK];
+    int64_t m = 0;
+    for (int64_t s = 0; s < k; ++s) {
+      const int64_t slot = t * k + s, dd = dest[slot], off = unsort[slot] - rr.lo[dd];
+      if (off < 0 || off >= rr.n[dd]) continue;  // not in this round
+      const int64_t v = rr.q0[dd] + off;
+      int64_t a = m++;
+      for (; a > 0 && q[a - 1] > v; --a) q[a] = q[a - 1];
+      q[a] = v;
+    }
+    if (m == 0) continue;
+    float sum = acc[idx];
+    for (int64_t a = 0; a < m; ++a) sum += to_f32(rows[q[a] * H + h]);
+    acc[idx] = sum;
+  }
+}
+
+__global__ void scatter_round_dprobs_kernel(const int64_t* i_home, const int64_t* ids, const float* dprob, float* scores, int64_t n,
+                                            int64_t E, int64_t k) {
+  for (int64_t q = global_thread(); q < n; q += grid_threads()) {
+    const int64_t slot = i_home[q];
+    scores[(slot / k) * E + ids[slot]] = dprob[q];
+  }
+}
+
+// ---- small
+
+__global__ void add_f32_kernel(const float* src, float* dst, int64_t n) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] += src[i];
+}
+
+// Calls fn(l, i0, m) for every local expert with m > 0 rows from expert-order row i0.
+template <class Fn>
+void for_each_expert(const Grouping& g, Fn fn) {
+  for (size_t l = 0; l + 1 < g.begin.size(); ++l) {
+    const int64_t i0 = g.begin[l], m = g.begin[l + 1] - i0;
+    if (m > 0) fn(l, i0, m);
+  }
+}
+
+// Calls fn(i0, j0, n) for runs of expert-order rows and their prob index: per chunk when the
+// probs are in receive order, else once over every row.
+template <class Fn>
+void for_each_prob_run(const Grouping& g, const ProbsDev& pr, Fn fn) {
+  if (!pr.by_recv) {
+    if (g.rows > 0) fn(int64_t{0}, int64_t{0}, g.rows);
+    return;
+  }
+  for (const auto& ch : g.chunks)
+    if (ch.rows > 0) fn(ch.exp_row, ch.recv_row, ch.rows);
+}
+
+void copy_chunks(const Grouping& g, const void* src, void* dst, int64_t W, int64_t eb, bool to_expert_order, cudaStream_t s) {
+  for (const auto& ch : g.chunks) {
+    if (ch.rows <= 0) continue;
+    const int64_t from = to_expert_order ? ch.recv_row : ch.exp_row, to = to_expert_order ? ch.exp_row : ch.recv_row;
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + to * W * eb, static_cast<const char*>(src) + from * W * eb,
+                                        static_cast<size_t>(ch.rows * W * eb), cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+}  // namespace
+
+void fill_layer(const exec::DispatchScheduleConfig& c, const Dims& d, LayerDev& L, cudaStream_t s) {
+  using exec::cuda_detail::fill_bf16_cuda;
+  const int64_t global = c.replica * d.ep + d.me;  // this rank's tokens among every group's
+  const uint64_t seed = c.seed * 8;                // the CPU's seed_of(c, stream) = seed·8 + stream
+  fill_bf16_cuda(L.x.as<Bf16>(), d.T * d.H, seed + 1, 1.0f, s, global * d.T * d.H);
+  fill_bf16_cuda(L.d_out.as<Bf16>(), d.T * d.H, seed + 2, 1.0f, s, global * d.T * d.H);
+  fill_bf16_cuda(L.w_router.as<Bf16>(), d.E * d.H, seed + 3, 1.0f / std::sqrt(static_cast<float>(d.H)), s);
+  fill_bf16_cuda(L.w_gate_up.as<Bf16>(), d.L * 2 * d.F * d.H, seed + 4, 2.0f / std::sqrt(static_cast<float>(d.H)), s,
+                 d.me * d.L * 2 * d.F * d.H);
+  fill_bf16_cuda(L.w_down.as<Bf16>(), d.L * d.H * d.F, seed + 5, 2.0f / std::sqrt(static_cast<float>(d.F)), s,
+                 d.me * d.L * d.H * d.F);
+  for (DeviceBuffer* b : {&L.dw_router, &L.dw_gate_up, &L.dw_down}) zero(*b, s);
+}
+
+void compute_routing(const CublasContext& blas, const Dims& d, const LayerDev& L, const std::vector<int64_t>& ids, RoutingDev& r) {
+  cudaStream_t s = blas.stream();
+  FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(r.topk_ids.raw(), ids.data(), static_cast<size_t>(d.N) * 8, cudaMemcpyHostToDevice, s));
+  gemm_cuda(blas, false, true, d.T, d.E, d.H, 1.0f, DType::BF16, L.x.raw(), d.H, DType::BF16, L.w_router.raw(), d.H, false,
+            DType::F32, r.logits.raw(), d.E);
+  FLATPEAK_CUDA_CHECK(cudaMemsetAsync(r.map.raw(), 0, static_cast<size_t>(d.T * d.E), s));
+  routing_kernel<<<grid_for(d.T), kThreads, 0, s>>>(r.logits.as<float>(), r.topk_ids.as<int64_t>(), r.scores.as<float>(),
+                                                    r.scattered.as<float>(), r.map.as<uint8_t>(), r.topk_w.as<float>(), d.T, d.E, d.k);
+  check_launch();
+}
+
+std::vector<ExpertSlotDev> expert_slots(const Dims& d, const RowPlan& p, LayerDev& L, const DeviceBuffer* foreign_w,
+                                        DeviceBuffer* foreign_dw) {
+  std::vector<ExpertSlotDev> out;
+  for (int64_t l = 0; l < p.locals(); ++l) {
+    ExpertSlotDev s{};
+    if (l < d.L) {
+      s.gu = L.w_gate_up.as<Bf16>() + l * 2 * d.F * d.H;
+      s.down = L.w_down.as<Bf16>() + l * d.H * d.F;
+      s.dgu = L.dw_gate_up.as<float>() + l * 2 * d.F * d.H;
+      s.ddown = L.dw_down.as<float>() + l * d.H * d.F;
+    } else {
+      const int64_t off = (l - d.L) * d.P;
+      s.gu = foreign_w->as<Bf16>() + off;
+      s.down = s.gu + 2 * d.F * d.H;
+      if (foreign_dw && foreign_dw->raw() != nullptr) {
+        s.dgu = foreign_dw->as<float>() + off;
+        s.ddown = s.dgu + 2 * d.F * d.H;
+      }
+    }
+    out.push_back(s);
+  }
+  return out;
+}
+
+void regroup(const Grouping& g, const void* src, void* dst, int64_t W, int64_t eb, cudaStream_t s) {
+  copy_chunks(g, src, dst, W, eb, true, s);
+}
+void ungroup(const Grouping& g, const void* src, void* dst, int64_t W, int64_t eb, cudaStream_t s) {
+  copy_chunks(g, src, dst, W, eb, false, s);
+}
+
+void experts_fc2(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g, const Bf16* act,
+                 Bf16* fc2) {
+  for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
+    gemm_cuda(blas, false, true, m, d.H, d.F, 1.0f, DType::BF16, act + i0 * d.F, d.F, DType::BF16, w[l].down, d.F, false, DType::BF16,
+              fc2 + i0 * d.H, d.H);
+  });
+}
+
+void experts_forward(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g,
+                     const ProbsDev& pr, const Bf16* in, Bf16* fc1, Bf16* act, Bf16* fc2) {
+  cudaStream_t s = blas.stream();
+  for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
+    gemm_cuda(blas, false, true, m, 2 * d.F, d.H, 1.0f, DType::BF16, in + i0 * d.H, d.H, DType::BF16, w[l].gu, d.H, false,
+              DType::BF16, fc1 + i0 * 2 * d.F, 2 * d.F);
+  });
+  for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
+    act_kernel<<<grid_for(n * d.F), kThreads, 0, s>>>(fc1, pr.p, act, i0, j0, n, d.F);
+    check_launch();
+  });
+  if (fc2) experts_fc2(blas, d, w, g, act, fc2);
+}
+
+void experts_backward_fc(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g,
+                         const ProbsDev& pr, const Bf16* fc1, const Bf16* act, const Bf16* d_fc2, Bf16* d_act, Bf16* d_fc1) {
+  cudaStream_t s = blas.stream();
+  for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
+    gemm_cuda(blas, false, false, m, d.F, d.H, 1.0f, DType::BF16, d_fc2 + i0 * d.H, d.H, DType::BF16, w[l].down, d.F, false,
+              DType::BF16, d_act + i0 * d.F, d.F);
+    if (w[l].ddown == nullptr) throw std::logic_error("dispatch schedule: an expert without a gradient accumulator in backward");
+    gemm_cuda(blas, true, false, d.H, d.F, m, 1.0f, DType::BF16, d_fc2 + i0 * d.H, d.H, DType::BF16, act + i0 * d.F, d.F, true,
+              DType::F32, w[l].ddown, d.F);
+  });
+  for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
+    act_backward_kernel<<<row_blocks(n), kThreads, 0, s>>>(fc1, d_act, pr.p, d_fc1, i0, j0, n, d.F);
+    check_launch();
+  });
+}
+
+void experts_backward_in(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g,
+                         const Bf16* in, const Bf16* d_fc1, Bf16* d_in) {
+  for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
+    gemm_cuda(blas, true, false, 2 * d.F, d.H, m, 1.0f, DType::BF16, d_fc1 + i0 * 2 * d.F, 2 * d.F, DType::BF16, in + i0 * d.H, d.H,
+              true, DType::F32, w[l].dgu, d.H);
+    gemm_cuda(blas, false, false, m, d.H, 2 * d.F, 1.0f, DType::BF16, d_fc1 + i0 * 2 * d.F, 2 * d.F, DType::BF16, w[l].gu, d.H,
+              false, DType::BF16, d_in + i0 * d.H, d.H);
+  });
+}
+
+void router_backward(cudaStream_t s, const Dims& d, LayerDev& L, RoutingDev& r, float* d_x) {
+  float* dz = r.logits.as<float>();
+  const int64_t* ids = r.topk_ids.as<int64_t>();
+  router_dz_kernel<<<grid_for(d.T), kThreads, 0, s>>>(r.scores.as<float>(), r.topk_w.as<float>(), ids, dz, d.T, d.E, d.k);
+  check_launch();
+  router_dx_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(dz, L.w_router.as<Bf16>(), ids, d_x, d.T, d.H, d.E, d.k);
+  check_launch();
+  router_dw_kernel<<<grid_for(d.E * d.H), kThreads, 0, s>>>(dz, L.x.as<Bf16>(), L.dw_router.as<float>(), d.T, d.H, d.E);
+  check_launch();
+}
+
+void gather_probs(cudaStream_t s, const Dims& d, const int32_t* sort32, const float* topk_w, float* pprobs) {
+  gather_probs_kernel<<<grid_for(d.N), kThreads, 0, s>>>(sort32, topk_w, pprobs, d.N);
+  check_launch();
+}
+
+void gather_send_rows(cudaStream_t s, const Dims& d, const int32_t* sort32, const Bf16* src, bool per_copy, Bf16* rows) {
+  gather_rows_kernel<<<grid_for(d.N * d.H), kThreads, 0, s>>>(sort32, src, per_copy, rows, d.N, d.H, d.k);
+  check_launch();
+}
+
+void repeat_tokens(cudaStream_t s, const Dims& d, const Bf16* x, Bf16* repeated) {
+  repeat_kernel<<<grid_for(d.N * d.H), kThreads, 0, s>>>(x, repeated, d.N, d.H, d.k);
+  check_launch();
+}
+
+void sum_token_rows(cudaStream_t s, const Dims& d, const int64_t* ids, const int32_t* unsort32, const Bf16* rows, Bf16* out,
+                    float* acc) {
+  sum_token_rows_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(ids, unsort32, rows, out, acc, d.T, d.H, d.k);
+  check_launch();
+}
+
+void scatter_dprobs(cudaStream_t s, const Dims& d, const int32_t* sort32, const int64_t* ids, const float* pprobs, float* scores) {
+  scatter_dprobs_kernel<<<grid_for(d.N), kThreads, 0, s>>>(sort32, ids, pprobs, scores, d.N, d.E, d.k);
+  check_launch();
+}
+
+RoundRanges round_ranges(const RowPlan& p, const Round& rd) {
+  RoundRanges rr{};
+  rr.ep = static_cast<int>(p.ep);
+  for (int64_t t = 0; t < p.ep; ++t) {
+    rr.lo[t] = p.dest_begin[z(t)] + rd.first_out[z(t)];
+    rr.n[t] = rd.out[z(t)];
+    rr.q0[t] = rd.out_begin[z(t)];
+  }
+  return rr;
+}
+
+void pack_round(cudaStream_t s, const Dims& d, const RoundRanges& rr, const int64_t* sort, const float* topk_w,
+                const int64_t* topk_ids, const Bf16* src, Bf16* rows, float* p_send, int64_t* i_send, int64_t* i_home) {
+  for (int t = 0; t < rr.ep; ++t) {
+    if (rr.n[t] <= 0) continue;
+    pack_round_kernel<<<grid_for(rr.n[t] * d.H), kThreads, 0, s>>>(sort, topk_w, topk_ids, src, rows, p_send, i_send, i_home, rr.lo[t],
+                                                                   rr.q0[t], rr.n[t], d.H, d.k);
+    check_launch();
+  }
+}
+
+void add_round_rows(cudaStream_t s, const Dims& d, const RoundRanges& rr, const int64_t* dest, const int64_t* unsort,
+                    const Bf16* rows, float* acc) {
+  add_round_rows_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(rr, dest, unsort, rows, acc, d.T, d.H, d.k);
+  check_launch();
+}
+
+void scatter_round_dprobs(cudaStream_t s, const Dims& d, int64_t sent, const int64_t* i_home, const int64_t* ids, const float* dprob,
+                          float* scores) {
+  if (sent <= 0) return;
+  scatter_round_dprobs_kernel<<<grid_for(sent), kThreads, 0, s>>>(i_home, ids, dprob, scores, sent, d.E, d.k);
+  check_launch();
+}
+
+void add_returned_grads(cudaStream_t s, const Dims& d, LayerDev& L, int64_t e, const float* g) {
+  const int64_t l = e - d.me * d.L, gu = 2 * d.F * d.H, dn = d.H * d.F;
+  add_f32_kernel<<<grid_for(gu), kThreads, 0, s>>>(g, L.dw_gate_up.as<float>() + l * gu, gu);
+  check_launch();
+  add_f32_kernel<<<grid_for(dn), kThreads, 0, s>>>(g + gu, L.dw_down.as<float>() + l * dn, dn);
+  check_launch();
+}
+
+void zero(DeviceBuffer& b, cudaStream_t s) {
+  if (b.raw() != nullptr) FLATPEAK_CUDA_CHECK(cudaMemsetAsync(b.raw(), 0, static_cast<size_t>(b.bytes()), s));
+}
+
+void f32_to_host(const float* src, int64_t n, std::vector<float>& out, cudaStream_t s) {
+  out.assign(z(n), 0.0f);
+  if (n > 0) FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(out.data(), src, static_cast<size_t>(n) * 4, cudaMemcpyDeviceToHost, s));
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void bf16_to_host(const Bf16* src, int64_t n, std::vector<float>& out, cudaStream_t s) {
+  std::vector<Bf16> raw(z(n));
+  if (n > 0) FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(raw.data(), src, static_cast<size_t>(n) * sizeof(Bf16), cudaMemcpyDeviceToHost, s));
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));
+  out.resize(z(n));
+  for (size_t i = 0; i < raw.size(); ++i) out[i] = to_f32(raw[i]);
+}
+
+void f32_round_bf16_to_host(const float* src, int64_t n, std::vector<float>& out, cudaStream_t s) {
+  out.assign(z(n), 0.0f);
+  if (n <= 0) return;
+  // Rounded on the host after the copy (no device scratch beyond the CPU's buffers).
+  f32_to_host(src, n, out, s);
+  for (float& v : out) v = to_f32(f32_to_bf16(v));
+}
+
+}  // namespace flatpeak::cuda::dispatch_ep_detail
