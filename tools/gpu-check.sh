@@ -17,7 +17,8 @@
 #               C from FLATPEAK_VERIFY_COMPONENTS (default vocab), at --scale auto from
 #               FLATPEAK_VERIFY_AUTO_COMPONENTS (default "vocab checkpoint") (FLATPEAK_VERIFY_TIMEOUT per run,
 #               default 60 s; the stage starts no run after FLATPEAK_VERIFY_STAGE_TIMEOUT, 150 s)
-#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, offload figures of issue 7), its
+#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, checkpoint, offload and dispatch-ep
+#               (EP = 4 sharing the GPU) figures of issue 7), its
 #               figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
 #               FLATPEAK_TECHNIQUES_ARGS passes flags)
 #

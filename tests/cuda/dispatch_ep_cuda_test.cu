@@ -4,7 +4,8 @@
 // PipelinedLLEP (recompute and store): (a) each rank's phases in order and their tracked
 // `dispatch`, `activations` and `fsdp` peaks, equal to the CPU's (the same buffers at the same
 // 256-byte alignment); (b) out, d_x and the expert and router dW within bf16 tolerance (cuBLAS
-// sums in another order); (c) the capped per-rank peak below the uncapped one.
+// sums in another order; the bound is stated at the check); (c) the capped per-rank peak below
+// the uncapped one (CPU at 256 B: 303616 vs 432128 B on the busiest rank).
 // Exit 77 (skipped) without a CUDA device.
 #include <algorithm>
 #include <cstdio>
@@ -147,14 +148,18 @@ int64_t check_kind(Kind kind) {
                 "live blocks after the run: gpu " + std::to_string(gpu[z(r)].live_after) + ", cpu " +
                     std::to_string(cpu[z(r)].live_after));
     compare_phases(tag, gpu[z(r)].records, cpu[z(r)].records);
-    // (b) bf16 rows from cuBLAS's sums: one bf16 step apart at most, propagated.
-    expect_close(tag + "/out", g.out, w.out, Tol::bf16());
-    expect_close(tag + "/d_x", g.d_x, w.d_x, Tol::bf16());
-    expect_close(tag + "/topk_weights", g.topk_weights, w.topk_weights, Tol{1e-5, 1e-6});
-    const Tol dw{2e-2, 5e-3};  // sums over rows of products of bf16-rounded intermediates
-    expect_close(tag + "/d_w_gate_up", g.d_w_gate_up, w.d_w_gate_up, dw);
-    expect_close(tag + "/d_w_down", g.d_w_down, w.d_w_down, dw);
-    expect_close(tag + "/d_w_router", g.d_w_router, w.d_w_router, dw);
+    // (b) Every bf16 intermediate (fc1, act*prob, fc2, d act, d fc1, d in) is cuBLAS's fp32 sum
+    // rounded once, as on the CPU, but summed in another order: an element can round one bf16
+    // step (2^-8 relative) the other way and carry that on, so a token's sum of k rows can be a
+    // step of its largest row off where the rows cancel: rel 2e-2 plus 1e-2 of the largest value.
+    // A row sent to the wrong rank, expert or token is off by O(the largest value).
+    const Tol rows{2e-2, 1e-2};
+    expect_close(tag + "/out", g.out, w.out, rows);
+    expect_close(tag + "/d_x", g.d_x, w.d_x, rows);
+    expect_close(tag + "/topk_weights", g.topk_weights, w.topk_weights, Tol{1e-5, 1e-6});  // fp32 logits, K = H
+    expect_close(tag + "/d_w_gate_up", g.d_w_gate_up, w.d_w_gate_up, rows);
+    expect_close(tag + "/d_w_down", g.d_w_down, w.d_w_down, rows);
+    expect_close(tag + "/d_w_router", g.d_w_router, w.d_w_router, rows);
   }
   return high;
 }
