@@ -296,6 +296,18 @@ void pack(Ctx& x, const RoutingDev& r, const RoundSetDev& rs, const RoundRanges&
 void send_round_probs(Ctx& x, const RoundSetDev& rs, const Round& rd, int64_t j) {
   exchange(x.comm, rs.prob_part(j, 0), rd.out, rd.out_begin, rs.prob_part(j, rs.C), rd.in, rd.in_begin, 1, DType::F32);
   exchange(x.comm, rs.index_part(j, 0), rd.out, rd.out_begin, rs.index_part(j, rs.C), rd.in, rd.in_begin, 1, DType::I64);
+  // The expert ids that came with the rows against the plan, on the host (as the CPU checks).
+  std::vector<int64_t> got(z(rd.received));
+  if (rd.received > 0)
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(got.data(), rs.index_part(j, rs.C), got.size() * 8, cudaMemcpyDeviceToHost, x.s));
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(x.s));
+  for (const auto& ch : rd.g.chunks)
+    for (int64_t i = 0; i < ch.rows; ++i) {
+      const int64_t e = got[z(ch.recv_row + i)];
+      if (e < 0 || e >= x.d.E || x.p.local_of[z(e)] != ch.local)
+        throw std::logic_error("dispatch schedule: a round's rows disagree with the plan (round " + std::to_string(j) + ", expert " +
+                               std::to_string(e) + ")");
+    }
   regroup(rd.g, rs.prob_part(j, rs.C), rs.prob_part(j, rs.C + rs.B), 1, 4, x.s);
 }
 

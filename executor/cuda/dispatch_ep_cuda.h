@@ -33,8 +33,8 @@ namespace flatpeak::cuda {
 //    [T, E] d logits, zero elsewhere, with the same sums);
 //  - a token's rows are summed per token in the CPU's order (increasing expert order uncapped,
 //    round then send order capped), with no atomics, so results do not depend on scheduling;
-//  - the expert ids a round's rows carry are not checked against the plan on arrival (the CPU
-//    does, on the host);
+//  - a round's arriving expert ids are checked against the plan on the host, as on the CPU,
+//    after a copy to host memory and a stream synchronisation (one per round and pass);
 //  - every rank's kernels, copies and GEMMs run on `blas.stream()`, which must be the stream the
 //    communicator synchronises at its collectives (DeviceThreadsCommunicator::stream(); checked
 //    for that communicator); config.topk_ids is not used: the caller gives this rank's ids.
