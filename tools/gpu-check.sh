@@ -17,10 +17,12 @@
 #               C from FLATPEAK_VERIFY_COMPONENTS (default vocab), at --scale auto from
 #               FLATPEAK_VERIFY_AUTO_COMPONENTS (default "vocab checkpoint") (FLATPEAK_VERIFY_TIMEOUT per run,
 #               default 60 s; the stage starts no run after FLATPEAK_VERIFY_STAGE_TIMEOUT, 150 s)
-#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, checkpoint, offload and dispatch-ep
-#               (EP = 4 sharing the GPU) figures of issue 7), its
-#               figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
-#               FLATPEAK_TECHNIQUES_ARGS passes flags)
+#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, checkpoint, offload figures of issue
+#               7), its figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
+#               FLATPEAK_TECHNIQUES_ARGS replaces its default `--only vocab,dispatch,checkpoint,offload`)
+#   dispatch-ep cuda_techniques --only dispatch-ep (4 EP ranks sharing the GPU, PipelinedLLEP vs
+#               uncapped EP per-rank peak), its own limit so the stage above keeps its time
+#               (FLATPEAK_DISPATCH_EP_TIMEOUT, default 120 s; FLATPEAK_DISPATCH_EP_ARGS adds flags)
 #
 # Dependencies: Debian's packages where installed, else the copies in third_party/ that
 # tools/vendor-deps.sh makes on a machine that has them (cmake/FlatpeakDeps.cmake picks per
@@ -361,9 +363,10 @@ done
 t0=$(date +%s)
 tech_limit="${FLATPEAK_TECHNIQUES_TIMEOUT:-150}"
 tech_log="$logs/cuda_techniques.log"
-# FLATPEAK_TECHNIQUES_ARGS: extra flags, e.g. "--only vocab --big 262144".
+# FLATPEAK_TECHNIQUES_ARGS: the flags, e.g. "--only vocab --big 262144" (default: every section
+# but dispatch-ep, which runs below under its own limit).
 # shellcheck disable=SC2086
-timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:-} >"$tech_log" 2>&1
+timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload} >"$tech_log" 2>&1
 rc=$?
 seconds=$(( $(date +%s) - t0 ))
 # Figure rows as printed; a failed section also ends the run with exit 1, counted once below.
@@ -375,5 +378,22 @@ case $rc in
   *) add_row "technique benchmarks" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)" ;;
 esac
 grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
+
+# ---- dispatch at EP = 4 on the one GPU (cuda_techniques --only dispatch-ep) --------------------
+t0=$(date +%s)
+ep_limit="${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}"
+ep_log="$logs/cuda_techniques_dispatch_ep.log"
+# shellcheck disable=SC2086
+timeout "$ep_limit" "$build_dir/tools/cuda_techniques" --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-} >"$ep_log" 2>&1
+rc=$?
+seconds=$(( $(date +%s) - t0 ))
+while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$ep_log")
+case $rc in
+  0) add_row "dispatch EP=4 benchmark" ok "$seconds" "figures above; full output: $ep_log" ;;
+  77) add_row "dispatch EP=4 benchmark" skipped "$seconds" "$(head -1 "$ep_log")" ;;
+  124) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "timed out after $ep_limit s (rows above: the figures printed before)" ;;
+  *) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$ep_log" | tail -1)" ;;
+esac
+grep -v '^summary|' "$ep_log" | sed 's/^/  [cuda_techniques dispatch-ep] /'
 
 finish

@@ -741,7 +741,7 @@ int main(int argc, char** argv) {
   int failed = 0;
   const std::pair<const char*, void (*)(const Options&)> sections[] = {
       {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"checkpoint", checkpoint_section}, {"offload", offload_section},
-      {"dispatch-ep", dispatch_ep_section}};  // last: the figures before it keep their place in the time limit
+      {"dispatch-ep", dispatch_ep_section}};
   for (const auto& [name, run] : sections) {
     if (!wanted(o, name)) continue;
     try {
