@@ -9,7 +9,8 @@
 // collective's send buffer is written when peers read it, and peers are done reading it when
 // the collective returns; a DeviceBuffer freed after a collective is freed on s (stream
 // ordered) with no peer still reading it. The host reads device data only after a synchronising
-// copy (the gathered counts, the outputs).
+// copy (the gathered counts, the outputs); an upload from a host vector freed at once (the send
+// maps) is waited for before the vector goes.
 #include "executor/cuda/dispatch_ep_cuda.h"
 
 #include <algorithm>
@@ -81,8 +82,10 @@ MetaDev make_meta(Ctx& x, const RoutingDev& r) {
     maps[z(i)] = static_cast<int32_t>(sort[z(i)]);
     maps[z(d.N + i)] = static_cast<int32_t>(unsort[z(i)]);
   }
-  // Pageable source: the copy has left `maps` when the call returns.
+  // Pageable source that dies on return: cudaMemcpyAsync "might be synchronous" with the host for
+  // pageable memory, which CUDA does not promise, so wait for the copy before `maps` is freed.
   FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(m.sort.raw(), maps.data(), maps.size() * 4, cudaMemcpyHostToDevice, x.s));
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(x.s));
   gather_probs(x.s, d, m.sort32(), r.topk_w.as<float>(), m.pprobs.as<float>());
   return m;
 }
@@ -275,7 +278,8 @@ struct RoundSetDev {
         comb_acc(make_buf(x.alloc, DType::F32, x.d.T * x.d.H, x.s)) {     // [T, H] fp32
     std::vector<int64_t> h(z(3 * N));
     exec::dispatch_detail::fill_send_order(x.p, x.d, x.ids.data(), h.data() + N, h.data() + 2 * N, h.data());
-    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(dsu.raw(), h.data(), h.size() * 8, cudaMemcpyHostToDevice, x.s));  // pageable: done on return
+    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(dsu.raw(), h.data(), h.size() * 8, cudaMemcpyHostToDevice, x.s));
+    FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(x.s));  // `h` (pageable) is freed on return: the copy must be done
     zero(comb_acc, x.s);
   }
   const int64_t* dest() const { return dsu.as<int64_t>(); }
