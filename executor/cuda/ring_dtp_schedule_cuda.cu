@@ -5,6 +5,7 @@
 #include "executor/cuda/ring_dtp_schedule_cuda.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -305,6 +306,10 @@ RingDtpCudaResult run_ring_dtp_schedule_cuda(exec::Communicator& comm, DeviceAll
                                              const exec::RingDtpConfig& config, bool copy_results) {
   exec::check_ring_dtp(comm, config);
   if (config.vocab > 0x7fffffff) throw std::invalid_argument("ring-dtp schedule: vocab must be < 2^31 (int32 targets)");
+  // Every collective here (the hops, the final all-gather) moves device pointers: a host
+  // communicator (threads, mpi) would memcpy them on the CPU and crash.
+  if (const std::string backend = comm.backend_name(); backend != "cuda-threads" && backend != "nccl")
+    throw std::invalid_argument("ring-dtp schedule: the communicator must move device buffers (cuda-threads or nccl), got " + backend);
   if (const auto* shared = dynamic_cast<const DeviceThreadsCommunicator*>(&comm); shared != nullptr && shared->stream() != blas.stream())
     throw std::invalid_argument("ring-dtp schedule: the cuBLAS context must run on the communicator's stream");
   const RingDims d = exec::ring_dims_of(config);

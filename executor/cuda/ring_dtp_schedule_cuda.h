@@ -38,7 +38,8 @@ int64_t ring_dtp_schedule_cuda_peak_bytes(const exec::RingDtpConfig& config, int
 // DeviceThreadsCommunicator on that stream, or NCCL's on it); a ring of one rank needs no peer.
 // Inputs are filled on the device with the CPU schedule's values and are not timed.
 // config.result_sink is not used: copy_results copies dX and dW into the result instead.
-// Throws std::invalid_argument for a bad config (as the CPU schedule), exec::OutOfMemory past the
+// Throws std::invalid_argument for a bad config (as the CPU schedule) or a host communicator
+// (threads, mpi: they cannot move device buffers), exec::OutOfMemory past the
 // allocator's capacity and BackendError for CUDA/cuBLAS failures.
 RingDtpCudaResult run_ring_dtp_schedule_cuda(exec::Communicator& comm, DeviceAllocator& alloc, const CublasContext& blas,
                                              const exec::RingDtpConfig& config, bool copy_results = false);
