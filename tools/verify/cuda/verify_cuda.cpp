@@ -98,8 +98,12 @@ cuda::DeviceAllocator::Options allocator_options(const VerifyInputs& in) {
 // and the card's overhead is one process's on one GPU.
 void verify_vocab_ring_cuda(const VerifyContext& ctx, int64_t R, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
-  const RingVerifySetup setup = ring_verify_setup(ctx, R);
+  // The cpu backend's setup for the scaled ranks (its ring and its prediction, made at that many
+  // GPUs), so both backends judge a plan against the same timeline; one ring of it runs here.
+  const RingVerifySetup setup = ring_verify_setup(ctx, std::max<int64_t>(1, ctx.scaled.ranks));
   const exec::RingDtpConfig& config = setup.config;
+  if (config.ring_size != R)
+    throw std::logic_error(fmt::format("verify vocab: a ring of {} ranks, the cpu backend's setup has {}", R, config.ring_size));
   const int64_t per_rank_bytes =
       cuda::ring_dtp_schedule_cuda_peak_bytes(config, in.alignment_bytes) + cuda::CublasContext::kDefaultWorkspaceBytes;
   require_free(fmt::format("the vocab component's ring of {} ranks on one GPU", R), R * per_rank_bytes);
@@ -134,7 +138,7 @@ void verify_vocab_ring_cuda(const VerifyContext& ctx, int64_t R, VerifyReport& r
   report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
   report.measured_trace = merged.measured_trace;
   report.ranks = std::max<int>(report.ranks, static_cast<int>(R));
-  report.notes.push_back(setup.note + fmt::format(", {} ranks sharing one GPU (rank 0's trace)", R));
+  report.notes.push_back(setup.note + fmt::format(", one ring run: its {} ranks sharing one GPU (rank 0's trace)", R));
   report.notes.push_back(fmt::format("vocab: {:.3f} s on the GPU (the slowest rank; the ranks share the device's time)",
                                      *std::max_element(seconds.begin(), seconds.end())));
   report.notes.push_back("vocab: no device-view row (R ranks' pools share one device; the card's overhead is one process's)");
