@@ -272,10 +272,12 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
 
 namespace cuda_detail {
 
+namespace {
 // One CUDA block per row: rows must fit the grid's x dimension.
 void check_block_rows(int64_t rows) {
   require(rows >= 0 && rows <= 0x7fffffff, "cross_entropy", "a logits block has at most 2^31 - 1 rows");
 }
+}  // namespace
 
 void init_online_rows_cuda(float* row_max, float* row_sum, float* target_logit, int64_t rows, cudaStream_t stream) {
   if (rows <= 0) return;
