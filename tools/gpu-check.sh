@@ -278,11 +278,13 @@ fi
 # Exit codes of `flatpeak verify` (tools/cli/exit_codes.h): 0 pass, 5 mismatch beyond tolerance,
 # 4 backend failure (also its answer when there is no device), 2 input error, 77 skipped.
 verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calibrated copy above)
-  "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
+  # In order of what they show, so that a stage out of time drops the least: the blocked loss
+  # (the planner picks Ring-DTP at R = 1), Ring-DTP at R = 4 (the ring's 4 ranks share the GPU),
+  # the materialised baseline (about 126 GiB at 64K tokens), another model.
   "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak"
-  "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
-  # Ring-DTP at R = 4 (the planner picks R = 1 above): the ring's 4 ranks share the GPU.
   "gpt-oss-120b ring4|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak --ring-size 4"
+  "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
+  "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
 )
 # --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's reference
 # attention kernel is O(T²) per layer and takes head dims up to 512, far from a 64K-token, 36-layer

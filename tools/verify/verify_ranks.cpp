@@ -122,10 +122,18 @@ VerifyReport run_component_on_ranks(RankComponentRun run, const VerifyInputs& in
     return merge_rank_reports(all);
   }
   VerifyReport merged;
-  const exec::RunResult result = exec::run_ranks(ranks, [&](int rank, exec::Communicator& comm) {
-    std::vector<VerifyReport> all = one_rank(rank, comm);
-    if (rank == 0) merged = merge_rank_reports(all);
-  });
+  // A rank may compute alone for minutes while its peers wait at the next collective (Ring-DTP's
+  // materialised reference is rank 0's alone, and at a small --scale it is large): the default
+  // 60 s would call that a hung peer. A rank that never arrives still ends the run.
+  exec::ThreadsOptions options;
+  options.peer_timeout_s = kVerifyPeerTimeoutSeconds;
+  const exec::RunResult result = exec::run_ranks(
+      ranks,
+      [&](int rank, exec::Communicator& comm) {
+        std::vector<VerifyReport> all = one_rank(rank, comm);
+        if (rank == 0) merged = merge_rank_reports(all);
+      },
+      options);
   if (!result.ok()) {
     const exec::RankStatus& failed = result.ranks[static_cast<size_t>(result.failing_rank)];
     throw exec::RankFailed(result.failing_rank, result.exit_code, failed.message);

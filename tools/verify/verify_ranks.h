@@ -22,6 +22,9 @@ using RankComponentRun = void (*)(const VerifyContext&, VerifyReport&);
 // on rank 0 (with threads, it is the one returned). A failing rank: threads throw
 // exec::RankFailed naming the first failing rank with its exit code; under MPI the failing rank
 // aborts the job with its exit code (executor/comm/README.md, "Failure protocol").
+// How long a thread rank waits at a collective for a peer before the run fails naming it.
+constexpr double kVerifyPeerTimeoutSeconds = 900.0;
+
 VerifyReport run_component_on_ranks(RankComponentRun run, const VerifyInputs& in, const ScaledConfig& scaled,
                                     const PredictionAdjust& adjust, int ranks, exec::Communicator* world);
 

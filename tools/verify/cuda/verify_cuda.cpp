@@ -111,7 +111,7 @@ void verify_vocab_ring_cuda(const VerifyContext& ctx, int64_t R, VerifyReport& r
   cuda::DeviceAllocator::Options options = allocator_options(in);
   options.capacity_bytes /= R;  // each rank's share of the free memory
   exec::ThreadsOptions threads;
-  threads.peer_timeout_s = 600.0;  // a hop waits for every rank's blocks on the shared GPU
+  threads.peer_timeout_s = kVerifyPeerTimeoutSeconds;  // a hop waits for every rank's blocks on the shared GPU
   std::vector<VerifyReport> per_rank(static_cast<size_t>(R));
   std::vector<double> seconds(static_cast<size_t>(R), 0.0);
   double mean_loss = 0.0;
