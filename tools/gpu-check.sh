@@ -40,6 +40,11 @@
 #      (<card>.calibrated.json) and logs.tar.gz (every log and the verify JSON); the table is also
 #      at the end of the command's output.
 #
+# Time: the whole script stays within FLATPEAK_GPU_CHECK_BUDGET seconds (default 540, so that one
+# 600 s device command always ends with its summary): every stage's limit is cut to what is left,
+# and a stage with nothing left is a "skipped: budget spent" row. Each row is also appended to
+# $OUT/rows-so-far.txt as it is made, so a run killed from outside still brings its rows back.
+#
 # Exit status: 0 every check ran and passed; 1 a check failed (or the build did); 2 it could not
 # start (no nvcc or cmake, configure failed); 77 it built and nothing failed, but no CUDA device
 # was seen, so every GPU row is skipped.
@@ -64,9 +69,23 @@ summary=()  # rows "name|result|seconds|detail"
 failures=0
 device_seen=unknown  # yes / no, from device_query_test
 
+budget_s="${FLATPEAK_GPU_CHECK_BUDGET:-540}"
+
 note() { echo "gpu-check: $*"; }
 elapsed() { echo $(( $(date +%s) - start_s )); }
-add_row() { summary+=("$1|$2|$3|$4"); case "$2" in FAIL*) failures=$((failures + 1)) ;; esac; }
+# A stage's time limit: `wanted` seconds, or what is left of the budget (less 20 s for the summary
+# and the copy to $OUT) when that is less; 0 when nothing is left.
+limit_for() {  # limit_for WANTED_SECONDS
+  local left=$(( budget_s - $(elapsed) - 20 ))
+  [ "$left" -lt 5 ] && { echo 0; return; }
+  [ "$left" -lt "$1" ] && echo "$left" || echo "$1"
+}
+add_row() {
+  summary+=("$1|$2|$3|$4")
+  case "$2" in FAIL*) failures=$((failures + 1)) ;; esac
+  if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then echo "$1 | $2 | $3 s | $4" >>"$OUT/rows-so-far.txt"; fi
+}
+budget_row() { add_row "$1" skipped 0 "not run: the script's $budget_s s budget was spent (FLATPEAK_GPU_CHECK_BUDGET)"; }
 
 print_summary() {
   local device
@@ -104,6 +123,9 @@ finish() {  # finish [forced status]
   if [ "$device_seen" = no ]; then exit 77; fi
   exit 0
 }
+
+# Stopped from outside (SIGTERM, ^C): the rows so far still make a summary and reach $OUT.
+trap 'add_row "gpu-check" FAIL "$(elapsed)" "stopped by a signal after $(elapsed) s"; finish 1' TERM INT
 
 if [ ! -x "$nvcc" ]; then note "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"; exit 2; fi
 # CMake and ninja may be the Python packages' (cmake, ninja) without their folder on PATH.
@@ -175,9 +197,10 @@ fi
 grep '^-- flatpeak:' "$logs/configure.log" | sed 's/^-- /  /'
 # flatpeak_cuda_tests: every CUDA test, flatpeak_calibrate and cuda_techniques (tests/CMakeLists.txt).
 t0=$(date +%s)
-if ! cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
+build_limit=$(limit_for 100000)
+if ! timeout "$build_limit" cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
   grep -B2 -A12 -m3 'error' "$logs/build.log" | head -60
-  add_row "build (sm_$arch)" FAIL "$(( $(date +%s) - t0 ))" "$logs/build.log"
+  add_row "build (sm_$arch)" FAIL "$(( $(date +%s) - t0 ))" "$logs/build.log (the budget left $build_limit s)"
   finish 1
 fi
 cuda_tests=()
@@ -194,15 +217,17 @@ for name in "${cuda_tests[@]}"; do
     esac
     continue
   fi
+  limit=$(limit_for 120)
+  if [ "$limit" -eq 0 ]; then budget_row "$name"; continue; fi
   t0=$(date +%s)
-  timeout 120 "$bin" >"$logs/$name.log" 2>&1
+  timeout "$limit" "$bin" >"$logs/$name.log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
   checks=$(grep -E '^[0-9]+ of [0-9]+ checks failed' "$logs/$name.log" | tail -1)
   case $rc in
     0) add_row "$name" ok "$seconds" "$checks" ;;
     77) add_row "$name" skipped "$seconds" "$(head -1 "$logs/$name.log")" ;;
-    124) add_row "$name" FAIL "$seconds" "timed out after 120 s" ;;
+    124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; ${checks:-$(tail -1 "$logs/$name.log")}" ;;
   esac
   if [ "$name" = device_query_test ]; then
@@ -224,8 +249,14 @@ t0=$(date +%s)
 rm -f "$build_dir/calibration.json" "$build_dir"/*.calibrated.json
 flatpeak="$build_dir/tools/flatpeak"
 verify_gpu=H200
-timeout 60 "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
-rc=$?
+calibrate_limit=$(limit_for 60)
+if [ "$calibrate_limit" -gt 0 ]; then
+  timeout "$calibrate_limit" "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
+  rc=$?
+else
+  echo "not run: budget spent" >"$logs/calibrate.log"
+  rc=125
+fi
 if [ $rc -eq 0 ]; then
   overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$build_dir/calibration.json")
   source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
@@ -267,8 +298,10 @@ else
   rm -f "$build_dir/calibration.json"
   if grep -q "no CUDA device" "$logs/calibrate.log"; then
     add_row "calibrate overhead" skipped "$(( $(date +%s) - t0 ))" "no CUDA device (the tool built)"
+  elif [ $rc -eq 125 ]; then
+    budget_row "calibrate overhead"
   elif [ $rc -eq 124 ]; then
-    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after 60 s"
+    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after $calibrate_limit s"
   else
     add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
   fi
@@ -313,8 +346,11 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
     add_row "$name" skipped 0 "not run: the verify stage's $verify_stage_limit s were spent"
     return
   fi
+  local limit
+  limit=$(limit_for "$verify_limit")
+  if [ "$limit" -eq 0 ]; then budget_row "$name"; return; fi
   t0=$(date +%s)
-  timeout "$verify_limit" "$flatpeak" verify "$plan" --component "$component" --backend cuda --scale "$scale" --format json \
+  timeout "$limit" "$flatpeak" verify "$plan" --component "$component" --backend cuda --scale "$scale" --format json \
     >"$logs/$stem.json" 2>"$logs/$stem.err"
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
@@ -334,7 +370,7 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
        else
          add_row "$name" "FAIL: input" "$seconds" "exit 2; $err"
        fi ;;
-    124) add_row "$name" FAIL "$seconds" "timed out after $verify_limit s" ;;
+    124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; $err" ;;
   esac
 }
@@ -363,13 +399,18 @@ done
 # ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
 # Its own time limit keeps the script under 5 minutes; rows printed before a timeout are kept.
 t0=$(date +%s)
-tech_limit="${FLATPEAK_TECHNIQUES_TIMEOUT:-150}"
+tech_limit=$(limit_for "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}")
 tech_log="$logs/cuda_techniques.log"
 # FLATPEAK_TECHNIQUES_ARGS: the flags, e.g. "--only vocab --big 262144" (default: every section
 # but dispatch-ep, which runs below under its own limit).
-# shellcheck disable=SC2086
-timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload} >"$tech_log" 2>&1
-rc=$?
+if [ "$tech_limit" -gt 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload} >"$tech_log" 2>&1
+  rc=$?
+else
+  echo "not run: budget spent" >"$tech_log"
+  rc=125
+fi
 seconds=$(( $(date +%s) - t0 ))
 # Figure rows as printed; a failed section also ends the run with exit 1, counted once below.
 while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$tech_log")
@@ -377,23 +418,30 @@ case $rc in
   0) add_row "technique benchmarks" ok "$seconds" "figures above; full output: $tech_log" ;;
   77) add_row "technique benchmarks" skipped "$seconds" "$(head -1 "$tech_log")" ;;
   124) add_row "technique benchmarks" FAIL "$seconds" "timed out after $tech_limit s (rows above: the figures printed before)" ;;
+  125) budget_row "technique benchmarks" ;;
   *) add_row "technique benchmarks" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)" ;;
 esac
 grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
 
 # ---- dispatch at EP = 4 on the one GPU (cuda_techniques --only dispatch-ep) --------------------
 t0=$(date +%s)
-ep_limit="${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}"
+ep_limit=$(limit_for "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}")
 ep_log="$logs/cuda_techniques_dispatch_ep.log"
-# shellcheck disable=SC2086
-timeout "$ep_limit" "$build_dir/tools/cuda_techniques" --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-} >"$ep_log" 2>&1
-rc=$?
+if [ "$ep_limit" -gt 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "$ep_limit" "$build_dir/tools/cuda_techniques" --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-} >"$ep_log" 2>&1
+  rc=$?
+else
+  echo "not run: budget spent" >"$ep_log"
+  rc=125
+fi
 seconds=$(( $(date +%s) - t0 ))
 while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$ep_log")
 case $rc in
   0) add_row "dispatch EP=4 benchmark" ok "$seconds" "figures above; full output: $ep_log" ;;
   77) add_row "dispatch EP=4 benchmark" skipped "$seconds" "$(head -1 "$ep_log")" ;;
   124) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "timed out after $ep_limit s (rows above: the figures printed before)" ;;
+  125) budget_row "dispatch EP=4 benchmark" ;;
   *) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$ep_log" | tail -1)" ;;
 esac
 grep -v '^summary|' "$ep_log" | sed 's/^/  [cuda_techniques dispatch-ep] /'
