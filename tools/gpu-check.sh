@@ -198,6 +198,7 @@ grep '^-- flatpeak:' "$logs/configure.log" | sed 's/^-- /  /'
 # flatpeak_cuda_tests: every CUDA test, flatpeak_calibrate and cuda_techniques (tests/CMakeLists.txt).
 t0=$(date +%s)
 build_limit=$(limit_for 100000)
+if [ "$build_limit" -eq 0 ]; then budget_row "build (sm_$arch)"; finish 1; fi  # `timeout 0` would not limit it
 if ! timeout "$build_limit" cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
   grep -B2 -A12 -m3 'error' "$logs/build.log" | head -60
   add_row "build (sm_$arch)" FAIL "$(( $(date +%s) - t0 ))" "$logs/build.log (the budget left $build_limit s)"
@@ -397,53 +398,38 @@ for entry in "${verify_plans[@]}"; do
 done
 
 # ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
-# Its own time limit keeps the script under 5 minutes; rows printed before a timeout are kept.
-t0=$(date +%s)
-tech_limit=$(limit_for "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}")
-tech_log="$logs/cuda_techniques.log"
-# FLATPEAK_TECHNIQUES_ARGS: the flags, e.g. "--only vocab --big 262144" (default: every section
-# but dispatch-ep, which runs below under its own limit).
-if [ "$tech_limit" -gt 0 ]; then
-  # shellcheck disable=SC2086
-  timeout "$tech_limit" "$build_dir/tools/cuda_techniques" ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload} >"$tech_log" 2>&1
+# Each run under its own time limit (cut to the budget); figure rows printed before a timeout are
+# kept. A failed section also ends cuda_techniques with exit 1, counted once in the stage's row.
+benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TECHNIQUES_ARGS...
+  local name="$1" log="$logs/$2" tag="${2%.log}" limit rc seconds t0 c r d
+  limit=$(limit_for "$3")
+  shift 3
+  if [ "$limit" -eq 0 ]; then budget_row "$name"; return; fi
+  t0=$(date +%s)
+  timeout "$limit" "$build_dir/tools/cuda_techniques" "$@" >"$log" 2>&1
   rc=$?
-else
-  echo "not run: budget spent" >"$tech_log"
-  rc=125
-fi
-seconds=$(( $(date +%s) - t0 ))
-# Figure rows as printed; a failed section also ends the run with exit 1, counted once below.
-while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$tech_log")
-case $rc in
-  0) add_row "technique benchmarks" ok "$seconds" "figures above; full output: $tech_log" ;;
-  77) add_row "technique benchmarks" skipped "$seconds" "$(head -1 "$tech_log")" ;;
-  124) add_row "technique benchmarks" FAIL "$seconds" "timed out after $tech_limit s (rows above: the figures printed before)" ;;
-  125) budget_row "technique benchmarks" ;;
-  *) add_row "technique benchmarks" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$tech_log" | tail -1)" ;;
-esac
-grep -v '^summary|' "$tech_log" | sed 's/^/  [cuda_techniques] /'
+  seconds=$(( $(date +%s) - t0 ))
+  while IFS='|' read -r _ c r d; do
+    summary+=("$c|$r|-|$d")
+    if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then echo "$c | $r | - | $d" >>"$OUT/rows-so-far.txt"; fi
+  done < <(grep '^summary|' "$log")
+  case $rc in
+    0) add_row "$name" ok "$seconds" "figures above; full output: $log" ;;
+    77) add_row "$name" skipped "$seconds" "$(head -1 "$log")" ;;
+    124) add_row "$name" FAIL "$seconds" "timed out after $limit s (rows above: the figures printed before)" ;;
+    *) add_row "$name" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$log" | tail -1)" ;;
+  esac
+  grep -v '^summary|' "$log" | sed "s/^/  [$tag] /"
+}
 
-# ---- dispatch at EP = 4 on the one GPU (cuda_techniques --only dispatch-ep) --------------------
-t0=$(date +%s)
-ep_limit=$(limit_for "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}")
-ep_log="$logs/cuda_techniques_dispatch_ep.log"
-if [ "$ep_limit" -gt 0 ]; then
-  # shellcheck disable=SC2086
-  timeout "$ep_limit" "$build_dir/tools/cuda_techniques" --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-} >"$ep_log" 2>&1
-  rc=$?
-else
-  echo "not run: budget spent" >"$ep_log"
-  rc=125
-fi
-seconds=$(( $(date +%s) - t0 ))
-while IFS='|' read -r _ c r d; do summary+=("$c|$r|-|$d"); done < <(grep '^summary|' "$ep_log")
-case $rc in
-  0) add_row "dispatch EP=4 benchmark" ok "$seconds" "figures above; full output: $ep_log" ;;
-  77) add_row "dispatch EP=4 benchmark" skipped "$seconds" "$(head -1 "$ep_log")" ;;
-  124) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "timed out after $ep_limit s (rows above: the figures printed before)" ;;
-  125) budget_row "dispatch EP=4 benchmark" ;;
-  *) add_row "dispatch EP=4 benchmark" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$ep_log" | tail -1)" ;;
-esac
-grep -v '^summary|' "$ep_log" | sed 's/^/  [cuda_techniques dispatch-ep] /'
+# FLATPEAK_TECHNIQUES_ARGS: the flags, e.g. "--only vocab --big 262144" (default: every section
+# but dispatch-ep, which runs next under its own limit, so the sections here keep their time).
+# shellcheck disable=SC2086
+benchmark_stage "technique benchmarks" cuda_techniques.log "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}" \
+  ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload}
+# Dispatch at EP = 4 on the one GPU: PipelinedLLEP against uncapped EP, per-rank peaks.
+# shellcheck disable=SC2086
+benchmark_stage "dispatch EP=4 benchmark" cuda_techniques_dispatch_ep.log "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}" \
+  --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-}
 
 finish
