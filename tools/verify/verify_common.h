@@ -121,10 +121,30 @@ int64_t dispatch_peak(const nlohmann::ordered_json& timeline);
 // phase it stands for, and a "peak" row; returns (predicted, measured) peaks.
 std::pair<int64_t, int64_t> compare_dispatch(const nlohmann::ordered_json& predicted, const exec::TrackingAllocator& alloc,
                                              VerifyReport& report);
+// The same against phase records (another backend's allocator).
+std::pair<int64_t, int64_t> compare_dispatch(const nlohmann::ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
+                                             VerifyReport& report);
 // The first MoE layer of the scaled model (-1: none).
 int64_t first_moe_layer(const VerifyInputs& in, const ScaledConfig& s);
 // `model` becomes an in-memory routing file holding `counts` ([EP][E], one layer).
 std::shared_ptr<RoutingFile> realised_routing(const CountMatrix& counts, int64_t ep, int64_t experts, RoutingModel& model);
+
+// The multi-rank run's set-up and per-rank rows (verify_dispatch_ranks.cpp), shared with the
+// cuda backend (one EP group's ranks on one GPU).
+struct DispatchRanksSetup {
+  bool runs = false;                    // false: nothing to run (a dense model or layers); `note` says why
+  std::string note;                     // also: EP = 1 with a rank-level routing model, run balanced
+  DispatchKnobs knobs;
+  RoutingModel plan_routing;            // the plan's routing model, validated on {EP, E, k}
+  exec::DispatchScheduleConfig config;  // the scaled layer on EP = s.ep ranks; outputs off; `replica` set
+};
+// The set-up of EP group `replica` (InputError for bad knobs, or a routing model invalid at EP).
+DispatchRanksSetup dispatch_ranks_setup(const VerifyContext& ctx, int64_t replica);
+// One EP rank's rows from its run (`got`, its allocator's `records`): every MoE phase against the
+// prediction on the realised routing, a peak row, and (capped, EP > 1) a "bound" row against the
+// prediction on the plan's routing model; the trace; on the `lead` rank the notes.
+void dispatch_rank_report(const VerifyContext& ctx, const DispatchRanksSetup& setup, const exec::DispatchScheduleResult& got,
+                          const std::vector<exec::PhaseRecord>& records, bool lead, VerifyReport& report);
 
 // The step (verify_step_full.cpp), shared by its one-rank and multi-rank runs.
 struct StepSetup {

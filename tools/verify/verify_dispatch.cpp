@@ -15,6 +15,7 @@
 #include <memory>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -157,9 +158,13 @@ int64_t dispatch_peak(const ordered_json& timeline) {
 }
 
 std::pair<int64_t, int64_t> compare_dispatch(const ordered_json& predicted, const exec::TrackingAllocator& alloc, VerifyReport& report) {
+  return compare_dispatch(predicted, alloc.phase_records(), report);
+}
+
+std::pair<int64_t, int64_t> compare_dispatch(const ordered_json& predicted, const std::vector<exec::PhaseRecord>& records,
+                                             VerifyReport& report) {
   // One row per MoE phase of the prediction (the layer index folded: every MoE layer has the
   // same routing), against the largest measured phase it stands for.
-  const auto records = alloc.phase_records();
   std::map<std::string, bool> seen;
   int64_t predicted_peak = 0, measured_peak = 0;
   for (const auto& phase : predicted["phases"]) {

@@ -1,11 +1,12 @@
-// verify on the CUDA backend (verify_cuda.h): the vocab and checkpoint components on one GPU (a
-// Ring-DTP ring of R ranks sharing it).
+// verify on the CUDA backend (verify_cuda.h): the vocab, checkpoint and dispatch components on one
+// GPU (a Ring-DTP ring of R ranks, or one EP group's EP ranks, sharing it).
 #include "verify_cuda.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -19,6 +20,7 @@
 #include "executor/cuda/cuda_raii.h"
 #include "executor/cuda/device_allocator.h"
 #include "executor/cuda/device_threads_comm.h"
+#include "executor/cuda/dispatch_ep_cuda.h"
 #include "executor/cuda/ring_dtp_schedule_cuda.h"
 #include "executor/cuda/vocab_schedule_cuda.h"
 #include "verify_common.h"
@@ -290,12 +292,96 @@ void verify_checkpoint_cuda(const VerifyContext& ctx, VerifyReport& report) {
   }
 }
 
+// The dispatch component: one MoE layer's forward, recompute and backward (standard EP, LLEP or
+// PipelinedLLEP, as the plan says) on the EP ranks of one EP group sharing device 0 (a
+// DeviceThreadsCommunicator each: its own stream and allocator), with the cpu backend's
+// configuration, routing draw and prediction: each rank's tracked `dispatch` bytes per MoE phase
+// against the planner's on the realised routing, merged as the CPU's ranks are (per phase the
+// rank that holds most), and PipelinedLLEP's "bound" row. Memory only (config.outputs off): the
+// values are checked against the CPU schedule by tests/cuda/dispatch_ep_cuda_test.cu. No
+// device-view row: EP pools share the device.
+void verify_dispatch_cuda(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const int64_t ep = std::max<int64_t>(1, s.ep);
+  // EP group 0 (replica 0), as the cpu backend's first group: every group runs the same layer on
+  // its own tokens and routing draw.
+  const DispatchRanksSetup setup = dispatch_ranks_setup(ctx, 0);
+  if (!setup.runs) {
+    report.notes.push_back(setup.note);
+    return;
+  }
+  const exec::DispatchScheduleConfig& config = setup.config;
+
+  // A rough per-rank lower bound, so a run far too large is refused by name before it starts: the
+  // predicted dispatch peak on the plan's routing, the native experts' bf16 weights [E/EP, 3F, H]
+  // and fp32 gradients, the router's [E, H] likewise, the layer input and upstream gradient
+  // [T, H] bf16, the cuBLAS workspace. A run that still does not fit stops at its rank's share of
+  // the free memory with exec::OutOfMemory (exit 4).
+  const int64_t local_experts = config.experts / ep;
+  const int64_t per_rank_bytes = dispatch_peak(predict_dispatch(ctx, setup.knobs, setup.plan_routing)) +
+                                 local_experts * 3 * config.ffn * config.hidden * (2 + 4) + config.experts * config.hidden * (2 + 4) +
+                                 2 * config.tokens * config.hidden * 2 + cuda::CublasContext::kDefaultWorkspaceBytes;
+  require_free(fmt::format("the dispatch component's {} EP ranks on one GPU", ep), ep * per_rank_bytes);
+
+  cuda::DeviceAllocator::Options options = allocator_options(in);
+  options.capacity_bytes /= ep;  // each rank's share of the free memory
+  exec::ThreadsOptions threads;
+  threads.peer_timeout_s = kVerifyPeerTimeoutSeconds;  // a collective waits for every rank's kernels on the shared GPU
+  std::vector<VerifyReport> per_rank(static_cast<size_t>(ep));
+  std::vector<double> seconds(static_cast<size_t>(ep), 0.0);
+  // A rank out of device memory (or failed by the device) ends verify with exit 4, as one rank does.
+  std::vector<std::exception_ptr> backend_failure(static_cast<size_t>(ep));
+  const exec::RunResult run = cuda::run_ranks_on_device(
+      static_cast<int>(ep), 0,
+      [&](int rank, exec::Communicator& base) {
+        auto& comm = static_cast<cuda::DeviceThreadsCommunicator&>(base);
+        try {
+          const cuda::CublasContext blas(comm.allocator(), comm.stream());
+          const std::vector<int32_t> ids = exec::draw_dispatch_routing(config, ep, rank);  // [T, k]
+          const cuda::DispatchEpCudaResult got = cuda::run_dispatch_ep_cuda(comm, comm.allocator(), blas, config, ids);
+          VerifyReport& mine = per_rank[static_cast<size_t>(rank)];
+          dispatch_rank_report(ctx, setup, got.plan, comm.allocator().phase_records(), rank == 0, mine);
+          for (auto& row : mine.rows) row.rank = rank;
+          seconds[static_cast<size_t>(rank)] = got.seconds;
+        } catch (const exec::OutOfMemory&) {
+          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
+          throw;
+        } catch (const cuda::BackendError&) {
+          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
+          throw;
+        }
+      },
+      threads, options);
+  if (!run.ok()) {
+    if (const std::exception_ptr& e = backend_failure[static_cast<size_t>(run.failing_rank)]) std::rethrow_exception(e);
+    throw exec::RankFailed(run.failing_rank, run.exit_code, run.ranks[static_cast<size_t>(run.failing_rank)].message);
+  }
+  VerifyReport merged = merge_rank_reports(per_rank);
+  report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
+  report.measured_trace = merged.measured_trace;
+  report.ranks = std::max<int>(report.ranks, static_cast<int>(ep));
+  if (s.ranks > ep)
+    report.notes.push_back(fmt::format("dispatch: {} EP groups of {} ranks; one group run (group 0's tokens and routing draw), its {} "
+                                       "ranks sharing one GPU (rank 0's trace)",
+                                       s.ranks / ep, ep, ep));
+  else
+    report.notes.push_back(fmt::format("dispatch: {} EP rank{} sharing one GPU (rank 0's trace)", ep, ep == 1 ? "" : "s"));
+  report.notes.insert(report.notes.end(), merged.notes.begin(), merged.notes.end());
+  report.notes.push_back(fmt::format("dispatch: {:.3f} s on the GPU (the slowest rank; the ranks share the device's time)",
+                                     *std::max_element(seconds.begin(), seconds.end())));
+  report.notes.push_back("dispatch: memory only; the values (output, d_x, the weight gradients) are checked against the CPU schedule "
+                         "by tests/cuda/dispatch_ep_cuda_test.cu");
+  report.notes.push_back("dispatch: no device-view row (EP ranks' pools share one device; the card's overhead is one process's)");
+}
+
 using ComponentRun = void (*)(const VerifyContext&, VerifyReport&);
 struct CudaComponent {
   const char* name;
   ComponentRun run;
 };
-const CudaComponent kCudaComponents[] = {{"vocab", verify_vocab_cuda}, {"checkpoint", verify_checkpoint_cuda}};
+const CudaComponent kCudaComponents[] = {
+    {"vocab", verify_vocab_cuda}, {"checkpoint", verify_checkpoint_cuda}, {"dispatch", verify_dispatch_cuda}};
 
 std::string why(const InputError& e) {
   std::string text;
@@ -323,7 +409,9 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
     const bool has_twin = std::any_of(std::begin(kCudaComponents), std::end(kCudaComponents),
                                       [&](const CudaComponent& c) { return name == c.name; });
     if (has_twin) continue;
-    const std::string message = "the " + name + " component has no CUDA run yet (cuda runs: vocab, checkpoint); the cpu backend runs it";
+    std::string list;
+    for (const auto& c : kCudaComponents) list += (list.empty() ? "" : ", ") + std::string(c.name);
+    const std::string message = "the " + name + " component has no CUDA run yet (cuda runs: " + list + "); the cpu backend runs it";
     if (alone) throw UnsupportedPlan({Diagnostic{"", "--component", message, "run it with --backend cpu"}});
     report.notes.push_back(name + ": not run (" + message + ")");
   }
@@ -340,7 +428,8 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
   report.device = prop.name;
   if (scaled.ranks > 1)
     report.notes.push_back(fmt::format("ran one rank of {} on one GPU (every rank's vocab component is the same at R = 1, and a Ring-DTP "
-                                       "ring runs its R ranks sharing the GPU; the checkpoint stack is one rank's)",
+                                       "ring runs its R ranks sharing the GPU; the checkpoint stack is one rank's; the dispatch runs one "
+                                       "EP group's ranks sharing the GPU)",
                                        scaled.ranks));
 
   const VerifyContext ctx{in, scaled, adjust};
