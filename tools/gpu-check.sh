@@ -15,7 +15,7 @@
 #               card when there is one, so that the device view is judged), then
 #               `flatpeak verify PLAN --component C --backend cuda`, one row each: at --scale 1
 #               C from FLATPEAK_VERIFY_COMPONENTS (default vocab), at --scale auto from
-#               FLATPEAK_VERIFY_AUTO_COMPONENTS (default "vocab checkpoint") (FLATPEAK_VERIFY_TIMEOUT per run,
+#               FLATPEAK_VERIFY_AUTO_COMPONENTS (default "vocab checkpoint dispatch") (FLATPEAK_VERIFY_TIMEOUT per run,
 #               default 60 s; the stage starts no run after FLATPEAK_VERIFY_STAGE_TIMEOUT, 150 s)
 #   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, checkpoint, offload figures of issue
 #               7), its figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
@@ -322,9 +322,10 @@ verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calib
 )
 # --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's reference
 # attention kernel is O(T²) per layer and takes head dims up to 512, far from a 64K-token, 36-layer
-# run); --scale auto runs both components with a CUDA twin.
+# run); --scale auto runs every component with a CUDA twin (dispatch: the EP group's ranks share
+# the GPU).
 verify_components="${FLATPEAK_VERIFY_COMPONENTS:-vocab}"
-verify_auto_components="${FLATPEAK_VERIFY_AUTO_COMPONENTS:-vocab checkpoint}"
+verify_auto_components="${FLATPEAK_VERIFY_AUTO_COMPONENTS:-vocab checkpoint dispatch}"
 verify_limit="${FLATPEAK_VERIFY_TIMEOUT:-60}"
 verify_stage_limit="${FLATPEAK_VERIFY_STAGE_TIMEOUT:-150}"
 

@@ -3,9 +3,10 @@
 // forward), scaled by verify (T = 512, H = 64, V = 3142), passes with every phase row within 1 %
 // (the CUDA schedule holds the CPU schedule's buffers); so does the checkpoint component of the
 // baseline (kept), practice (offloaded in line) and flatpeak (SCO) plans, with the naive stack's
-// bits; a prediction raised by 2 % fails; the device-view row is judged only for a calibrated
-// overhead; a component without a CUDA run is refused when asked for alone. Exits 77 (skipped)
-// without a device.
+// bits; so does the dispatch component of the baseline (standard EP) and flatpeak (PipelinedLLEP)
+// plans at EP = 4, the 4 ranks sharing the device; a prediction raised by 2 % fails; the
+// device-view row is judged only for a calibrated overhead; a component without a CUDA run is
+// refused when asked for alone. Exits 77 (skipped) without a device.
 //   build/cuda/tests/verify_cuda_test
 #include <cmath>
 #include <cstdio>
@@ -107,6 +108,38 @@ void check_ring_plan(const std::string& name, const std::string& rotate, const s
   expect_true(name + "/dloss", r.max_abs_dloss < 1e-2, "|dloss| vs materialised " + std::to_string(r.max_abs_dloss));
 }
 
+// The dispatch at EP = 4 on 4 GPUs (--scale auto: 4 ranks, EP = 4): the 4 EP ranks share the
+// device; every rank's dispatch rows within 1 % (the largest rank per phase), a peak row, the
+// report passing with 4 ranks, and no device-view row (4 pools on one device).
+void check_dispatch_plan(const std::string& name, const std::string& schedule) {
+  std::vector<std::pair<std::string, std::string>> flags{
+      {"--gpus", "4"}, {"--ep", "4"}, {"--context", "64K"}, {"--schedule", schedule}};
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  const auto plan = nlohmann::json::parse(
+      planner::plan_to_json(planner::make_plan(load_model("gpt-oss-120b"), load_hardware("H200"), spec)).dump());
+  const VerifyInputs in = read_plan_inputs(plan, "plan.json");
+  const ScaledConfig s = scale_config(in, std::nullopt, 8);
+  expect_true(name + "/ep", s.ep == 4 && s.ranks == 4, "scaled EP " + std::to_string(s.ep) + ", ranks " + std::to_string(s.ranks));
+  const VerifyReport r = run_verification_cuda(in, s, {"dispatch"}, 0.03);
+  print_rows(r);
+  int phase_rows = 0;
+  bool peak = false, device_view = false;
+  double worst = 0.0;
+  for (const auto& row : r.rows) {
+    device_view = device_view || row.phase == "device view";
+    if (row.component != "dispatch" || row.phase == "bound") continue;  // bound: measured <= the plan's routing model's
+    if (row.phase == "peak") peak = true;
+    else ++phase_rows;
+    worst = std::fmax(worst, std::fabs(row.relative_error));
+  }
+  expect_true(name + "/rows", r.ranks == 4 && phase_rows >= 2 && peak && !device_view,
+              std::to_string(r.ranks) + " ranks, " + std::to_string(phase_rows) + " phase rows, a peak row, no device view");
+  expect_true(name + "/within-1%", worst <= 0.01, "worst phase row " + std::to_string(100.0 * worst) + " %");
+  expect_true(name + "/pass", r.pass, r.pass ? "pass" : "fail");
+}
+
 }  // namespace
 
 int main() {
@@ -124,6 +157,9 @@ int main() {
     check_plan("checkpoint-inline", gpt_oss_plan({{"--schedule", "practice"}}), "sync-offload", "checkpoint");
     check_plan("checkpoint-sco", gpt_oss_plan({{"--schedule", "flatpeak"}, {"--sco-layers", "18"}, {"--sco-prefetch", "1"}}), "sco",
                "checkpoint");
+
+    check_dispatch_plan("dispatch-ep4-baseline", "baseline");
+    check_dispatch_plan("dispatch-ep4-flatpeak", "flatpeak");
 
     // A prediction raised by 2 % must fail.
     const VerifyInputs in = gpt_oss_plan({{"--schedule", "flatpeak"}, {"--ring-size", "1"}});

@@ -251,7 +251,7 @@ Command make_verify_command() {
         sub.add_option("--max-ranks", o->max_ranks, "Most ranks to run; above it N and EP shrink keeping E/EP, k and N/EP")->default_str("8");
         sub.add_option("--component", o->component, "One component (default: every implemented component)");
         CLI::Option* tolerance = sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction; default 0.01 on cpu, 0.03 on cuda)");
-        sub.add_option("--backend", o->backend, "cpu (every component, N ranks) or cuda (the vocab component on one GPU)")->default_str("cpu");
+        sub.add_option("--backend", o->backend, "cpu (every component, N ranks) or cuda (the vocab, checkpoint and dispatch components on one GPU)")->default_str("cpu");
         sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here");
         add_format_option(sub, o->format);
         return [o, tolerance]() {
