@@ -40,6 +40,12 @@
 #      (<card>.calibrated.json) and logs.tar.gz (every log and the verify JSON); the table is also
 #      at the end of the command's output.
 #
+# Stages: FLATPEAK_GPU_CHECK_STAGES (default "tests calibrate verify techniques dispatch-ep") names
+# the stages after the build that run, so that a second command on the same machine (its build
+# folder kept, the build then a no-op) can run what the first one's budget left out, e.g.
+#   FLATPEAK_GPU_CHECK_STAGES="techniques dispatch-ep" bash tools/gpu-check.sh
+# Without the calibrate stage, verify uses the calibrated card an earlier run left in BUILD_DIR.
+#
 # Time: the whole script stays within FLATPEAK_GPU_CHECK_BUDGET seconds (default 540, so that one
 # 600 s device command always ends with its summary): every stage's limit is cut to what is left,
 # and a stage with nothing left is a "skipped: budget spent" row. Each row is also appended to
@@ -70,6 +76,9 @@ failures=0
 device_seen=unknown  # yes / no, from device_query_test
 
 budget_s="${FLATPEAK_GPU_CHECK_BUDGET:-540}"
+stages=" ${FLATPEAK_GPU_CHECK_STAGES:-tests calibrate verify techniques dispatch-ep} "
+stages="${stages//,/ }"
+stage_on() { case "$stages" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 note() { echo "gpu-check: $*"; }
 elapsed() { echo $(( $(date +%s) - start_s )); }
@@ -209,7 +218,14 @@ for src in tests/cuda/*_test.cu tests/cuda/*_test.cpp; do name=$(basename "$src"
 add_row "build (sm_$arch)" ok "$(( $(date +%s) - t0 ))" "flatpeak, ${#cuda_tests[@]} CUDA tests, flatpeak_calibrate, cuda_techniques"
 
 # ---- CUDA tests ------------------------------------------------------------------------------
-for name in "${cuda_tests[@]}"; do
+tests_to_run=()
+if stage_on tests; then
+  tests_to_run=("${cuda_tests[@]}")
+else  # whether a device is seen still decides between exit 0 and 77
+  timeout 60 "$build_dir/tests/device_query_test" >"$logs/device_query_test.log" 2>&1
+  case $? in 0) device_seen=yes ;; 77) device_seen=no ;; esac
+fi
+for name in ${tests_to_run[@]+"${tests_to_run[@]}"}; do
   bin="$build_dir/tests/$name"
   if [ ! -x "$bin" ]; then
     case "$name" in
@@ -246,26 +262,27 @@ done
 # A calibrated copy of the matching card (the card itself is left as it is), checked by loading it
 # with flatpeak; the verify plans below use it when it is the H200's, so that verify judges the
 # device's own view of a calibrated overhead.
-t0=$(date +%s)
-rm -f "$build_dir/calibration.json" "$build_dir"/*.calibrated.json
 flatpeak="$build_dir/tools/flatpeak"
 verify_gpu=H200
-calibrate_limit=$(limit_for 60)
-if [ "$calibrate_limit" -gt 0 ]; then
-  timeout "$calibrate_limit" "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
-  rc=$?
-else
-  echo "not run: budget spent" >"$logs/calibrate.log"
-  rc=125
-fi
-if [ $rc -eq 0 ]; then
-  overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$build_dir/calibration.json")
-  source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
-  detail="runtime_overhead_bytes $overhead by $source ($build_dir/calibration.json)"
-  gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
-  case "$gpu_name" in *H200*) card=models/hardware/H200.json ;; *H100*) card=models/hardware/H100-80GB.json ;; *) card="" ;; esac
-  calibrated="$build_dir/$(basename "$card" .json).calibrated.json"
-  if [ -n "$card" ] && python3 - "$card" "$build_dir/calibration.json" "$calibrated" 2>"$logs/calibrated-card.log" <<'PY'
+calibrate_stage() {
+  t0=$(date +%s)
+  rm -f "$build_dir/calibration.json" "$build_dir"/*.calibrated.json
+  calibrate_limit=$(limit_for 60)
+  if [ "$calibrate_limit" -gt 0 ]; then
+    timeout "$calibrate_limit" "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
+    rc=$?
+  else
+    echo "not run: budget spent" >"$logs/calibrate.log"
+    rc=125
+  fi
+  if [ $rc -eq 0 ]; then
+    overhead=$(sed -n 's/.*"runtime_overhead_bytes": \([0-9]*\).*/\1/p' "$build_dir/calibration.json")
+    source=$(sed -n 's/.*"overhead_source": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
+    detail="runtime_overhead_bytes $overhead by $source ($build_dir/calibration.json)"
+    gpu_name=$(sed -n 's/.*"device": "\(.*\)".*/\1/p' "$build_dir/calibration.json")
+    case "$gpu_name" in *H200*) card=models/hardware/H200.json ;; *H100*) card=models/hardware/H100-80GB.json ;; *) card="" ;; esac
+    calibrated="$build_dir/$(basename "$card" .json).calibrated.json"
+    if [ -n "$card" ] && python3 - "$card" "$build_dir/calibration.json" "$calibrated" 2>"$logs/calibrated-card.log" <<'PY'
 import json, sys
 card, cal = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 nccl = cal["nccl_bytes"] if cal["nccl_bytes"] is not None and cal["nccl_bytes"] > 0 else 0  # as the tool's total
@@ -280,32 +297,38 @@ card.setdefault("notes", {})["runtime_overhead_bytes"] = (
        cal["overhead_source"]))
 json.dump(card, open(sys.argv[3], "w"), indent=2)
 PY
-  then
-    "$flatpeak" plan --model gpt-oss-120b --gpu "$calibrated" --gpus 8 --context 64K >/dev/null 2>>"$logs/calibrated-card.log"
-    rc=$?
-    if [ $rc -eq 0 ] || [ $rc -eq 3 ]; then
-      detail="$detail; calibrated card: $calibrated"
-      case "$card" in *H200*) verify_gpu="$calibrated" ;; esac
-      add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail"
+    then
+      "$flatpeak" plan --model gpt-oss-120b --gpu "$calibrated" --gpus 8 --context 64K >/dev/null 2>>"$logs/calibrated-card.log"
+      rc=$?
+      if [ $rc -eq 0 ] || [ $rc -eq 3 ]; then
+        detail="$detail; calibrated card: $calibrated"
+        case "$card" in *H200*) verify_gpu="$calibrated" ;; esac
+        add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail"
+      else
+        add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; flatpeak rejects the calibrated card (exit $rc): $(tail -1 "$logs/calibrated-card.log")"
+      fi
+    elif [ -n "$card" ]; then
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; no calibrated card: $(tail -1 "$logs/calibrated-card.log")"
     else
-      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; flatpeak rejects the calibrated card (exit $rc): $(tail -1 "$logs/calibrated-card.log")"
+      add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail; no card for '$gpu_name'"
     fi
-  elif [ -n "$card" ]; then
-    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$detail; no calibrated card: $(tail -1 "$logs/calibrated-card.log")"
   else
-    add_row "calibrate overhead" ok "$(( $(date +%s) - t0 ))" "$detail; no card for '$gpu_name'"
+    rm -f "$build_dir/calibration.json"
+    if grep -q "no CUDA device" "$logs/calibrate.log"; then
+      add_row "calibrate overhead" skipped "$(( $(date +%s) - t0 ))" "no CUDA device (the tool built)"
+    elif [ $rc -eq 125 ]; then
+      budget_row "calibrate overhead"
+    elif [ $rc -eq 124 ]; then
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after $calibrate_limit s"
+    else
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
+    fi
   fi
-else
-  rm -f "$build_dir/calibration.json"
-  if grep -q "no CUDA device" "$logs/calibrate.log"; then
-    add_row "calibrate overhead" skipped "$(( $(date +%s) - t0 ))" "no CUDA device (the tool built)"
-  elif [ $rc -eq 125 ]; then
-    budget_row "calibrate overhead"
-  elif [ $rc -eq 124 ]; then
-    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after $calibrate_limit s"
-  else
-    add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
-  fi
+}
+if stage_on calibrate; then
+  calibrate_stage
+elif [ -f "$build_dir/H200.calibrated.json" ]; then
+  verify_gpu="$build_dir/H200.calibrated.json"  # an earlier run's
 fi
 
 # ---- verify: the vocab component on the GPU against the planner, for fixed plans ---------------
@@ -377,26 +400,28 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
   esac
 }
 
-verify_t0=$(date +%s)
-note "verify plans on --gpu $verify_gpu"
-for entry in "${verify_plans[@]}"; do
-  IFS='|' read -r plan_name plan_args <<<"$entry"
-  stem="verify-$(echo "$plan_name" | tr ' ' '-')"
-  t0=$(date +%s)
-  # shellcheck disable=SC2086
-  "$flatpeak" plan $plan_args --gpu "$verify_gpu" --format json >"$logs/$stem.plan.json" 2>"$logs/$stem.plan.err"
-  rc=$?
-  if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then  # 3: computed but does not fit; still a plan to verify
-    add_row "plan $plan_name" FAIL "$(( $(date +%s) - t0 ))" "flatpeak plan exit $rc; $(tail -1 "$logs/$stem.plan.err")"
-    continue
-  fi
-  for component in $verify_components; do
-    verify_row "verify $component $plan_name s=1" "$logs/$stem.plan.json" "$component" 1 "$stem-$component-scale1"
+if stage_on verify; then
+  verify_t0=$(date +%s)
+  note "verify plans on --gpu $verify_gpu"
+  for entry in "${verify_plans[@]}"; do
+    IFS='|' read -r plan_name plan_args <<<"$entry"
+    stem="verify-$(echo "$plan_name" | tr ' ' '-')"
+    t0=$(date +%s)
+    # shellcheck disable=SC2086
+    "$flatpeak" plan $plan_args --gpu "$verify_gpu" --format json >"$logs/$stem.plan.json" 2>"$logs/$stem.plan.err"
+    rc=$?
+    if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then  # 3: computed but does not fit; still a plan to verify
+      add_row "plan $plan_name" FAIL "$(( $(date +%s) - t0 ))" "flatpeak plan exit $rc; $(tail -1 "$logs/$stem.plan.err")"
+      continue
+    fi
+    for component in $verify_components; do
+      verify_row "verify $component $plan_name s=1" "$logs/$stem.plan.json" "$component" 1 "$stem-$component-scale1"
+    done
+    for component in $verify_auto_components; do
+      verify_row "verify $component $plan_name s=auto" "$logs/$stem.plan.json" "$component" auto "$stem-$component-auto"
+    done
   done
-  for component in $verify_auto_components; do
-    verify_row "verify $component $plan_name s=auto" "$logs/$stem.plan.json" "$component" auto "$stem-$component-auto"
-  done
-done
+fi
 
 # ---- technique benchmarks (tools/bench/cuda_techniques.cu): one row per figure it prints ------
 # Each run under its own time limit (cut to the budget); figure rows printed before a timeout are
@@ -426,11 +451,11 @@ benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TEC
 # FLATPEAK_TECHNIQUES_ARGS: the flags, e.g. "--only vocab --big 262144" (default: every section
 # but dispatch-ep, which runs next under its own limit, so the sections here keep their time).
 # shellcheck disable=SC2086
-benchmark_stage "technique benchmarks" cuda_techniques.log "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}" \
+stage_on techniques && benchmark_stage "technique benchmarks" cuda_techniques.log "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}" \
   ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload}
 # Dispatch at EP = 4 on the one GPU: PipelinedLLEP against uncapped EP, per-rank peaks.
 # shellcheck disable=SC2086
-benchmark_stage "dispatch EP=4 benchmark" cuda_techniques_dispatch_ep.log "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}" \
+stage_on dispatch-ep && benchmark_stage "dispatch EP=4 benchmark" cuda_techniques_dispatch_ep.log "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}" \
   --only dispatch-ep ${FLATPEAK_DISPATCH_EP_ARGS:-}
 
 finish
