@@ -29,16 +29,7 @@ using exec::cuda_detail::event_seconds;
 
 constexpr Category kVocab = Category::Vocab;
 
-// Blocks of logits are numbered per pass; each one is its own phase (traces/ grammar).
-struct PhaseCounter {
-  DeviceAllocator& alloc;
-  std::string prefix;  // "loss/fwd/blk" or "loss/bwd/blk"
-  int64_t next = 0;
-  void advance() {
-    const std::string name = prefix + std::to_string(next++);
-    if (name != alloc.phase()) alloc.set_phase(name);  // a phase set ahead is not opened twice
-  }
-};
+using PhaseCounter = exec::BlockPhaseCounter<DeviceAllocator>;
 
 // What every pass needs: the shape, the cuBLAS context (its stream runs everything) and the ring.
 struct Pass {

@@ -53,6 +53,19 @@ inline void check_ring_dtp(const Communicator& comm, const RingDtpConfig& c) {
                                 std::to_string(c.ring_size) + " shards of ceil(V/R) rows empty");
 }
 
+// Blocks of logits are numbered per pass; each one is its own phase (traces/ grammar). Allocator:
+// TrackingAllocator on the CPU, DeviceAllocator on the GPU (both have phase() and set_phase()).
+template <class Allocator>
+struct BlockPhaseCounter {
+  Allocator& alloc;
+  std::string prefix;  // "loss/fwd/blk" or "loss/bwd/blk"
+  int64_t next = 0;
+  void advance() {
+    const std::string name = prefix + std::to_string(next++);
+    if (name != alloc.phase()) alloc.set_phase(name);  // a phase set ahead is not opened twice
+  }
+};
+
 // The ring this rank belongs to: ranks [g·R, (g+1)·R) of the communicator. shift() sends to the
 // next position and receives from the previous one; a ring of one rank copies with `copy_bytes`
 // (memcpy on the host, a device-to-device copy on the GPU).

@@ -26,16 +26,7 @@ namespace {
 
 using Dims = RingDims;
 
-// Blocks of logits are numbered per pass; each one is its own phase (traces/ grammar).
-struct PhaseCounter {
-  TrackingAllocator& alloc;
-  std::string prefix;  // "loss/fwd/blk" or "loss/bwd/blk"
-  int64_t next = 0;
-  void advance() {
-    const std::string name = prefix + std::to_string(next++);
-    if (name != alloc.phase()) alloc.set_phase(name);  // a phase set ahead is not opened twice
-  }
-};
+using PhaseCounter = exec::BlockPhaseCounter<TrackingAllocator>;
 
 // The shard a token block meets: rows [first_row, first_row + rows) of W at `w`.
 struct ShardView {

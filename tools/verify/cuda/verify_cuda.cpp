@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <stdexcept>
@@ -92,6 +93,47 @@ cuda::DeviceAllocator::Options allocator_options(const VerifyInputs& in) {
   return options;
 }
 
+// Runs `rank_run` on `ranks` ranks sharing device 0 (a DeviceThreadsCommunicator each: its own
+// stream, and an allocator with the plan's alignment and an equal share of the free memory), each
+// rank filling its own report; the reports merged as the CPU's ranks are (per phase the rank that
+// holds most, rows tagged with their rank) go into `report`. A rank out of device memory or failed
+// by the device is rethrown as itself (exit 4, as on one rank); any other failure as
+// exec::RankFailed naming the rank.
+using SharedDeviceRankRun = std::function<void(int rank, cuda::DeviceThreadsCommunicator& comm, VerifyReport& mine)>;
+void run_ranks_sharing_device(const VerifyInputs& in, int64_t ranks, const SharedDeviceRankRun& rank_run, VerifyReport& report) {
+  cuda::DeviceAllocator::Options options = allocator_options(in);
+  options.capacity_bytes /= ranks;
+  exec::ThreadsOptions threads;
+  threads.peer_timeout_s = kVerifyPeerTimeoutSeconds;  // a collective waits for every rank's kernels on the shared GPU
+  std::vector<VerifyReport> per_rank(static_cast<size_t>(ranks));
+  std::vector<std::exception_ptr> backend_failure(static_cast<size_t>(ranks));
+  const exec::RunResult run = cuda::run_ranks_on_device(
+      static_cast<int>(ranks), 0,
+      [&](int rank, exec::Communicator& base) {
+        VerifyReport& mine = per_rank[static_cast<size_t>(rank)];
+        try {
+          rank_run(rank, static_cast<cuda::DeviceThreadsCommunicator&>(base), mine);
+        } catch (const exec::OutOfMemory&) {
+          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
+          throw;
+        } catch (const cuda::BackendError&) {
+          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
+          throw;
+        }
+        for (auto& row : mine.rows) row.rank = rank;
+      },
+      threads, options);
+  if (!run.ok()) {
+    if (const std::exception_ptr& e = backend_failure[static_cast<size_t>(run.failing_rank)]) std::rethrow_exception(e);
+    throw exec::RankFailed(run.failing_rank, run.exit_code, run.ranks[static_cast<size_t>(run.failing_rank)].message);
+  }
+  const VerifyReport merged = merge_rank_reports(per_rank);
+  report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
+  report.measured_trace = merged.measured_trace;
+  report.notes.insert(report.notes.end(), merged.notes.begin(), merged.notes.end());
+  report.ranks = std::max<int>(report.ranks, static_cast<int>(ranks));
+}
+
 // The vocab component with Ring-DTP on a ring of R > 1 ranks, sharing device 0 (a
 // DeviceThreadsCommunicator each: its own stream and allocator, hops by device-to-device copies),
 // each rank's tracked vocab bytes against the planner's prediction for that ring, merged as the
@@ -110,36 +152,22 @@ void verify_vocab_ring_cuda(const VerifyContext& ctx, int64_t R, VerifyReport& r
       cuda::ring_dtp_schedule_cuda_peak_bytes(config, in.alignment_bytes) + cuda::CublasContext::kDefaultWorkspaceBytes;
   require_free(fmt::format("the vocab component's ring of {} ranks on one GPU", R), R * per_rank_bytes);
 
-  cuda::DeviceAllocator::Options options = allocator_options(in);
-  options.capacity_bytes /= R;  // each rank's share of the free memory
-  exec::ThreadsOptions threads;
-  threads.peer_timeout_s = kVerifyPeerTimeoutSeconds;  // a hop waits for every rank's blocks on the shared GPU
-  std::vector<VerifyReport> per_rank(static_cast<size_t>(R));
   std::vector<double> seconds(static_cast<size_t>(R), 0.0);
   double mean_loss = 0.0;
-  const exec::RunResult run = cuda::run_ranks_on_device(
-      static_cast<int>(R), 0,
-      [&](int rank, exec::Communicator& base) {
-        auto& comm = static_cast<cuda::DeviceThreadsCommunicator&>(base);
+  run_ranks_sharing_device(
+      in, R,
+      [&](int rank, cuda::DeviceThreadsCommunicator& comm, VerifyReport& mine) {
         const cuda::CublasContext blas(comm.allocator(), comm.stream());
         const cuda::RingDtpCudaResult got = cuda::run_ring_dtp_schedule_cuda(comm, comm.allocator(), blas, config);
-        VerifyReport& mine = per_rank[static_cast<size_t>(rank)];
         const std::vector<exec::PhaseRecord> records = comm.allocator().phase_records();
         compare_category("vocab", "vocab", exec::MemorySpace::Device, setup.predicted, records, main_loss_phase, mine);
-        for (auto& row : mine.rows) row.rank = rank;
         if (rank == 0) {
           mean_loss = got.mean_loss;
           mine.measured_trace = measured_trace(records);
         }
         seconds[static_cast<size_t>(rank)] = got.seconds;
       },
-      threads, options);
-  if (!run.ok())
-    throw exec::RankFailed(run.failing_rank, run.exit_code, run.ranks[static_cast<size_t>(run.failing_rank)].message);
-  const VerifyReport merged = merge_rank_reports(per_rank);
-  report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
-  report.measured_trace = merged.measured_trace;
-  report.ranks = std::max<int>(report.ranks, static_cast<int>(R));
+      report);
   report.notes.push_back(setup.note + fmt::format(", one ring run: its {} ranks sharing one GPU (rank 0's trace)", R));
   report.notes.push_back(fmt::format("vocab: {:.3f} s on the GPU (the slowest rank; the ranks share the device's time)",
                                      *std::max_element(seconds.begin(), seconds.end())));
@@ -324,50 +352,23 @@ void verify_dispatch_cuda(const VerifyContext& ctx, VerifyReport& report) {
                                  2 * config.tokens * config.hidden * 2 + cuda::CublasContext::kDefaultWorkspaceBytes;
   require_free(fmt::format("the dispatch component's {} EP ranks on one GPU", ep), ep * per_rank_bytes);
 
-  cuda::DeviceAllocator::Options options = allocator_options(in);
-  options.capacity_bytes /= ep;  // each rank's share of the free memory
-  exec::ThreadsOptions threads;
-  threads.peer_timeout_s = kVerifyPeerTimeoutSeconds;  // a collective waits for every rank's kernels on the shared GPU
-  std::vector<VerifyReport> per_rank(static_cast<size_t>(ep));
   std::vector<double> seconds(static_cast<size_t>(ep), 0.0);
-  // A rank out of device memory (or failed by the device) ends verify with exit 4, as one rank does.
-  std::vector<std::exception_ptr> backend_failure(static_cast<size_t>(ep));
-  const exec::RunResult run = cuda::run_ranks_on_device(
-      static_cast<int>(ep), 0,
-      [&](int rank, exec::Communicator& base) {
-        auto& comm = static_cast<cuda::DeviceThreadsCommunicator&>(base);
-        try {
-          const cuda::CublasContext blas(comm.allocator(), comm.stream());
-          const std::vector<int32_t> ids = exec::draw_dispatch_routing(config, ep, rank);  // [T, k]
-          const cuda::DispatchEpCudaResult got = cuda::run_dispatch_ep_cuda(comm, comm.allocator(), blas, config, ids);
-          VerifyReport& mine = per_rank[static_cast<size_t>(rank)];
-          dispatch_rank_report(ctx, setup, got.plan, comm.allocator().phase_records(), rank == 0, mine);
-          for (auto& row : mine.rows) row.rank = rank;
-          seconds[static_cast<size_t>(rank)] = got.seconds;
-        } catch (const exec::OutOfMemory&) {
-          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
-          throw;
-        } catch (const cuda::BackendError&) {
-          backend_failure[static_cast<size_t>(rank)] = std::current_exception();
-          throw;
-        }
+  run_ranks_sharing_device(
+      in, ep,
+      [&](int rank, cuda::DeviceThreadsCommunicator& comm, VerifyReport& mine) {
+        const cuda::CublasContext blas(comm.allocator(), comm.stream());
+        const std::vector<int32_t> ids = exec::draw_dispatch_routing(config, ep, rank);  // [T, k]
+        const cuda::DispatchEpCudaResult got = cuda::run_dispatch_ep_cuda(comm, comm.allocator(), blas, config, ids);
+        dispatch_rank_report(ctx, setup, got.plan, comm.allocator().phase_records(), rank == 0, mine);
+        seconds[static_cast<size_t>(rank)] = got.seconds;
       },
-      threads, options);
-  if (!run.ok()) {
-    if (const std::exception_ptr& e = backend_failure[static_cast<size_t>(run.failing_rank)]) std::rethrow_exception(e);
-    throw exec::RankFailed(run.failing_rank, run.exit_code, run.ranks[static_cast<size_t>(run.failing_rank)].message);
-  }
-  VerifyReport merged = merge_rank_reports(per_rank);
-  report.rows.insert(report.rows.end(), merged.rows.begin(), merged.rows.end());
-  report.measured_trace = merged.measured_trace;
-  report.ranks = std::max<int>(report.ranks, static_cast<int>(ep));
+      report);
   if (s.ranks > ep)
     report.notes.push_back(fmt::format("dispatch: {} EP groups of {} ranks; one group run (group 0's tokens and routing draw), its {} "
                                        "ranks sharing one GPU (rank 0's trace)",
                                        s.ranks / ep, ep, ep));
   else
     report.notes.push_back(fmt::format("dispatch: {} EP rank{} sharing one GPU (rank 0's trace)", ep, ep == 1 ? "" : "s"));
-  report.notes.insert(report.notes.end(), merged.notes.begin(), merged.notes.end());
   report.notes.push_back(fmt::format("dispatch: {:.3f} s on the GPU (the slowest rank; the ranks share the device's time)",
                                      *std::max_element(seconds.begin(), seconds.end())));
   report.notes.push_back("dispatch: memory only; the values (output, d_x, the weight gradients) are checked against the CPU schedule "
