@@ -209,22 +209,23 @@ void ThreadsCommunicator::all_to_allv(const void* send, const int64_t* send_coun
   post.dtype = dtype;
   post_and_wait(post);
   const int64_t elem = dtype_bytes(dtype);
-  check_same_op("all_to_allv", -1, dtype);
-  for (int p = 0; p < size(); ++p) {
-    const ThreadsWorld::Post& src = world_.post(p);
-    const int64_t n = src.send_counts[rank_];
-    if (n != recv_counts[p]) {
-      throw CommError(rank_, "all_to_allv",
-                      "expects " + std::to_string(recv_counts[p]) + " elements from rank " +
-                          std::to_string(p) + ", which sends " + std::to_string(n));
+  world_.read_then_release(rank_, "all_to_allv", [&] {
+    check_same_op("all_to_allv", -1, dtype);
+    for (int p = 0; p < size(); ++p) {
+      const ThreadsWorld::Post& src = world_.post(p);
+      const int64_t n = src.send_counts[rank_];
+      if (n != recv_counts[p]) {
+        throw CommError(rank_, "all_to_allv",
+                        "expects " + std::to_string(recv_counts[p]) + " elements from rank " +
+                            std::to_string(p) + ", which sends " + std::to_string(n));
+      }
+      if (n > 0) {
+        std::memcpy(static_cast<char*>(recv) + recv_displs[p] * elem,
+                    static_cast<const char*>(src.send) + src.send_displs[rank_] * elem,
+                    static_cast<size_t>(n * elem));
+      }
     }
-    if (n > 0) {
-      std::memcpy(static_cast<char*>(recv) + recv_displs[p] * elem,
-                  static_cast<const char*>(src.send) + src.send_displs[rank_] * elem,
-                  static_cast<size_t>(n * elem));
-    }
-  }
-  world_.arrive(rank_, "all_to_allv (release)");
+  });
 }
 
 void ThreadsCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count,
@@ -236,18 +237,19 @@ void ThreadsCommunicator::sendrecv_shift(const void* send, void* recv, int64_t c
   post.dtype = dtype;
   post.shift = shift;
   post_and_wait(post);
-  check_same_op("sendrecv_shift", count, dtype);
-  const int n = size();
-  const int src = ((rank_ - shift) % n + n) % n;
-  if (world_.post(src).shift != shift) {
-    throw CommError(rank_, "sendrecv_shift", "rank " + std::to_string(src) + " shifts by " +
-                                                 std::to_string(world_.post(src).shift) +
-                                                 ", this rank by " + std::to_string(shift));
-  }
-  if (count > 0) {
-    std::memcpy(recv, world_.post(src).send, static_cast<size_t>(count * dtype_bytes(dtype)));
-  }
-  world_.arrive(rank_, "sendrecv_shift (release)");
+  world_.read_then_release(rank_, "sendrecv_shift", [&] {
+    check_same_op("sendrecv_shift", count, dtype);
+    const int n = size();
+    const int src = ((rank_ - shift) % n + n) % n;
+    if (world_.post(src).shift != shift) {
+      throw CommError(rank_, "sendrecv_shift", "rank " + std::to_string(src) + " shifts by " +
+                                                   std::to_string(world_.post(src).shift) +
+                                                   ", this rank by " + std::to_string(shift));
+    }
+    if (count > 0) {
+      std::memcpy(recv, world_.post(src).send, static_cast<size_t>(count * dtype_bytes(dtype)));
+    }
+  });
 }
 
 void ThreadsCommunicator::all_gather(const void* send, void* recv, int64_t count, DType dtype) {
@@ -257,15 +259,16 @@ void ThreadsCommunicator::all_gather(const void* send, void* recv, int64_t count
   post.count = count;
   post.dtype = dtype;
   post_and_wait(post);
-  check_same_op("all_gather", count, dtype);
-  const int64_t bytes = count * dtype_bytes(dtype);
-  for (int p = 0; p < size(); ++p) {
-    if (bytes > 0) {
-      std::memcpy(static_cast<char*>(recv) + p * bytes, world_.post(p).send,
-                  static_cast<size_t>(bytes));
+  world_.read_then_release(rank_, "all_gather", [&] {
+    check_same_op("all_gather", count, dtype);
+    const int64_t bytes = count * dtype_bytes(dtype);
+    for (int p = 0; p < size(); ++p) {
+      if (bytes > 0) {
+        std::memcpy(static_cast<char*>(recv) + p * bytes, world_.post(p).send,
+                    static_cast<size_t>(bytes));
+      }
     }
-  }
-  world_.arrive(rank_, "all_gather (release)");
+  });
 }
 
 void ThreadsCommunicator::reduce_scatter(const void* send, void* recv, int64_t count,
@@ -276,14 +279,15 @@ void ThreadsCommunicator::reduce_scatter(const void* send, void* recv, int64_t c
   post.count = count;
   post.dtype = dtype;
   post_and_wait(post);
-  check_same_op("reduce_scatter", count, dtype);
-  const int64_t bytes = count * dtype_bytes(dtype);
-  std::vector<const void*> parts(static_cast<size_t>(size()));
-  for (int p = 0; p < size(); ++p) {
-    parts[static_cast<size_t>(p)] = static_cast<const char*>(world_.post(p).send) + rank_ * bytes;
-  }
-  reduce_in_rank_order(parts, recv, count, dtype, ReduceOp::Sum);
-  world_.arrive(rank_, "reduce_scatter (release)");
+  world_.read_then_release(rank_, "reduce_scatter", [&] {
+    check_same_op("reduce_scatter", count, dtype);
+    const int64_t bytes = count * dtype_bytes(dtype);
+    std::vector<const void*> parts(static_cast<size_t>(size()));
+    for (int p = 0; p < size(); ++p) {
+      parts[static_cast<size_t>(p)] = static_cast<const char*>(world_.post(p).send) + rank_ * bytes;
+    }
+    reduce_in_rank_order(parts, recv, count, dtype, ReduceOp::Sum);
+  });
 }
 
 void ThreadsCommunicator::all_reduce(const void* send, void* recv, int64_t count, DType dtype,
@@ -295,13 +299,15 @@ void ThreadsCommunicator::all_reduce(const void* send, void* recv, int64_t count
   post.dtype = dtype;
   const std::string name = post.op;
   post_and_wait(post);
-  check_same_op(name, count, dtype);
   // Peers read this rank's send, which may be recv: reduce into a private buffer first.
-  std::vector<char> result(static_cast<size_t>(count * dtype_bytes(dtype)));
-  std::vector<const void*> parts(static_cast<size_t>(size()));
-  for (int p = 0; p < size(); ++p) parts[static_cast<size_t>(p)] = world_.post(p).send;
-  reduce_in_rank_order(parts, result.data(), count, dtype, op);
-  world_.arrive(rank_, name + " (release)");
+  std::vector<char> result;
+  world_.read_then_release(rank_, name, [&] {
+    check_same_op(name, count, dtype);
+    result.resize(static_cast<size_t>(count * dtype_bytes(dtype)));
+    std::vector<const void*> parts(static_cast<size_t>(size()));
+    for (int p = 0; p < size(); ++p) parts[static_cast<size_t>(p)] = world_.post(p).send;
+    reduce_in_rank_order(parts, result.data(), count, dtype, op);
+  });
   if (!result.empty()) std::memcpy(recv, result.data(), result.size());
 }
 
@@ -309,8 +315,8 @@ void ThreadsCommunicator::barrier() {
   ThreadsWorld::Post post;
   post.op = "barrier";
   post_and_wait(post);
-  check_same_op("barrier", -1, DType::F32);
-  world_.arrive(rank_, "barrier (release)");  // peers may still be reading the posts
+  // Peers may still be reading the posts.
+  world_.read_then_release(rank_, "barrier", [&] { check_same_op("barrier", -1, DType::F32); });
 }
 
 void ThreadsCommunicator::check_status(int exit_code, const std::string& message) {
@@ -319,18 +325,19 @@ void ThreadsCommunicator::check_status(int exit_code, const std::string& message
   post.status_code = exit_code;
   post.status_message = message;
   post_and_wait(post);
-  check_same_op("check_status", -1, DType::F32);
   int failing = -1;
-  for (int p = 0; p < size() && failing < 0; ++p) {
-    if (world_.post(p).status_code != 0) failing = p;
-  }
   int code = 0;
   std::string reason;
-  if (failing >= 0) {
-    code = world_.post(failing).status_code;
-    reason = world_.post(failing).status_message;
-  }
-  world_.arrive(rank_, "check_status (release)");
+  world_.read_then_release(rank_, "check_status", [&] {
+    check_same_op("check_status", -1, DType::F32);
+    for (int p = 0; p < size() && failing < 0; ++p) {
+      if (world_.post(p).status_code != 0) failing = p;
+    }
+    if (failing >= 0) {
+      code = world_.post(failing).status_code;
+      reason = world_.post(failing).status_message;
+    }
+  });
   if (failing >= 0) throw RankFailed(world_.world_rank(failing), code, reason);
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "executor/comm/communicator.h"
@@ -66,6 +67,34 @@ class ThreadsWorld {
   void arrive(int rank, Post post);
   // Waits for every rank without posting (the release barrier).
   void arrive(int rank, const std::string& op);
+  // The second half of a collective, after arrive(rank, post): runs `read` (this rank reading
+  // its peers' posts and buffers), then `settle` (work the reads queued must end: the CUDA
+  // communicator waits for its stream), then the release barrier. When `read` or `settle`
+  // throws, this rank still settles and waits at the release barrier before the error leaves:
+  // peers may be reading its send buffer, which the error's unwinding would free. A failure of
+  // the world met there is dropped; the rank's own error is the one that leaves.
+  template <class Read, class Settle>
+  void read_then_release(int rank, const std::string& op, Read&& read, Settle&& settle) {
+    try {
+      read();
+      settle();
+    } catch (...) {
+      try {
+        settle();
+      } catch (...) {
+      }
+      try {
+        arrive(rank, op + " (release)");
+      } catch (...) {
+      }
+      throw;
+    }
+    arrive(rank, op + " (release)");
+  }
+  template <class Read>
+  void read_then_release(int rank, const std::string& op, Read&& read) {
+    read_then_release(rank, op, std::forward<Read>(read), [] {});
+  }
   const Post& post(int rank) const { return posts_[static_cast<size_t>(rank)]; }
 
   // Collective over this world (Communicator::split): the sub-world of `rank`'s color, made by

@@ -64,11 +64,16 @@ DeviceThreadsCommunicator::~DeviceThreadsCommunicator() {
   }
 }
 
-void DeviceThreadsCommunicator::post_and_wait(exec::ThreadsWorld::Post post, int64_t count) {
+void DeviceThreadsCommunicator::post_and_wait(exec::ThreadsWorld::Post post) {
   FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const std::string op = post.op;
-  const exec::DType dtype = post.dtype;
   world_.arrive(rank_, std::move(post));
+}
+
+void DeviceThreadsCommunicator::check_same_op() const {
+  const exec::ThreadsWorld::Post& mine = world_.post(rank_);
+  const std::string& op = mine.op;
+  const int64_t count = mine.count;
+  const exec::DType dtype = mine.dtype;
   for (int p = 0; p < size(); ++p) {
     const auto& other = world_.post(p);
     if (other.op != op || other.count != count || other.dtype != dtype)
@@ -79,9 +84,15 @@ void DeviceThreadsCommunicator::post_and_wait(exec::ThreadsWorld::Post post, int
   }
 }
 
-void DeviceThreadsCommunicator::release(const std::string& op) {
-  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  world_.arrive(rank_, op + " (release)");
+template <class Read>
+void DeviceThreadsCommunicator::read_then_release(const std::string& op, Read&& read) {
+  world_.read_then_release(
+      rank_, op,
+      [&] {
+        check_same_op();
+        read();
+      },
+      [&] { FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_)); });
 }
 
 void DeviceThreadsCommunicator::reduce_staged(const void* staged, void* out, int64_t count, exec::DType dtype,
@@ -121,21 +132,22 @@ void DeviceThreadsCommunicator::all_to_allv(const void* send, const int64_t* sen
   post.send_displs = send_displs;
   post.count = -1;
   post.dtype = dtype;
-  post_and_wait(post, -1);
+  post_and_wait(post);
   const int64_t elem = exec::dtype_bytes(dtype);
-  for (int p = 0; p < size(); ++p) {
-    const auto& src = world_.post(p);
-    const int64_t n = src.send_counts[rank_];
-    if (n != recv_counts[p])
-      throw exec::CommError(rank_, "all_to_allv", "expects " + std::to_string(recv_counts[p]) +
-                                                      " elements from rank " + std::to_string(p) +
-                                                      ", which sends " + std::to_string(n));
-    if (n > 0)
-      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + recv_displs[p] * elem,
-                                          byte_ptr(src.send, src.send_displs[rank_], dtype),
-                                          static_cast<size_t>(n * elem), cudaMemcpyDeviceToDevice, stream_));
-  }
-  release("all_to_allv");
+  read_then_release("all_to_allv", [&] {
+    for (int p = 0; p < size(); ++p) {
+      const auto& src = world_.post(p);
+      const int64_t n = src.send_counts[rank_];
+      if (n != recv_counts[p])
+        throw exec::CommError(rank_, "all_to_allv", "expects " + std::to_string(recv_counts[p]) +
+                                                        " elements from rank " + std::to_string(p) +
+                                                        ", which sends " + std::to_string(n));
+      if (n > 0)
+        FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + recv_displs[p] * elem,
+                                            byte_ptr(src.send, src.send_displs[rank_], dtype),
+                                            static_cast<size_t>(n * elem), cudaMemcpyDeviceToDevice, stream_));
+    }
+  });
 }
 
 void DeviceThreadsCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count,
@@ -146,18 +158,19 @@ void DeviceThreadsCommunicator::sendrecv_shift(const void* send, void* recv, int
   post.count = count;
   post.dtype = dtype;
   post.shift = shift;
-  post_and_wait(post, count);
-  const int n = size();
-  const int src = ((rank_ - shift) % n + n) % n;
-  if (world_.post(src).shift != shift)
-    throw exec::CommError(rank_, "sendrecv_shift", "rank " + std::to_string(src) + " shifts by " +
-                                                       std::to_string(world_.post(src).shift) + ", this rank by " +
-                                                       std::to_string(shift));
-  if (count > 0)
-    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(recv, world_.post(src).send,
-                                        static_cast<size_t>(count * exec::dtype_bytes(dtype)),
-                                        cudaMemcpyDeviceToDevice, stream_));
-  release("sendrecv_shift");
+  post_and_wait(post);
+  read_then_release("sendrecv_shift", [&] {
+    const int n = size();
+    const int src = ((rank_ - shift) % n + n) % n;
+    if (world_.post(src).shift != shift)
+      throw exec::CommError(rank_, "sendrecv_shift", "rank " + std::to_string(src) + " shifts by " +
+                                                         std::to_string(world_.post(src).shift) +
+                                                         ", this rank by " + std::to_string(shift));
+    if (count > 0)
+      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(recv, world_.post(src).send,
+                                          static_cast<size_t>(count * exec::dtype_bytes(dtype)),
+                                          cudaMemcpyDeviceToDevice, stream_));
+  });
 }
 
 void DeviceThreadsCommunicator::all_gather(const void* send, void* recv, int64_t count, exec::DType dtype) {
@@ -166,12 +179,13 @@ void DeviceThreadsCommunicator::all_gather(const void* send, void* recv, int64_t
   post.send = send;
   post.count = count;
   post.dtype = dtype;
-  post_and_wait(post, count);
+  post_and_wait(post);
   const int64_t bytes = count * exec::dtype_bytes(dtype);
-  for (int p = 0; p < size() && bytes > 0; ++p)
-    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + p * bytes, world_.post(p).send,
-                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
-  release("all_gather");
+  read_then_release("all_gather", [&] {
+    for (int p = 0; p < size() && bytes > 0; ++p)
+      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + p * bytes, world_.post(p).send,
+                                          static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  });
 }
 
 void DeviceThreadsCommunicator::reduce_scatter(const void* send, void* recv, int64_t count, exec::DType dtype) {
@@ -180,14 +194,15 @@ void DeviceThreadsCommunicator::reduce_scatter(const void* send, void* recv, int
   post.send = send;
   post.count = count;
   post.dtype = dtype;
-  post_and_wait(post, count);
+  post_and_wait(post);
   const int64_t bytes = count * exec::dtype_bytes(dtype);
   DeviceBuffer staged(*allocator_, size() * bytes, exec::Category::Comm, stream_);
-  for (int p = 0; p < size() && bytes > 0; ++p)
-    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes,
-                                        static_cast<const char*>(world_.post(p).send) + rank_ * bytes,
-                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
-  release("reduce_scatter");
+  read_then_release("reduce_scatter", [&] {
+    for (int p = 0; p < size() && bytes > 0; ++p)
+      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes,
+                                          static_cast<const char*>(world_.post(p).send) + rank_ * bytes,
+                                          static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  });
   reduce_staged(staged.raw(), recv, count, dtype, exec::ReduceOp::Sum);
   FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -200,14 +215,15 @@ void DeviceThreadsCommunicator::all_reduce(const void* send, void* recv, int64_t
   post.count = count;
   post.dtype = dtype;
   const std::string name = post.op;
-  post_and_wait(post, count);
+  post_and_wait(post);
   const int64_t bytes = count * exec::dtype_bytes(dtype);
   DeviceBuffer staged(*allocator_, size() * bytes, exec::Category::Comm, stream_);
-  for (int p = 0; p < size() && bytes > 0; ++p)
-    FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes, world_.post(p).send,
-                                        static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
   // Peers read this rank's send, which may be recv: write recv only after every rank has copied.
-  release(name);
+  read_then_release(name, [&] {
+    for (int p = 0; p < size() && bytes > 0; ++p)
+      FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(staged.raw()) + p * bytes, world_.post(p).send,
+                                          static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
+  });
   reduce_staged(staged.raw(), recv, count, dtype, op);
   FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -215,8 +231,8 @@ void DeviceThreadsCommunicator::all_reduce(const void* send, void* recv, int64_t
 void DeviceThreadsCommunicator::barrier() {
   exec::ThreadsWorld::Post post;
   post.op = "barrier";
-  post_and_wait(post, 0);
-  release("barrier");
+  post_and_wait(post);
+  read_then_release("barrier", [] {});
 }
 
 void DeviceThreadsCommunicator::check_status(int exit_code, const std::string& message) {
@@ -224,17 +240,18 @@ void DeviceThreadsCommunicator::check_status(int exit_code, const std::string& m
   post.op = "check_status";
   post.status_code = exit_code;
   post.status_message = message;
-  post_and_wait(post, 0);
+  post_and_wait(post);
   int failing = -1;
-  for (int p = 0; p < size() && failing < 0; ++p)
-    if (world_.post(p).status_code != 0) failing = p;
   int code = 0;
   std::string reason;
-  if (failing >= 0) {
-    code = world_.post(failing).status_code;
-    reason = world_.post(failing).status_message;
-  }
-  release("check_status");
+  read_then_release("check_status", [&] {
+    for (int p = 0; p < size() && failing < 0; ++p)
+      if (world_.post(p).status_code != 0) failing = p;
+    if (failing >= 0) {
+      code = world_.post(failing).status_code;
+      reason = world_.post(failing).status_message;
+    }
+  });
   if (failing >= 0) throw exec::RankFailed(world_.world_rank(failing), code, reason);
 }
 

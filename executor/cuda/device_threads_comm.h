@@ -54,10 +54,16 @@ class DeviceThreadsCommunicator final : public exec::Communicator {
   void abort(int exit_code, const std::string& message) override;
 
  private:
-  // Waits for this rank's queued work, posts, waits for every rank, checks they agree.
-  void post_and_wait(exec::ThreadsWorld::Post post, int64_t count);
-  // Waits for this rank's copies, then for every rank (peers may reuse their buffers after).
-  void release(const std::string& op);
+  // Waits for this rank's queued work (its send buffer must be written), posts, waits for every rank.
+  void post_and_wait(exec::ThreadsWorld::Post post);
+  // Throws CommError when a rank posted another op, count or dtype than this one.
+  void check_same_op() const;
+  // check_same_op, then `read` (copies from peers' buffers on this rank's stream), then waits for
+  // the stream and for every rank, peers being free to reuse their buffers after; on an error,
+  // ThreadsWorld::read_then_release still waits for the stream and every rank before it leaves,
+  // so that no peer is copying from a buffer this rank's unwinding frees.
+  template <class Read>
+  void read_then_release(const std::string& op, Read&& read);
   // Reduces the n contributions staged at [n, count] into out, in rank order, on the stream.
   void reduce_staged(const void* staged, void* out, int64_t count, exec::DType dtype, exec::ReduceOp op);
 

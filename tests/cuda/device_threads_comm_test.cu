@@ -118,5 +118,42 @@ int main() {
     comm.barrier();
   });
   expect_equal("failure/rank", std::vector<int>{r.failing_rank}, std::vector<int>{2});
+  // Rank 0 rejects its all-to-allv right after the barrier (it expects an element from itself it
+  // does not send) while its peers copy 64 MiB each out of its send buffer: it must wait for their
+  // copies before its error frees that buffer (and its pool, with its communicator). Every peer
+  // receives its block intact, and the device has no sticky error after.
+  constexpr int64_t kBlock = int64_t{16} << 20;  // floats rank 0 sends each peer
+  std::vector<int> intact(kRanks, 0);
+  r = run_ranks_on_device(kRanks, 0, [&](int rank, Communicator& c) {
+    auto& comm = static_cast<DeviceThreadsCommunicator&>(c);
+    int64_t sc[kRanks] = {}, sd[kRanks] = {}, rc[kRanks] = {}, rd[kRanks] = {};
+    std::vector<float> ones(static_cast<size_t>(kBlock), 1.0f);
+    DeviceBuffer send(comm.allocator(), rank == 0 ? (kRanks - 1) * kBlock * 4 : 0, Category::Comm, comm.stream());
+    DeviceBuffer recv(comm.allocator(), rank == 0 ? 0 : kBlock * 4, Category::Comm, comm.stream());
+    if (rank == 0) {
+      for (int p = 1; p < kRanks; ++p) {
+        sc[p] = kBlock;
+        sd[p] = (p - 1) * kBlock;
+        FLATPEAK_CUDA_CHECK(cudaMemcpy(static_cast<float*>(send.raw()) + sd[p], ones.data(),
+                                       static_cast<size_t>(kBlock * 4), cudaMemcpyHostToDevice));
+      }
+      rc[0] = 1;  // the error
+    } else {
+      rc[0] = kBlock;
+    }
+    comm.all_to_allv(send.raw(), sc, sd, recv.raw(), rc, rd, DType::F32);
+    std::vector<float> got(static_cast<size_t>(kBlock));
+    FLATPEAK_CUDA_CHECK(cudaMemcpy(got.data(), recv.raw(), got.size() * 4, cudaMemcpyDeviceToHost));
+    intact[static_cast<size_t>(rank)] = got == ones ? 1 : 0;
+    comm.barrier();  // rank 0 has failed: RankFailed here
+  });
+  expect_equal("rejected counts/rank", std::vector<int>{r.failing_rank}, std::vector<int>{0});
+  if (r.message.find("expects 1 elements from rank 0, which sends 0") == std::string::npos) {
+    std::printf("FAIL rejected counts/message: %s\n", r.message.c_str());
+    return 1;
+  }
+  expect_equal("rejected counts/peers intact", std::vector<int>(intact.begin() + 1, intact.end()),
+               std::vector<int>(kRanks - 1, 1));
+  FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());  // no sticky error left by the failed run
   return finish();
 }

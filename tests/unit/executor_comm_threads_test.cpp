@@ -208,6 +208,50 @@ TEST(CommThreadsFailure, MismatchedCountsNameRankAndOperation) {
   EXPECT_NE(result.message.find("all_reduce(sum)"), std::string::npos) << result.message;
 }
 
+// Rank 0 rejects its all_to_allv (it expects an element from itself that it does not send) right
+// after the barrier, while its peers copy 16 MiB each out of its send buffer. Its error must not
+// free that buffer under them: it waits at the release barrier before the error leaves, so every
+// peer receives its block intact (a buffer this size is unmapped when freed: reading it after
+// would crash, and ASan reports it as a use after free).
+TEST(CommThreadsFailure, ARankRejectingItsCountsKeepsItsBufferUntilPeersHaveRead) {
+  constexpr int kRanks = 4;
+  constexpr int64_t kBlock = int64_t{4} << 20;  // floats rank 0 sends each peer
+  std::atomic<int> intact_blocks{0};
+  const RunResult result = run_ranks(kRanks, [&](int rank, Communicator& comm) {
+    std::vector<int64_t> send_counts(kRanks, 0), send_displs(kRanks, 0);
+    std::vector<int64_t> recv_counts(kRanks, 0), recv_displs(kRanks, 0);
+    std::vector<float> send;  // [3 · kBlock] on rank 0
+    std::vector<float> recv;  // [kBlock] on the peers
+    if (rank == 0) {
+      send.resize(static_cast<size_t>((kRanks - 1) * kBlock));
+      for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>(value(0, static_cast<int64_t>(i)));
+      for (int p = 1; p < kRanks; ++p) {
+        send_counts[static_cast<size_t>(p)] = kBlock;
+        send_displs[static_cast<size_t>(p)] = (p - 1) * kBlock;
+      }
+      recv_counts[0] = 1;  // rank 0 sends itself nothing: the error
+    } else {
+      recv.resize(static_cast<size_t>(kBlock));
+      recv_counts[0] = kBlock;
+    }
+    comm.all_to_allv(send.data(), send_counts.data(), send_displs.data(), recv.data(),
+                     recv_counts.data(), recv_displs.data(), DType::F32);
+    bool intact = true;
+    for (int64_t i = 0; i < kBlock; i += 4099) {
+      intact = intact && recv[static_cast<size_t>(i)] ==
+                             static_cast<float>(value(0, (rank - 1) * kBlock + i));
+    }
+    intact = intact && recv.back() == static_cast<float>(value(0, rank * kBlock - 1));
+    if (intact) ++intact_blocks;
+    comm.barrier();  // rank 0 has failed: RankFailed here
+  });
+  EXPECT_EQ(result.failing_rank, 0);
+  EXPECT_EQ(result.exit_code, kExitRuntimeError);
+  EXPECT_NE(result.message.find("expects 1 elements from rank 0, which sends 0"), std::string::npos)
+      << result.message;
+  EXPECT_EQ(intact_blocks.load(), kRanks - 1);
+}
+
 TEST(CommThreadsFailure, AbortStopsOthersWithItsCode) {
   const RunResult result = run_ranks(4, [&](int rank, Communicator& comm) {
     if (rank == 0) comm.abort(kExitInputError, "no such plan");
