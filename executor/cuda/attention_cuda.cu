@@ -5,7 +5,13 @@
 // The backward recomputes the probabilities from lse: dQ one block per (query row, head) over
 // its key tiles; dK, dV one block per (key row, kv head) over the query rows at or after it, for
 // every head of the group. Reference kernels, not fast ones (K and V are read once per row).
+// attention_forward_cuda / attention_backward_cuda pick the tensor-core kernels
+// (attention_tc_cuda.cu) where they apply (bf16, head_dim a multiple of 16 up to 128), else these;
+// both paths share the argument checks, the delta kernel and the workspace.
+#include <string>
+
 #include "executor/cpu/op_util.h"
+#include "executor/cuda/attention_tc_cuda.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/ops_cuda.h"
@@ -213,7 +219,36 @@ __global__ void attention_dkv_kernel(const T* q, const T* k, const T* v, const T
 
 }  // namespace
 
-void attention_forward_cuda(const AttentionArgs& a, cudaStream_t stream) {
+const char* attention_kernel_name(AttentionKernel kernel) {
+  switch (kernel) {
+    case AttentionKernel::Auto: return "auto";
+    case AttentionKernel::Reference: return "reference";
+    case AttentionKernel::TensorCore: return "tensor-core";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// True for the tensor-core kernels. Asking for them where they do not apply is an argument error
+// naming the rule and the values.
+bool use_tensor_cores(const AttentionArgs& a, AttentionKernel kernel) {
+  const bool applies = cuda_detail::attention_tc_applies(a);
+  if (kernel == AttentionKernel::TensorCore && !applies) {
+    fail("attention", std::string("the tensor-core kernel needs dtype bf16 and head_dim a multiple "
+                                  "of 16, at most 128 (got dtype ") +
+                          dtype_name(a.dtype) + ", head_dim " + std::to_string(a.head_dim) + ")");
+  }
+  return kernel == AttentionKernel::TensorCore || (kernel == AttentionKernel::Auto && applies);
+}
+
+float softmax_scale_of(const AttentionArgs& a) {
+  return a.softmax_scale != 0.0f ? a.softmax_scale : 1.0f / sqrtf(static_cast<float>(a.head_dim));
+}
+
+}  // namespace
+
+void attention_forward_cuda(const AttentionArgs& a, cudaStream_t stream, AttentionKernel kernel) {
   require(a.tokens >= 0 && a.q_heads > 0 && a.kv_heads > 0 && a.head_dim > 0, "attention",
           "tokens must be >= 0, heads and head_dim > 0");
   require(a.q_heads % a.kv_heads == 0, "attention", "q_heads must be a multiple of kv_heads");
@@ -222,9 +257,13 @@ void attention_forward_cuda(const AttentionArgs& a, cudaStream_t stream) {
           "head_dim must be <= 512 on CUDA");
   require(a.tokens <= 0x7fffffff && a.q_heads <= 65535, "attention",
           "tokens must be < 2^31 and q_heads <= 65535 on CUDA");
+  const bool tensor_cores = use_tensor_cores(a, kernel);
   if (a.tokens == 0) return;
-  const float scale = a.softmax_scale != 0.0f ? a.softmax_scale
-                                              : 1.0f / sqrtf(static_cast<float>(a.head_dim));
+  const float scale = softmax_scale_of(a);
+  if (tensor_cores) {
+    cuda_detail::attention_forward_tc(a, scale, stream);
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.q_heads));
   const size_t shared_bytes = static_cast<size_t>(a.head_dim + kAttentionThreads) * sizeof(float);
   dispatch_compute(a.dtype, "attention", [&](auto tag) {
@@ -240,7 +279,7 @@ int64_t attention_backward_workspace_bytes_cuda(const AttentionArgs& a) {
   return a.q_heads * a.tokens * 4;  // D [a, T] fp32
 }
 
-void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream) {
+void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream, AttentionKernel kernel) {
   require(a.tokens >= 0 && a.q_heads > 0 && a.kv_heads > 0 && a.head_dim > 0, "attention",
           "tokens must be >= 0, heads and head_dim > 0");
   require(a.q_heads % a.kv_heads == 0, "attention", "q_heads must be a multiple of kv_heads");
@@ -252,9 +291,9 @@ void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream) {
           "head_dim must be <= 512 on CUDA");
   require(a.tokens <= 0x7fffffff && a.q_heads <= 65535, "attention",
           "tokens must be < 2^31 and q_heads <= 65535 on CUDA");
+  const bool tensor_cores = use_tensor_cores(a, kernel);
   if (a.tokens == 0) return;
-  const float scale = a.softmax_scale != 0.0f ? a.softmax_scale
-                                              : 1.0f / sqrtf(static_cast<float>(a.head_dim));
+  const float scale = softmax_scale_of(a);
   float* delta = a.workspace;  // [a, T]
   dispatch_compute(a.dtype, "attention", [&](auto tag) {
     using T = decltype(tag);
@@ -266,6 +305,10 @@ void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream) {
                              stream>>>(static_cast<const T*>(a.out), d_out, delta, a.tokens,
                                        a.q_heads, a.head_dim);
     FLATPEAK_CUDA_CHECK_LAUNCH();
+    if (tensor_cores) {
+      cuda_detail::attention_backward_tc(a, delta, scale, stream);
+      return;
+    }
     const size_t dq_shared = static_cast<size_t>(2 * a.head_dim + kAttentionThreads) * sizeof(float);
     attention_dq_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.q_heads)),
                           kAttentionThreads, dq_shared, stream>>>(

@@ -86,12 +86,22 @@ int64_t expert_ffn_workspace_bytes_cuda(int64_t max_expert_rows, int64_t hidden,
 void expert_ffn_forward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasContext& blas);
 
-// Causal GQA attention: one block per (query row, head), key tiles of 128 with the shared
-// online-softmax rescale; out and lse [a, T] as on the CPU; head_dim <= 512; tile_rows unused.
-// The forward needs no workspace; the backward recomputes P from lse and needs
-// attention_backward_workspace_bytes_cuda() (D = rowsum(dO ⊙ O), [a, T] fp32).
-void attention_forward_cuda(const AttentionArgs& args, cudaStream_t stream);
+// Causal GQA attention; out and lse [a, T] as on the CPU; tile_rows unused. Two kernel sets:
+//   TensorCore: tiled flash attention on WMMA (attention_tc_cuda.cu): 64-row query and key tiles,
+//     bf16 operands with fp32 accumulation, P and dS rounded to bf16 as GEMM operands; needs dtype
+//     bf16 and head_dim a multiple of 16, at most 128.
+//   Reference: one block per (query row, head), key tiles of 128, fp32 dot products; any dtype,
+//     head_dim <= 512; O(T²) reads of K and V, slow at long T.
+// Auto takes TensorCore where it applies, else Reference; asking for TensorCore where it does not
+// apply throws std::invalid_argument. The forward needs no workspace; the backward recomputes P
+// from lse and needs attention_backward_workspace_bytes_cuda() (D = rowsum(dO ⊙ O), [a, T] fp32),
+// the same bytes for both kernel sets.
+enum class AttentionKernel { Auto, Reference, TensorCore };
+const char* attention_kernel_name(AttentionKernel kernel);
+void attention_forward_cuda(const AttentionArgs& args, cudaStream_t stream,
+                            AttentionKernel kernel = AttentionKernel::Auto);
 int64_t attention_backward_workspace_bytes_cuda(const AttentionArgs& args);
-void attention_backward_cuda(const AttentionArgs& args, cudaStream_t stream);
+void attention_backward_cuda(const AttentionArgs& args, cudaStream_t stream,
+                             AttentionKernel kernel = AttentionKernel::Auto);
 
 }  // namespace flatpeak::exec
