@@ -17,9 +17,9 @@
 #               C from FLATPEAK_VERIFY_COMPONENTS (default vocab), at --scale auto from
 #               FLATPEAK_VERIFY_AUTO_COMPONENTS (default "vocab checkpoint dispatch") (FLATPEAK_VERIFY_TIMEOUT per run,
 #               default 60 s; the stage starts no run after FLATPEAK_VERIFY_STAGE_TIMEOUT, 150 s)
-#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, checkpoint, offload figures of issue
+#   techniques  tools/bench/cuda_techniques.cu (vocab, dispatch, attention, checkpoint, offload figures of issue
 #               7), its figures as rows (FLATPEAK_TECHNIQUES_TIMEOUT, default 150 s;
-#               FLATPEAK_TECHNIQUES_ARGS replaces its default `--only vocab,dispatch,checkpoint,offload`)
+#               FLATPEAK_TECHNIQUES_ARGS replaces its default `--only vocab,dispatch,attention,checkpoint,offload`)
 #   dispatch-ep cuda_techniques --only dispatch-ep (4 EP ranks sharing the GPU, PipelinedLLEP vs
 #               uncapped EP per-rank peak), its own limit so the stage above keeps its time
 #               (FLATPEAK_DISPATCH_EP_TIMEOUT, default 120 s; FLATPEAK_DISPATCH_EP_ARGS adds flags)
@@ -452,7 +452,7 @@ benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TEC
 # but dispatch-ep, which runs next under its own limit, so the sections here keep their time).
 # shellcheck disable=SC2086
 stage_on techniques && benchmark_stage "technique benchmarks" cuda_techniques.log "${FLATPEAK_TECHNIQUES_TIMEOUT:-150}" \
-  ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,checkpoint,offload}
+  ${FLATPEAK_TECHNIQUES_ARGS:---only vocab,dispatch,attention,checkpoint,offload}
 # Dispatch at EP = 4 on the one GPU: PipelinedLLEP against uncapped EP, per-rank peaks.
 # shellcheck disable=SC2086
 stage_on dispatch-ep && benchmark_stage "dispatch EP=4 benchmark" cuda_techniques_dispatch_ep.log "${FLATPEAK_DISPATCH_EP_TIMEOUT:-120}" \

@@ -11,6 +11,9 @@
 //             gpt-oss-120b's H, F, E, k; T = 32K per rank), routing rho=2.5: uncapped standard EP
 //             vs PipelinedLLEP (striped capped rounds, LLA): the largest per-rank tracked peak of
 //             each, their ratio against issue 7's 0.41, the dispatch category's, and times.
+//   attention causal GQA attention at gpt-oss-120b's a = 64, g = 8, d = 64, bf16: the tensor-core
+//             kernels against the reference ones at T = 8192 (forward and backward time, TFLOP/s,
+//             speed-up, max difference of their outputs), then the tensor-core ones alone at 64K.
 //   checkpoint an 8-layer checkpointed stack (T = 4096, H = 2048): boundaries kept, offloaded by
 //             SCO (copy streams, prefetch 1) and offloaded in line on the compute stream: step
 //             time ratios against kept, the device boundary peaks, and SCO's bits against kept.
@@ -19,9 +22,9 @@
 //             backward (stream vs serial), CPU AdamW GB/s vs a STREAM copy on this machine.
 // Every figure is measured here; lines "summary|check|result|detail" feed tools/gpu-check.sh.
 // Exit: 0 done, 77 no CUDA device, 2 bad arguments, 1 a CUDA/cuBLAS or other runtime error.
-//   cuda_techniques [--only vocab,dispatch,dispatch-ep,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
+//   cuda_techniques [--only vocab,dispatch,dispatch-ep,attention,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
 //                   [--t-blk 8192] [--v-blk 16384] [--dispatch-tokens 32768] [--cap 16384] [--ep-tokens 32768] [--ep-cap 8192]
-//                   [--ep-min-rows 1024]
+//                   [--ep-min-rows 1024] [--attn-tokens 8192] [--attn-big 65536]
 //                   [--ckpt-tokens 4096] [--offload-params 1000000000] [--bucket 33554432] [--depth 2] [--threads N]
 #include <cuda_runtime.h>
 
@@ -49,7 +52,9 @@
 #include "executor/cuda/device_threads_comm.h"
 #include "executor/cuda/dispatch_ep_cuda.h"
 #include "executor/cuda/dispatch_schedule_cuda.h"
+#include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/offload_adamw_cuda.h"
+#include "executor/cuda/ops_cuda.h"
 #include "executor/cuda/pinned_arena.h"
 #include "executor/cuda/schedule_util_cuda.cuh"
 #include "executor/cuda/vocab_schedule_cuda.h"
@@ -71,7 +76,7 @@ constexpr int64_t kAlign = 256;
 constexpr int64_t kMarginBytes = int64_t{1} << 30;
 
 struct Options {
-  std::vector<std::string> only{"vocab", "dispatch", "dispatch-ep", "checkpoint", "offload"};
+  std::vector<std::string> only{"vocab", "dispatch", "dispatch-ep", "attention", "checkpoint", "offload"};
   int64_t vocab_tokens = 65536;
   std::vector<int64_t> big{262144, 1048576};
   int64_t hidden = 2880;      // gpt-oss-120b hidden_size (models/gpt-oss-120b.json)
@@ -88,9 +93,13 @@ struct Options {
   int64_t ep_tokens = 32768;
   int64_t ep_cap = 8192;
   int64_t ep_min_rows = 1024;  // LLA's m: with B ≈ 10.7K rows the launch-time pool is 1 expert
-  // The reference attention kernels grow with T² (about 1 s per layer's recompute and backward
-  // at T = 8192, estimated, not measured): at 8192 the section's six steps would take a minute
-  // or more of the 150 s budget gpu-check.sh gives the whole benchmark.
+  // attention: the reference kernels are timed at attn_tokens only (T², seconds at 8192); the
+  // tensor-core ones also at attn_big.
+  int64_t attn_tokens = 8192;
+  int64_t attn_big = 65536;
+  // The stack's attention (bf16, head dim 128) now runs the tensor-core kernels; T = 4096 is kept
+  // so that the figures compare with runs made when it ran the reference kernels, whose T² made
+  // 8192 too slow for the 150 s gpu-check.sh gives the whole benchmark (--ckpt-tokens raises it).
   int64_t ckpt_tokens = 4096;
   int64_t offload_params = 1000000000;
   int64_t bucket = int64_t{32} << 20;
@@ -123,8 +132,8 @@ Options parse(int argc, char** argv) {
     if (flag == "--only") {
       o.only = split(v);
       for (const std::string& s : o.only)
-        if (s != "vocab" && s != "dispatch" && s != "dispatch-ep" && s != "checkpoint" && s != "offload")
-          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, dispatch-ep, checkpoint, offload)");
+        if (s != "vocab" && s != "dispatch" && s != "dispatch-ep" && s != "attention" && s != "checkpoint" && s != "offload")
+          throw std::invalid_argument("--only: unknown section '" + s + "' (vocab, dispatch, dispatch-ep, attention, checkpoint, offload)");
     } else if (flag == "--big") {
       o.big.clear();
       for (const std::string& s : split(v)) o.big.push_back(parse_int(flag, s));
@@ -136,6 +145,8 @@ Options parse(int argc, char** argv) {
     else if (flag == "--ep-tokens") o.ep_tokens = parse_int(flag, v);
     else if (flag == "--ep-cap") o.ep_cap = parse_int(flag, v);
     else if (flag == "--ep-min-rows") o.ep_min_rows = parse_int(flag, v);
+    else if (flag == "--attn-tokens") o.attn_tokens = parse_int(flag, v);
+    else if (flag == "--attn-big") o.attn_big = parse_int(flag, v);
     else if (flag == "--ckpt-tokens") o.ckpt_tokens = parse_int(flag, v);
     else if (flag == "--offload-params") o.offload_params = parse_int(flag, v);
     else if (flag == "--bucket") o.bucket = parse_int(flag, v);
@@ -506,6 +517,191 @@ void dispatch_ep_section(const Options& o) {
   summary("dispatch EP=4 shared GPU rho=2.5", ratio <= 0.41 ? "PASS" : "FAIL", detail);
 }
 
+// ---- attention -------------------------------------------------------------------------------
+
+// Uniform in ±[0.05, 1] from a hash of (seed, index), as the tests' Rng draws: inputs written on
+// the device, no host copy of the 512 MiB tensors at 64K.
+__global__ void fill_uniform_bf16_kernel(Bf16* x, int64_t n, uint32_t seed) {
+  for (int64_t i = flatpeak::exec::cuda_detail::global_thread(); i < n;
+       i += flatpeak::exec::cuda_detail::grid_threads()) {
+    uint32_t h = static_cast<uint32_t>(i) ^ (static_cast<uint32_t>(i >> 32) * 0x9e3779b9u) ^ (seed * 0x85ebca6bu);
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    h *= 0x846ca68bu;
+    h ^= h >> 16;
+    const float magnitude = 0.05f + 0.95f * static_cast<float>(h & 0xffffffu) / 16777216.0f;
+    x[i] = flatpeak::exec::f32_to_bf16((h >> 31) != 0u ? -magnitude : magnitude);
+  }
+}
+
+// q, k, v, d_out filled; out, lse, d_q, d_k, d_v and the backward workspace allocated.
+struct AttentionBuffers {
+  DeviceBuffer q, k, v, out, lse, d_out, d_q, d_k, d_v, ws;
+  flatpeak::exec::AttentionArgs args;
+
+  static int64_t bytes(int64_t tokens, int64_t a, int64_t g, int64_t d) {
+    return 4 * tokens * a * d * 2 + 4 * tokens * g * d * 2 + 2 * a * tokens * 4;  // + lse, D [a, T]
+  }
+  AttentionBuffers(DeviceAllocator& alloc, cudaStream_t s, int64_t tokens, int64_t a, int64_t g, int64_t d) {
+    args.dtype = flatpeak::exec::DType::BF16;
+    args.tokens = tokens;
+    args.q_heads = a;
+    args.kv_heads = g;
+    args.head_dim = d;
+    const int64_t qo = tokens * a * d, kv = tokens * g * d;  // elements
+    q = DeviceBuffer(alloc, qo * 2, Category::Activations, s);       // [T, a, d] bf16
+    k = DeviceBuffer(alloc, kv * 2, Category::Activations, s);       // [T, g, d] bf16
+    v = DeviceBuffer(alloc, kv * 2, Category::Activations, s);       // [T, g, d] bf16
+    out = DeviceBuffer(alloc, qo * 2, Category::Activations, s);     // [T, a, d] bf16
+    lse = DeviceBuffer(alloc, a * tokens * 4, Category::Activations, s);  // [a, T] fp32
+    d_out = DeviceBuffer(alloc, qo * 2, Category::Activations, s);   // [T, a, d] bf16
+    d_q = DeviceBuffer(alloc, qo * 2, Category::Activations, s);     // [T, a, d] bf16
+    d_k = DeviceBuffer(alloc, kv * 2, Category::Activations, s);     // [T, g, d] bf16
+    d_v = DeviceBuffer(alloc, kv * 2, Category::Activations, s);     // [T, g, d] bf16
+    ws = DeviceBuffer(alloc, flatpeak::exec::attention_backward_workspace_bytes_cuda(args), Category::Activations, s);
+    const std::pair<DeviceBuffer*, int64_t> inputs[] = {{&q, qo}, {&k, kv}, {&v, kv}, {&d_out, qo}};
+    uint32_t seed = 71;
+    for (const auto& [buffer, n] : inputs) {
+      fill_uniform_bf16_kernel<<<flatpeak::exec::cuda_detail::grid_for(n), flatpeak::exec::cuda_detail::kThreads, 0, s>>>(
+          static_cast<Bf16*>(buffer->raw()), n, seed++);
+      FLATPEAK_CUDA_CHECK_LAUNCH();
+    }
+    args.q = q.raw();
+    args.k = k.raw();
+    args.v = v.raw();
+    args.out = out.raw();
+    args.lse = lse.as<float>();
+    args.d_out = d_out.raw();
+    args.d_q = d_q.raw();
+    args.d_k = d_k.raw();
+    args.d_v = d_v.raw();
+    args.workspace = ws.as<float>();
+  }
+};
+
+struct AttentionTimes {
+  double forward_s = 0, backward_s = 0;
+};
+
+// Mean over `reps` runs of forward then backward on `s`, each timed by CUDA events.
+AttentionTimes time_attention(const flatpeak::exec::AttentionArgs& a, flatpeak::exec::AttentionKernel kernel,
+                              cudaStream_t s, int reps) {
+  ScopedEvent t0, t1, t2;
+  AttentionTimes out;
+  for (int r = 0; r < reps; ++r) {
+    t0.record(s);
+    flatpeak::exec::attention_forward_cuda(a, s, kernel);
+    t1.record(s);
+    flatpeak::exec::attention_backward_cuda(a, s, kernel);
+    t2.record(s);
+    FLATPEAK_CUDA_CHECK(cudaEventSynchronize(t2.get()));
+    out.forward_s += event_seconds(t0.get(), t1.get()) / reps;
+    out.backward_s += event_seconds(t1.get(), t2.get()) / reps;
+  }
+  return out;
+}
+
+std::vector<float> download_bf16(const DeviceBuffer& b, cudaStream_t s) {
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<Bf16> raw(static_cast<size_t>(b.bytes() / 2));
+  FLATPEAK_CUDA_CHECK(cudaMemcpy(raw.data(), b.raw(), static_cast<size_t>(b.bytes()), cudaMemcpyDeviceToHost));
+  std::vector<float> out(raw.size());
+  for (size_t i = 0; i < raw.size(); ++i) out[i] = flatpeak::exec::to_f32(raw[i]);
+  return out;
+}
+
+// max |got − want| / max |want| (NaN when got has a NaN).
+double max_rel_diff(const std::vector<float>& got, const std::vector<float>& want) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double dv = std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
+    diff = std::isnan(dv) ? dv : std::max(diff, dv);
+    scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    if (std::isnan(diff)) break;
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+// FLOPs counted: forward 4·(T²/2)·a·d (Q·Kᵀ and P·V over the causal half); backward 2.5× that
+// (the usual convention: Q·Kᵀ recomputed, dO·Vᵀ, dV, dK, dQ; the kernels here do more, as the dQ
+// pass recomputes Q·Kᵀ and dO·Vᵀ, so the backward figure understates the work done).
+double attention_forward_flops(int64_t tokens, int64_t a, int64_t d) {
+  return 4.0 * 0.5 * static_cast<double>(tokens) * static_cast<double>(tokens) * static_cast<double>(a * d);
+}
+
+// Time (estimated, not measured, H200): the reference kernels at T = 8192 about 1-2 s for one
+// forward + backward; the tensor-core ones under 0.1 s there and a few seconds at 64K (forward
+// 35 TFLOP counted, backward 2.5x; at 20 TFLOP/s about 6 s); fills, downloads and the comparison
+// about 1 s: the section stays under ~15 s.
+void attention_section(const Options& o) {
+  using flatpeak::exec::AttentionKernel;
+  const int64_t a = 64, g = 8, d = 64;  // gpt-oss-120b: num_attention_heads, num_key_value_heads, head_dim
+  ScopedStream stream;
+  DeviceAllocator alloc({kAlign});
+  const cudaStream_t s = stream.get();
+  {  // warm-up at a small T: module loads and the shared-memory opt-in, outside the timings
+    AttentionBuffers small(alloc, s, 256, a, g, d);
+    (void)time_attention(small.args, AttentionKernel::TensorCore, s, 1);
+    (void)time_attention(small.args, AttentionKernel::Reference, s, 1);
+  }
+  const auto fits = [&](int64_t tokens, std::string& why) {
+    const int64_t need = AttentionBuffers::bytes(tokens, a, g, d);
+    const int64_t free_b = free_device_bytes();
+    if (need + kMarginBytes <= free_b) return true;
+    why = "skipped: needs " + gib(need) + " (+ " + gib(kMarginBytes) + " margin), " + gib(free_b) + " free";
+    return false;
+  };
+  const std::string dims = "a=64 g=8 d=64 bf16";
+  char detail[768];
+  std::string why;
+  const int64_t t1 = o.attn_tokens;
+  if (!fits(t1, why)) {
+    std::printf("attention T=%lld: %s\n", static_cast<long long>(t1), why.c_str());
+    summary("attention T=" + std::to_string(t1) + " tensor-core vs reference", "skipped", why);
+  } else {
+    AttentionBuffers b(alloc, s, t1, a, g, d);
+    (void)time_attention(b.args, AttentionKernel::TensorCore, s, 1);
+    const AttentionTimes tc = time_attention(b.args, AttentionKernel::TensorCore, s, 3);
+    const std::vector<float> tc_out = download_bf16(b.out, s), tc_dq = download_bf16(b.d_q, s);
+    const std::vector<float> tc_dk = download_bf16(b.d_k, s), tc_dv = download_bf16(b.d_v, s);
+    const AttentionTimes ref = time_attention(b.args, AttentionKernel::Reference, s, 1);
+    const double diff_out = max_rel_diff(tc_out, download_bf16(b.out, s));
+    const double diff_dq = max_rel_diff(tc_dq, download_bf16(b.d_q, s));
+    const double diff_dk = max_rel_diff(tc_dk, download_bf16(b.d_k, s));
+    const double diff_dv = max_rel_diff(tc_dv, download_bf16(b.d_v, s));
+    const double worst = std::max({diff_out, diff_dq, diff_dk, diff_dv});
+    const double f = attention_forward_flops(t1, a, d);
+    std::snprintf(detail, sizeof detail,
+                  "T=%lld %s: forward tensor-core %.2f ms (%.1f TFLOP/s) vs reference %.1f ms (%.2f TFLOP/s), %.1fx; "
+                  "backward tensor-core %.2f ms (%.1f TFLOP/s) vs reference %.1f ms (%.2f TFLOP/s), %.1fx; "
+                  "max |tc - ref| / max |ref|: out %.2g, d_q %.2g, d_k %.2g, d_v %.2g",
+                  static_cast<long long>(t1), dims.c_str(), 1e3 * tc.forward_s, f / tc.forward_s / 1e12,
+                  1e3 * ref.forward_s, f / ref.forward_s / 1e12, ref.forward_s / tc.forward_s, 1e3 * tc.backward_s,
+                  2.5 * f / tc.backward_s / 1e12, 1e3 * ref.backward_s, 2.5 * f / ref.backward_s / 1e12,
+                  ref.backward_s / tc.backward_s, diff_out, diff_dq, diff_dk, diff_dv);
+    std::printf("attention: %s\n", detail);
+    // bf16 outputs of two fp32-accumulating kernel sets: a few bf16 ulps apart, not 5 %.
+    summary("attention T=" + std::to_string(t1) + " tensor-core vs reference", worst <= 0.05 ? "measured" : "FAIL", detail);
+  }
+  const int64_t t2 = o.attn_big;
+  if (!fits(t2, why)) {
+    std::printf("attention T=%lld: %s\n", static_cast<long long>(t2), why.c_str());
+    summary("attention T=" + std::to_string(t2) + " tensor-core", "skipped", why);
+    return;
+  }
+  AttentionBuffers b(alloc, s, t2, a, g, d);
+  const AttentionTimes tc = time_attention(b.args, AttentionKernel::TensorCore, s, 1);
+  const double f = attention_forward_flops(t2, a, d);
+  std::snprintf(detail, sizeof detail,
+                "T=%lld %s: forward %.1f ms (%.1f TFLOP/s), backward %.1f ms (%.1f TFLOP/s counted as 2.5x forward); "
+                "reference not run (T^2)",
+                static_cast<long long>(t2), dims.c_str(), 1e3 * tc.forward_s, f / tc.forward_s / 1e12,
+                1e3 * tc.backward_s, 2.5 * f / tc.backward_s / 1e12);
+  std::printf("attention: %s\n", detail);
+  summary("attention T=" + std::to_string(t2) + " tensor-core", "measured", detail);
+}
+
 // ---- checkpoint ------------------------------------------------------------------------------
 
 struct CheckpointRun {
@@ -740,7 +936,8 @@ int main(int argc, char** argv) {
   // them too, each with its own message).
   int failed = 0;
   const std::pair<const char*, void (*)(const Options&)> sections[] = {
-      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"checkpoint", checkpoint_section}, {"offload", offload_section},
+      {"vocab", vocab_section}, {"dispatch", dispatch_section}, {"attention", attention_section},
+      {"checkpoint", checkpoint_section}, {"offload", offload_section},
       {"dispatch-ep", dispatch_ep_section}};
   for (const auto& [name, run] : sections) {
     if (!wanted(o, name)) continue;
