@@ -180,8 +180,8 @@ __device__ void accumulate_rows_times_tile(const bf16* p_rows, const bf16* b_til
   }
 }
 
-// Each row of a warp's 16 belongs to a lane pair: lane 2r and 2r+1 own row r, columns
-// [32·half, 32·half + 32) of the 64-wide score tiles and every other element of the d-wide rows.
+// Each row of a warp's 16 belongs to a lane pair: lanes 2r and 2r+1 own row r, and of each row
+// the elements c with c % 2 == half (interleaved, so the pair reads neighbouring banks).
 struct LaneRow {
   int64_t warp_row0;  // first tile row of the warp
   int64_t row;        // tile row of this lane
@@ -224,23 +224,22 @@ __global__ void __launch_bounds__(kTcThreads)
     __syncthreads();  // K, V (and Q, the zeroed O on the first tile) visible to every warp
     rows_times_tile_t(q_tile + lr.warp_row0 * ld, k_tile, ld, d, s_tile + lr.warp_row0 * kScoreLd);
     __syncwarp();
-    // Online softmax of row i over keys k0 + 32·half + c; a key is valid when j <= i and j < T
+    // Online softmax of row i over keys k0 + c; a key is valid when j <= i and j < T
     // (rows past T stay finite on zero queries and are never written). Key 0 is valid for every
     // row, so row_max is finite after the first tile.
-    const float* s_row = s_tile + lr.row * kScoreLd + lr.half * 32;
-    bf16* p_row = p_tile + lr.row * kProbLd + lr.half * 32;
-    const int64_t j_first = k0 + lr.half * 32;
+    const float* s_row = s_tile + lr.row * kScoreLd;
+    bf16* p_row = p_tile + lr.row * kProbLd;
     float block_max = -INFINITY;
-    for (int c = 0; c < 32; ++c) {
-      const int64_t j = j_first + c;
+    for (int c = lr.half; c < kTile; c += 2) {
+      const int64_t j = k0 + c;
       if (j <= i && j < tokens) block_max = fmaxf(block_max, scale * s_row[c]);
     }
     block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffffu, block_max, 1));
     const float new_max = fmaxf(row_max, block_max);
     const float rescale = online_softmax_rescale(row_max, new_max);
     float block_sum = 0.0f;
-    for (int c = 0; c < 32; ++c) {
-      const int64_t j = j_first + c;
+    for (int c = lr.half; c < kTile; c += 2) {
+      const int64_t j = k0 + c;
       const float p = (j <= i && j < tokens) ? expf(scale * s_row[c] - new_max) : 0.0f;
       p_row[c] = __float2bfloat16_rn(p);
       block_sum += p;  // the fp32 probability: lse is not touched by P's rounding
@@ -313,7 +312,7 @@ __global__ void __launch_bounds__(kTcThreads)
       const float* dp_row = dpt + lr.row * kScoreLd;
       bf16* p_row = pt + lr.row * kProbLd;
       bf16* ds_row = dst + lr.row * kProbLd;
-      for (int c = lr.half * 32; c < lr.half * 32 + 32; ++c) {
+      for (int c = lr.half; c < kTile; c += 2) {
         const int64_t i = i0 + c;
         // j <= i < T; a key row past T fails j <= i for every valid query row
         const float p = (i < tokens && j <= i) ? expf(scale * s_row[c] - lse_tile[c]) : 0.0f;
@@ -379,7 +378,7 @@ __global__ void __launch_bounds__(kTcThreads)
     const float* s_row = s_tile + lr.row * kScoreLd;
     const float* dp_row = dp_tile + lr.row * kScoreLd;
     bf16* ds_row = ds_tile + lr.row * kProbLd;
-    for (int c = lr.half * 32; c < lr.half * 32 + 32; ++c) {
+    for (int c = lr.half; c < kTile; c += 2) {
       const int64_t j = k0 + c;
       const float p = (i < tokens && j <= i) ? expf(scale * s_row[c] - lse_i) : 0.0f;
       ds_row[c] = __float2bfloat16_rn(p * (dp_row[c] - delta_i));

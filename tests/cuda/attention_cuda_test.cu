@@ -5,12 +5,15 @@
 //   T in {1, 15, 200, 1000} (none a multiple of the tile), against the CPU and against the
 //   reference CUDA kernels on the same inputs; and Auto at bf16 d = 32 (which takes them).
 // Tolerances: out, d_q, d_k, d_v within rel 1e-5 (+ 1e-5 of the largest magnitude) in f32 and
-// rel 1e-2 (+ 1e-3) in bf16 storage (the tensor-core path rounds P and dS to bf16 as GEMM
-// operands, about 2^-9 relative per term, well inside it); lse [a, T] fp32 within rel 1e-5
-// (+ 1e-5) for the reference kernels and rel 1e-4 (+ 1e-5) for the tensor-core ones (scores sum
-// exact bf16 products in fp32 in the tensor cores' order, not the CPU's; P's rounding does not
-// reach lse). At T = 1, d_q and d_k are zero in exact arithmetic (the one key has probability 1,
-// so dS = dP − D = 0): checked as |x| <= 1e-3, rounding noise only.
+// rel 1e-2 (+ 1e-3) in bf16 storage for the reference kernels; rel 1e-2 (+ 5e-3) for the
+// tensor-core ones, which round P and dS to bf16 (unit roundoff 2^-8) as GEMM operands: an
+// output's error is then bounded by 2^-8 · Σ|p·v| (Σ|dS·k| for the gradients), not by the result,
+// which cancels (Σ_j dS_ij = 0 exactly); an emulation of these kernels on the host, rounding as
+// they do, reached 3.0e-3 of the largest magnitude over these cases (d_q at T = 1000, d = 128).
+// lse [a, T] fp32 within rel 1e-5 (+ 1e-5) for the reference kernels and rel 1e-4 (+ 1e-5) for
+// the tensor-core ones (scores sum exact bf16 products in fp32 in the tensor cores' order, not
+// the CPU's; P's rounding does not reach lse). At T = 1, d_q and d_k are zero in exact arithmetic
+// (the one key has probability 1, so dS = dP − D = 0): checked as |x| <= 1e-3, rounding noise.
 // Also: asking for the tensor-core kernels where they do not apply is an argument error with
 // its exact text, and T = 0 queues nothing. Random non-zero inputs from a fixed seed; exit 77
 // (skipped) without a CUDA device.
@@ -31,6 +34,10 @@ using namespace flatpeak::cuda;
 using namespace flatpeak::cuda::test;
 
 namespace {
+
+// The tensor-core kernels' bounds (see the top of the file).
+constexpr Tol kTensorCoreTol{1e-2, 5e-3};
+constexpr Tol kTensorCoreLseTol{1e-4, 1e-5};
 
 struct Case {
   DType dtype = DType::BF16;
@@ -60,19 +67,19 @@ float max_abs(const std::vector<float>& x) {
   return m;
 }
 
-void compare(const std::string& name, const Outputs& got, const Outputs& want, DType dtype,
+void compare(const std::string& name, const Outputs& got, const Outputs& want, Tol tol,
              Tol lse_tol, int64_t tokens) {
-  expect_close(name + "/out", got.out, want.out, Tol::of(dtype));
+  expect_close(name + "/out", got.out, want.out, tol);
   expect_close(name + "/lse", got.lse, want.lse, lse_tol);
   if (tokens == 1) {
     const float dq = max_abs(got.d_q), dk = max_abs(got.d_k);
     expect_true(name + "/d_q", dq <= 1e-3f, "max |d_q| " + std::to_string(dq) + " (zero exactly)");
     expect_true(name + "/d_k", dk <= 1e-3f, "max |d_k| " + std::to_string(dk) + " (zero exactly)");
   } else {
-    expect_close(name + "/d_q", got.d_q, want.d_q, Tol::of(dtype));
-    expect_close(name + "/d_k", got.d_k, want.d_k, Tol::of(dtype));
+    expect_close(name + "/d_q", got.d_q, want.d_q, tol);
+    expect_close(name + "/d_k", got.d_k, want.d_k, tol);
   }
-  expect_close(name + "/d_v", got.d_v, want.d_v, Tol::of(dtype));
+  expect_close(name + "/d_v", got.d_v, want.d_v, tol);
 }
 
 // Runs the CPU op once and each kernel set on the device; every device run against the CPU,
@@ -145,9 +152,8 @@ void test_attention(DeviceAllocator& alloc, const Case& c,
                     download(g_dq, dtype).values(), download(g_dk, dtype).values(),
                     download(g_dv, dtype).values()});
     const bool tc = uses_tensor_cores(c, kernel);
-    const Tol lse_tol = tc ? Tol{1e-4, 1e-5} : Tol::f32();
-    compare(base + "/" + attention_kernel_name(kernel) + " vs cpu", runs.back(), cpu, dtype,
-            lse_tol, T);
+    compare(base + "/" + attention_kernel_name(kernel) + " vs cpu", runs.back(), cpu,
+            tc ? kTensorCoreTol : Tol::of(dtype), tc ? kTensorCoreLseTol : Tol::f32(), T);
 
     // T = 0 queues nothing and throws nothing, on the same (valid) pointers.
     ga.tokens = 0;
@@ -157,7 +163,7 @@ void test_attention(DeviceAllocator& alloc, const Case& c,
   if (runs.size() == 2) {
     compare(base + "/" + attention_kernel_name(kernels[0]) + " vs " +
                 attention_kernel_name(kernels[1]),
-            runs[0], runs[1], dtype, Tol{1e-4, 1e-5}, T);
+            runs[0], runs[1], kTensorCoreTol, kTensorCoreLseTol, T);
   }
 }
 
