@@ -343,10 +343,10 @@ verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calib
   "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
   "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
 )
-# --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's reference
-# attention kernel is O(T²) per layer and takes head dims up to 512, far from a 64K-token, 36-layer
-# run); --scale auto runs every component with a CUDA twin (dispatch: the EP group's ranks share
-# the GPU).
+# --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's attention
+# is O(T²) per layer even on the tensor-core kernels: a 64K-token, 36-layer step would take
+# minutes, estimated, beyond the verify limit); --scale auto runs every component with a CUDA twin
+# (dispatch: the EP group's ranks share the GPU).
 verify_components="${FLATPEAK_VERIFY_COMPONENTS:-vocab}"
 verify_auto_components="${FLATPEAK_VERIFY_AUTO_COMPONENTS:-vocab checkpoint dispatch}"
 verify_limit="${FLATPEAK_VERIFY_TIMEOUT:-60}"
