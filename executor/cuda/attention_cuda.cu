@@ -230,16 +230,28 @@ const char* attention_kernel_name(AttentionKernel kernel) {
 
 namespace {
 
-// True for the tensor-core kernels. Asking for them where they do not apply is an argument error
-// naming the rule and the values.
+// True for the tensor-core kernels. Asking for them where they do not apply (the arguments, or a
+// device whose per-block shared memory is smaller than their tiles) is an argument error naming
+// the rule and the values; Auto then takes the reference kernels.
 bool use_tensor_cores(const AttentionArgs& a, AttentionKernel kernel) {
+  if (kernel == AttentionKernel::Reference) return false;
   const bool applies = cuda_detail::attention_tc_applies(a);
   if (kernel == AttentionKernel::TensorCore && !applies) {
     fail("attention", std::string("the tensor-core kernel needs dtype bf16 and head_dim a multiple "
                                   "of 16, at most 128 (got dtype ") +
                           dtype_name(a.dtype) + ", head_dim " + std::to_string(a.head_dim) + ")");
   }
-  return kernel == AttentionKernel::TensorCore || (kernel == AttentionKernel::Auto && applies);
+  if (!applies) return false;
+  const int64_t need = cuda_detail::attention_tc_shared_bytes(a.head_dim);
+  const int64_t allowed = cuda_detail::device_shared_bytes_per_block_optin();
+  if (need <= allowed) return true;
+  if (kernel == AttentionKernel::TensorCore) {
+    fail("attention", "the tensor-core kernel needs " + std::to_string(need) +
+                          " bytes of shared memory per block at head_dim " +
+                          std::to_string(a.head_dim) + "; this device allows " +
+                          std::to_string(allowed));
+  }
+  return false;
 }
 
 float softmax_scale_of(const AttentionArgs& a) {

@@ -415,6 +415,20 @@ dim3 tile_grid(int64_t tokens, int64_t heads) {
 int64_t attention_forward_tc_shared_bytes(int64_t head_dim) { return ForwardSmem(head_dim).bytes; }
 int64_t attention_dkv_tc_shared_bytes(int64_t head_dim) { return DkvSmem(head_dim).bytes; }
 int64_t attention_dq_tc_shared_bytes(int64_t head_dim) { return DqSmem(head_dim).bytes; }
+int64_t attention_tc_shared_bytes(int64_t head_dim) {
+  const int64_t f = attention_forward_tc_shared_bytes(head_dim);
+  const int64_t kv = attention_dkv_tc_shared_bytes(head_dim);
+  const int64_t q = attention_dq_tc_shared_bytes(head_dim);
+  return f > kv ? (f > q ? f : q) : (kv > q ? kv : q);
+}
+
+int64_t device_shared_bytes_per_block_optin() {
+  int device = 0;
+  int bytes = 0;
+  FLATPEAK_CUDA_CHECK(cudaGetDevice(&device));
+  FLATPEAK_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return bytes;
+}
 
 void attention_forward_tc(const AttentionArgs& a, float scale, cudaStream_t stream) {
   const Bf16* q = static_cast<const Bf16*>(a.q);

@@ -30,5 +30,9 @@ void attention_backward_tc(const AttentionArgs& a, const float* delta, float sca
 int64_t attention_forward_tc_shared_bytes(int64_t head_dim);
 int64_t attention_dkv_tc_shared_bytes(int64_t head_dim);
 int64_t attention_dq_tc_shared_bytes(int64_t head_dim);
+// The largest of the three, and what the current device lets one block opt in to
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin: 227 KiB on H100/H200, 163 KiB on A100).
+int64_t attention_tc_shared_bytes(int64_t head_dim);
+int64_t device_shared_bytes_per_block_optin();
 
 }  // namespace flatpeak::exec::cuda_detail

@@ -57,7 +57,9 @@ bool uses_tensor_cores(const Case& c, AttentionKernel kernel) {
   a.dtype = c.dtype;
   a.head_dim = c.head_dim;
   return kernel == AttentionKernel::TensorCore ||
-         (kernel == AttentionKernel::Auto && cuda_detail::attention_tc_applies(a));
+         (kernel == AttentionKernel::Auto && cuda_detail::attention_tc_applies(a) &&
+          cuda_detail::attention_tc_shared_bytes(c.head_dim) <=
+              cuda_detail::device_shared_bytes_per_block_optin());
 }
 
 // Largest |x|: for outputs that are zero in exact arithmetic.
