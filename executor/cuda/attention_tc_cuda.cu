@@ -76,15 +76,14 @@ struct ForwardSmem {
 };
 
 struct DkvSmem {
-  int64_t k, v, q, d_o, st, dpt, pt, dst, dk, dv, lse, delta, bytes;
+  int64_t k, v, q, d_o, st, pt, dst, dk, dv, lse, delta, bytes;
   __host__ __device__ explicit DkvSmem(int64_t d) {
     Carve c;
     k = c.take(bf16_tile_bytes(d));    // [64 keys, d+8] bf16
     v = c.take(bf16_tile_bytes(d));    // [64 keys, d+8] bf16
     q = c.take(bf16_tile_bytes(d));    // [64 queries, d+8] bf16
     d_o = c.take(bf16_tile_bytes(d));  // [64 queries, d+8] bf16
-    st = c.take(kScoreBytes);          // [64 keys, 68] fp32 Sᵀ
-    dpt = c.take(kScoreBytes);         // [64 keys, 68] fp32 dPᵀ
+    st = c.take(kScoreBytes);          // [64 keys, 68] fp32 Sᵀ, then dPᵀ
     pt = c.take(kProbBytes);           // [64 keys, 72] bf16 Pᵀ
     dst = c.take(kProbBytes);          // [64 keys, 72] bf16 dSᵀ
     dk = c.take(f32_tile_bytes(d));    // [64 keys, d+4] fp32 dK (unscaled)
@@ -275,8 +274,7 @@ __global__ void __launch_bounds__(kTcThreads)
   bf16* v_tile = reinterpret_cast<bf16*>(smem + lay.v);     // [64 keys, d+8]
   bf16* q_tile = reinterpret_cast<bf16*>(smem + lay.q);     // [64 queries, d+8]
   bf16* do_tile = reinterpret_cast<bf16*>(smem + lay.d_o);  // [64 queries, d+8]
-  float* st = reinterpret_cast<float*>(smem + lay.st);      // [64 keys, 68] Sᵀ
-  float* dpt = reinterpret_cast<float*>(smem + lay.dpt);    // [64 keys, 68] dPᵀ
+  float* st = reinterpret_cast<float*>(smem + lay.st);      // [64 keys, 68] Sᵀ, then dPᵀ
   bf16* pt = reinterpret_cast<bf16*>(smem + lay.pt);        // [64 keys, 72] Pᵀ
   bf16* dst = reinterpret_cast<bf16*>(smem + lay.dst);      // [64 keys, 72] dSᵀ
   float* dk_acc = reinterpret_cast<float*>(smem + lay.dk);  // [64 keys, d+4]
@@ -305,19 +303,30 @@ __global__ void __launch_bounds__(kTcThreads)
         delta_tile[r] = in ? delta[h * tokens + i0 + r] : 0.0f;
       }
       __syncthreads();
-      rows_times_tile_t(k_tile + lr.warp_row0 * ld, q_tile, ld, d, st + lr.warp_row0 * kScoreLd);
-      rows_times_tile_t(v_tile + lr.warp_row0 * ld, do_tile, ld, d, dpt + lr.warp_row0 * kScoreLd);
-      __syncwarp();
-      const float* s_row = st + lr.row * kScoreLd;
-      const float* dp_row = dpt + lr.row * kScoreLd;
+      // Sᵀ and dPᵀ take turns in one fp32 tile (d = 64: 105.5 KiB, two blocks per SM); the
+      // lane's 32 fp32 probabilities wait in registers in between.
+      float* st_rows = st + lr.warp_row0 * kScoreLd;
+      const float* st_row = st + lr.row * kScoreLd;
       bf16* p_row = pt + lr.row * kProbLd;
       bf16* ds_row = dst + lr.row * kProbLd;
-      for (int c = lr.half; c < kTile; c += 2) {
+      rows_times_tile_t(k_tile + lr.warp_row0 * ld, q_tile, ld, d, st_rows);
+      __syncwarp();
+      float p[kTile / 2];
+#pragma unroll
+      for (int m = 0; m < kTile / 2; ++m) {
+        const int c = 2 * m + lr.half;
         const int64_t i = i0 + c;
         // j <= i < T; a key row past T fails j <= i for every valid query row
-        const float p = (i < tokens && j <= i) ? expf(scale * s_row[c] - lse_tile[c]) : 0.0f;
-        p_row[c] = __float2bfloat16_rn(p);
-        ds_row[c] = __float2bfloat16_rn(p * (dp_row[c] - delta_tile[c]));
+        p[m] = (i < tokens && j <= i) ? expf(scale * st_row[c] - lse_tile[c]) : 0.0f;
+        p_row[c] = __float2bfloat16_rn(p[m]);
+      }
+      __syncwarp();  // every lane has read its Sᵀ before dPᵀ overwrites it
+      rows_times_tile_t(v_tile + lr.warp_row0 * ld, do_tile, ld, d, st_rows);
+      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < kTile / 2; ++m) {
+        const int c = 2 * m + lr.half;
+        ds_row[c] = __float2bfloat16_rn(p[m] * (st_row[c] - delta_tile[c]));
       }
       __syncwarp();  // Pᵀ, dSᵀ visible to the whole warp's fragments
       accumulate_rows_times_tile(pt + lr.warp_row0 * kProbLd, do_tile, ld, d,

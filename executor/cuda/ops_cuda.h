@@ -93,7 +93,7 @@ void expert_ffn_backward_cuda(const ExpertFfnArgs& args, const cuda::CublasConte
 //   Reference: one block per (query row, head), key tiles of 128, fp32 dot products; any dtype,
 //     head_dim <= 512; O(T²) reads of K and V, slow at long T.
 // Auto takes TensorCore where it applies (and the device lets a block opt in to the shared memory
-// of its tiles: up to 186.5 KiB at d = 128), else Reference; asking for TensorCore where it does
+// of its tiles: up to 169.5 KiB at d = 128), else Reference; asking for TensorCore where it does
 // not apply throws std::invalid_argument. The forward needs no workspace; the backward recomputes P
 // from lse and needs attention_backward_workspace_bytes_cuda() (D = rowsum(dO ⊙ O), [a, T] fp32),
 // the same bytes for both kernel sets.
