@@ -8,8 +8,9 @@
 // rel 1e-2 (+ 1e-3) in bf16 storage for the reference kernels; rel 1e-2 (+ 5e-3) for the
 // tensor-core ones, which round P and dS to bf16 (unit roundoff 2^-8) as GEMM operands: an
 // output's error is then bounded by 2^-8 · Σ|p·v| (Σ|dS·k| for the gradients), not by the result,
-// which cancels (Σ_j dS_ij = 0 exactly); an emulation of these kernels on the host, rounding as
-// they do, reached 3.0e-3 of the largest magnitude over these cases (d_q at T = 1000, d = 128).
+// which cancels (Σ_j dS_ij = 0 exactly); the same kernels run on the host (the emulation of
+// tests/unit/executor_attention_tc_emulation_test.cpp, which rounds as they do) reached 3.0e-3 of
+// the largest magnitude over these cases (d_q at T = 1000, d = 128).
 // lse [a, T] fp32 within rel 1e-5 (+ 1e-5) for the reference kernels and rel 1e-4 (+ 1e-5) for
 // the tensor-core ones (scores sum exact bf16 products in fp32 in the tensor cores' order, not
 // the CPU's; P's rounding does not reach lse). At T = 1, d_q and d_k are zero in exact arithmetic
