@@ -190,11 +190,13 @@ TEST(AttentionTcEmulation, SharedMemoryPerKernel) {
   EXPECT_LE(tc::DkvSmem(128).bytes, 227 * 1024);  // H100/H200's per-block opt-in
 }
 
-// gpt-oss-like GQA (8 query heads over 2), T below one fragment, below one tile, past two tiles.
+// gpt-oss-like GQA (8 query heads over 2), T below one fragment, below one tile, past two tiles,
+// and exactly two tiles (no tail: the last key tile is the diagonal one, full).
 TEST(AttentionTcEmulation, HeadDim64) {
   run_case({1, 8, 2, 64, false});
   run_case({15, 8, 2, 64, true});
   run_case({130, 8, 2, 64, true});
+  run_case({128, 4, 2, 64, true});
 }
 
 TEST(AttentionTcEmulation, HeadDim128) { run_case({70, 4, 2, 128, false}); }
