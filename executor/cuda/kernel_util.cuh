@@ -1,9 +1,15 @@
 // Launch helpers and reductions shared by the kernels of executor/cuda (internal).
 //   const unsigned blocks = grid_for(n, 256);  kernel<<<blocks, 256, 0, stream>>>(...);
 //   float total = block_sum(partial, scratch);  // scratch: __shared__ float[32]
+// Kernels written in a .cuh with only these helpers (and dtype.h) also run on the host through
+// tests/unit/cuda_emulation.h (FLATPEAK_CUDA_EMULATION), which defines the CUDA names used here.
 #pragma once
 
+#ifndef FLATPEAK_CUDA_EMULATION
 #include <cuda_runtime.h>
+// Dynamic shared memory (the launch's third argument) as `type name[]`, 16-byte aligned.
+#define FLATPEAK_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+#endif
 
 #include <cmath>
 #include <cstdint>

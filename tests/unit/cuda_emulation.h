@@ -1,5 +1,6 @@
-// A host emulation of the CUDA features the tensor-core attention kernels use, so that their
-// source (executor/cuda/attention_tc_kernels.cuh) runs on a machine without a GPU:
+// A host emulation of the CUDA features the kernels of executor/cuda use, so that kernel source
+// kept in a .cuh (attention_tc_kernels.cuh, and any kernel written with only kernel_util.cuh's
+// helpers) runs on a machine without a GPU:
 //   #define FLATPEAK_CUDA_EMULATION
 //   #include "cuda_emulation.h"  then  #include "executor/cuda/attention_tc_kernels.cuh"
 //   emu::launch(grid_x, grid_y, 128, smem_bytes, [&] { some_kernel(args...); });
@@ -32,6 +33,11 @@
 #define __device__
 #define __host__
 #define __launch_bounds__(threads)
+// Static __shared__ arrays become function statics: one block runs at a time, so its threads
+// share them as on a device (they start zeroed, not as garbage). Dynamic shared memory is the
+// block's buffer, filled with 0xCD like the tensor-core kernels' FLATPEAK_TC_SHARED.
+#define __shared__ static
+#define FLATPEAK_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::shared_memory())
 #define FLATPEAK_UNROLL
 #define FLATPEAK_TC_SHARED(name) unsigned char* name = emu::shared_memory()
 
