@@ -40,7 +40,8 @@ CublasContext::CublasContext(DeviceAllocator& allocator, cudaStream_t stream,
     workspace_ = DeviceBuffer(allocator, workspace_bytes, exec::Category::Workspace, stream_);
     FLATPEAK_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_.raw(),
                                              static_cast<size_t>(workspace_.bytes())));
-    // Exact fp32 products for f32 operands: no TF32 down-conversion.
+    // Exact fp32 products for f32 operands, unless a call asks for TF32 through its compute type
+    // (GemmMath::Tf32 selects CUBLAS_COMPUTE_32F_FAST_TF32, which holds whatever the math mode).
     FLATPEAK_CUBLAS_CHECK(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
   } catch (...) {
     workspace_.reset();
@@ -59,7 +60,7 @@ CublasContext::~CublasContext() {
 void gemm_cuda(const CublasContext& blas, bool trans_a, bool trans_b, int64_t M, int64_t N,
                int64_t K, float alpha, exec::DType a_dtype, const void* A, int64_t lda,
                exec::DType b_dtype, const void* B, int64_t ldb, bool accumulate,
-               exec::DType c_dtype, void* C, int64_t ldc) {
+               exec::DType c_dtype, void* C, int64_t ldc, GemmMath math) {
   if (a_dtype != b_dtype) {
     throw std::invalid_argument("gemm_cuda: A and B must have the same storage (got " +
                                 std::string(exec::dtype_name(a_dtype)) + " and " +
@@ -74,10 +75,13 @@ void gemm_cuda(const CublasContext& blas, bool trans_a, bool trans_b, int64_t M,
   // major operand stored untransposed is, read column-major, already the transpose we need.
   const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasComputeType_t compute = math == GemmMath::Tf32 && a_dtype == exec::DType::F32
+                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : CUBLAS_COMPUTE_32F;
   FLATPEAK_CUBLAS_CHECK(cublasGemmEx(
       blas.handle(), op_b, op_a, to_int(N, "N"), to_int(M, "M"), to_int(K, "K"), &alpha, B,
       cuda_type(b_dtype), to_int(ldb, "ldb"), A, cuda_type(a_dtype), to_int(lda, "lda"), &beta, C,
-      cuda_type(c_dtype), to_int(ldc, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      cuda_type(c_dtype), to_int(ldc, "ldc"), compute, CUBLAS_GEMM_DEFAULT));
 }
 
 }  // namespace flatpeak::cuda

@@ -37,13 +37,18 @@ class CublasContext {
   DeviceBuffer workspace_;  // [workspace_bytes] cuBLAS scratch
 };
 
+// How F32 operands are multiplied. Exact: fp32 products (CUDA cores). Tf32: the operands rounded
+// to TF32 (10-bit mantissa, rel 2^-11) on tensor cores, fp32 accumulation; bf16 values are exact
+// in TF32, so only genuinely fp32 operands are rounded. BF16 operands ignore it.
+enum class GemmMath { Exact, Tf32 };
+
 // C = alpha · op(A) · op(B) + (accumulate ? C : 0) on the context's stream, row-major like
 // gemm_cpu (same argument order): op(A) [M, K], op(B) [K, N], C [M, N]; a transposed operand is
-// read as stored. Accumulation is fp32 (CUBLAS_COMPUTE_32F, no TF32), C rounded once. Storage:
-// A and B both F32 or both BF16; C F32, or BF16 when A and B are BF16.
+// read as stored. Accumulation is fp32 (CUBLAS_COMPUTE_32F, or its TF32 form when asked), C
+// rounded once. Storage: A and B both F32 or both BF16; C F32, or BF16 when A and B are BF16.
 void gemm_cuda(const CublasContext& blas, bool trans_a, bool trans_b, int64_t M, int64_t N,
                int64_t K, float alpha, exec::DType a_dtype, const void* A, int64_t lda,
                exec::DType b_dtype, const void* B, int64_t ldb, bool accumulate,
-               exec::DType c_dtype, void* C, int64_t ldc);
+               exec::DType c_dtype, void* C, int64_t ldc, GemmMath math = GemmMath::Exact);
 
 }  // namespace flatpeak::cuda

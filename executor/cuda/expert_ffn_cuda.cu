@@ -4,8 +4,11 @@
 // forward's gate_up = x · W_gate_upᵀ and the backward's dh = dy · W_down on tensor cores, as the
 // CPU's gemm_cpu multiplies the same bf16 values in fp32. The other four mix the fp32 activations
 // of the CPU twin (h, d[gate | up]) with a bf16 tensor; cuBLAS has no fp32 × bf16 GEMM and rounding
-// h to bf16 would change the op, so they widen the bf16 operand into the workspace and run exact
-// fp32 (no TF32). In f32 storage every operand is used as stored. Every GEMM writes an fp32 result
+// h to bf16 would change the op, so they widen the bf16 operand into the workspace and run on
+// tensor cores in TF32: the widened bf16 operand is exact in TF32, h and d[gate | up] are rounded
+// to rel 2^-11, eight times finer than the bf16 rounding of every output, so the op stays within
+// bf16 storage's tolerance at several times the speed of exact fp32. In f32 storage every operand
+// is used as stored and every GEMM is exact fp32, as the CPU's. Every GEMM writes an fp32 result
 // to the workspace; outputs are then rounded once, accumulations (dW +=) add that fp32 sum to the
 // stored value once, as on the CPU.
 #include <algorithm>
@@ -108,10 +111,17 @@ void launch(K kernel, int64_t n, cudaStream_t stream, Args... args) {
 }
 
 // fp32 C [M, N] = op(A) · op(B) on the workspace, never accumulating; A and B stored as `dtype`
-// (bf16 on tensor cores, f32 exact), fp32 accumulation.
+// (bf16 on tensor cores; f32 as `math` says), fp32 accumulation.
 void gemm_to_f32(const cuda::CublasContext& blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, DType dtype,
-                 const void* A, int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc) {
-  cuda::gemm_cuda(blas, ta, tb, M, N, K, 1.0f, dtype, A, lda, dtype, B, ldb, false, DType::F32, C, ldc);
+                 const void* A, int64_t lda, const void* B, int64_t ldb, float* C, int64_t ldc,
+                 cuda::GemmMath math = cuda::GemmMath::Exact) {
+  cuda::gemm_cuda(blas, ta, tb, M, N, K, 1.0f, dtype, A, lda, dtype, B, ldb, false, DType::F32, C, ldc, math);
+}
+
+// The GEMMs of an fp32 activation with a widened bf16 tensor: TF32 in bf16 storage (see the top).
+template <class T>
+constexpr cuda::GemmMath mixed_math() {
+  return std::is_same_v<T, float> ? cuda::GemmMath::Exact : cuda::GemmMath::Tf32;
 }
 
 // A bf16 operand for a GEMM beside an fp32 one: widened into `scratch`. An f32 one: as stored.
@@ -149,7 +159,7 @@ void forward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
       launch(swiglu_kernel<T>, n * F, s, static_cast<const T*>(gu + row0 * 2 * F), ws.h, n, F);
       // out = h · W_downᵀ  [n, H]: fp32 h
       const float* wd_e = as_f32(wd + e * H * F, ws.weight, H * F, s);
-      gemm_to_f32(blas, false, true, n, H, F, DType::F32, ws.h, F, wd_e, F, ws.rows, H);
+      gemm_to_f32(blas, false, true, n, H, F, DType::F32, ws.h, F, wd_e, F, ws.rows, H, mixed_math<T>());
       launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), out + row0 * H, n * H);
     }
     row0 += n;
@@ -180,16 +190,18 @@ void backward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
       gemm_to_f32(blas, false, false, n, F, H, kStorage, dy + row0 * H, H, wd + e * H * F, F, ws.gu, 2 * F);
       // dW_down += dyᵀ · h  [H, F]: fp32 h
       const float* dy_e = as_f32(dy + row0 * H, ws.rows, n * H, s);
-      gemm_to_f32(blas, true, false, H, F, n, DType::F32, dy_e, H, ws.h, F, ws.weight, F);
+      gemm_to_f32(blas, true, false, H, F, n, DType::F32, dy_e, H, ws.h, F, ws.weight, F, mixed_math<T>());
       launch(add_kernel<T>, H * F, s, static_cast<const float*>(ws.weight), dwd + e * H * F, H * F);
       launch(swiglu_backward_kernel<T>, n * F, s, gu_e, ws.gu, n, F);
       // dx = d[gate | up] · W_gate_up [n, H]: fp32 d[gate | up]
       const float* wgu_e = as_f32(wgu + e * 2 * F * H, ws.weight, 2 * F * H, s);
-      gemm_to_f32(blas, false, false, n, H, 2 * F, DType::F32, ws.gu, 2 * F, wgu_e, H, ws.rows, H);
+      gemm_to_f32(blas, false, false, n, H, 2 * F, DType::F32, ws.gu, 2 * F, wgu_e, H, ws.rows, H,
+                  mixed_math<T>());
       launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), dx + row0 * H, n * H);
       // dW_gate_up += d[gate | up]ᵀ · x  [2F, H]: fp32 d[gate | up]
       const float* x_e = as_f32(x + row0 * H, ws.rows, n * H, s);
-      gemm_to_f32(blas, true, false, 2 * F, H, n, DType::F32, ws.gu, 2 * F, x_e, H, ws.weight, H);
+      gemm_to_f32(blas, true, false, 2 * F, H, n, DType::F32, ws.gu, 2 * F, x_e, H, ws.weight, H,
+                  mixed_math<T>());
       launch(add_kernel<T>, 2 * F * H, s, static_cast<const float*>(ws.weight), dwgu + e * 2 * F * H, 2 * F * H);
     }
     row0 += n;
