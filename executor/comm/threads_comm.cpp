@@ -13,7 +13,8 @@ ThreadsWorld::ThreadsWorld(int size, ThreadsOptions options)
     : size_(size),
       options_(options),
       posts_(static_cast<size_t>(size > 0 ? size : 0)),
-      arrived_(static_cast<size_t>(size > 0 ? size : 0), false) {
+      arrived_(static_cast<size_t>(size > 0 ? size : 0), false),
+      released_(static_cast<size_t>(size > 0 ? size : 0), 0) {
   if (size < 1) throw std::invalid_argument("threads world: size must be >= 1");
   world_ranks_.resize(static_cast<size_t>(size));
   std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
@@ -172,6 +173,32 @@ void ThreadsWorld::arrive(int rank, Post post) {
 void ThreadsWorld::arrive(int rank, const std::string& op) {
   std::unique_lock<std::mutex> lock(mutex_);
   wait_locked(lock, rank, op);
+}
+
+void ThreadsWorld::release(int rank, const std::string& op) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  // Ranks call collectives in the same order, so a rank's n-th release is every rank's n-th.
+  const int64_t mine = ++released_[static_cast<size_t>(rank)];
+  cv_.notify_all();
+  auto first_behind = [&] {
+    for (int p = 0; p < size_; ++p)
+      if (released_[static_cast<size_t>(p)] < mine) return p;
+    return -1;
+  };
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(options_.peer_timeout_s));
+  // A failure of the world wakes this wait but does not end it: peers still reading must finish.
+  while (first_behind() >= 0) {
+    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && first_behind() >= 0) {
+      fail_locked(world_rank(first_behind()), kExitRuntimeError,
+                  "did not reach " + op + " within " + std::to_string(options_.peer_timeout_s) +
+                      " s (rank " + std::to_string(world_rank(rank)) + " waited)");
+      throw_failed_locked();
+    }
+  }
+  if (failed_) throw_failed_locked();
 }
 
 // ---- ThreadsCommunicator ----

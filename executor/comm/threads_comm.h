@@ -65,14 +65,21 @@ class ThreadsWorld {
   // Publishes `post` and waits for every rank (a generation barrier). Throws RankFailed when the
   // world has failed or a peer does not arrive within the timeout.
   void arrive(int rank, Post post);
-  // Waits for every rank without posting (the release barrier).
+  // Waits for every rank without posting (a generation barrier, as arrive(rank, post)).
   void arrive(int rank, const std::string& op);
+  // The release of a collective: this rank is done reading its peers; waits until every rank of
+  // the world is. Unlike a barrier it does not end when the world fails: every rank that passed
+  // the collective's posting barrier reads and then releases (read_then_release), so the wait
+  // ends, and until it does a peer may be reading this rank's send buffer, which leaving would
+  // let the caller free. Only a peer that does not release within the timeout ends it early
+  // (the run fails, naming that peer). Throws RankFailed afterwards when the world has failed.
+  void release(int rank, const std::string& op);
   // The second half of a collective, after arrive(rank, post): runs `read` (this rank reading
   // its peers' posts and buffers), then `settle` (work the reads queued must end: the CUDA
-  // communicator waits for its stream), then the release barrier. When `read` or `settle`
-  // throws, this rank still settles and waits at the release barrier before the error leaves:
-  // peers may be reading its send buffer, which the error's unwinding would free. A failure of
-  // the world met there is dropped; the rank's own error is the one that leaves.
+  // communicator waits for its stream), then release(). When `read` or `settle` throws, this
+  // rank still settles and releases before the error leaves: peers may be reading its send
+  // buffer, which the error's unwinding would free. A failure of the world met there is
+  // dropped; the rank's own error is the one that leaves.
   template <class Read, class Settle>
   void read_then_release(int rank, const std::string& op, Read&& read, Settle&& settle) {
     try {
@@ -84,12 +91,12 @@ class ThreadsWorld {
       } catch (...) {
       }
       try {
-        arrive(rank, op + " (release)");
+        release(rank, op + " (release)");
       } catch (...) {
       }
       throw;
     }
-    arrive(rank, op + " (release)");
+    release(rank, op + " (release)");
   }
   template <class Read>
   void read_then_release(int rank, const std::string& op, Read&& read) {
@@ -125,6 +132,7 @@ class ThreadsWorld {
   std::condition_variable cv_;
   std::vector<Post> posts_;          // [n]
   std::vector<bool> arrived_;        // [n] in the current generation
+  std::vector<int64_t> released_;    // [n] collectives each rank has released (release())
   int arrived_count_ = 0;
   int64_t generation_ = 0;
   bool failed_ = false;

@@ -6,8 +6,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "executor/comm/threads_comm.h"
@@ -250,6 +252,64 @@ TEST(CommThreadsFailure, ARankRejectingItsCountsKeepsItsBufferUntilPeersHaveRead
   EXPECT_NE(result.message.find("expects 1 elements from rank 0, which sends 0"), std::string::npos)
       << result.message;
   EXPECT_EQ(intact_blocks.load(), kRanks - 1);
+}
+
+// As above inside an EP-style group {0, 1} of split(rank / 2): rank 0 rejects its all_to_allv
+// while rank 1 copies 64 MiB out of its send buffer, and rank 2 of the other group fails the whole
+// run meanwhile (2 ms after both have posted). That failure reaches the group's world while rank
+// 0 waits to release: rank 0 must still wait for rank 1 to finish reading before its error frees
+// the buffer (freed, a buffer this size is unmapped: rank 1 would crash, and ASan reports a use
+// after free). Rank 1 then ends with the run's failure, its block read whole.
+TEST(CommThreadsFailure, AFailureElsewhereDoesNotReleaseARankWhilePeersRead) {
+  constexpr int64_t kBlock = int64_t{16} << 20;  // floats rank 0 sends rank 1
+  enum Block { kNotChecked, kIntact, kUnread, kTorn };
+  std::atomic<int> posting{0};  // ranks 0 and 1 about to post
+
+  std::atomic<int> rank1_block{kNotChecked};
+  const RunResult result = run_ranks(4, [&](int rank, Communicator& world) {
+    const std::unique_ptr<Communicator> group = world.split(rank / 2, rank % 2);
+    if (rank == 2) {
+      while (posting.load() < 2) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      throw std::runtime_error("rank 2 stops the run");
+    }
+    if (rank == 3) return;
+    std::vector<int64_t> send_counts(2, 0), send_displs(2, 0), recv_counts(2, 0), recv_displs(2, 0);
+    std::vector<float> send;  // [kBlock] on rank 0
+    std::vector<float> recv;  // [kBlock] on rank 1, zeros until read
+    if (rank == 0) {
+      send.resize(static_cast<size_t>(kBlock));
+      for (size_t i = 0; i < send.size(); ++i) send[i] = static_cast<float>(value(0, static_cast<int64_t>(i)) + 1);
+      send_counts[1] = kBlock;
+      recv_counts[0] = 1;  // rank 0 sends itself nothing: the error
+    } else {
+      recv.resize(static_cast<size_t>(kBlock), 0.0f);
+      recv_counts[0] = kBlock;
+    }
+    ++posting;
+    try {
+      group->all_to_allv(send.data(), send_counts.data(), send_displs.data(), recv.data(),
+                         recv_counts.data(), recv_displs.data(), DType::F32);
+    } catch (const RankFailed&) {
+      if (rank == 1) {
+        int intact = 0, unread = 0, samples = 0;
+        for (int64_t i = 0; i < kBlock; i += 4099, ++samples) {
+          const float got = recv[static_cast<size_t>(i)];
+          intact += got == static_cast<float>(value(0, i) + 1) ? 1 : 0;
+          unread += got == 0.0f ? 1 : 0;
+        }
+        rank1_block = intact == samples ? kIntact : (unread == samples ? kUnread : kTorn);
+      }
+      throw;
+    }
+  });
+  EXPECT_FALSE(result.ok());
+  EXPECT_TRUE(result.failing_rank == 0 || result.failing_rank == 2) << result.message;
+  // Rank 2's failure may reach the group before its posting barrier ends (nothing is read) or
+  // while rank 1 reads (the case this test is for): the block is then whole, never torn.
+  EXPECT_NE(rank1_block.load(), kNotChecked);
+  EXPECT_NE(rank1_block.load(), kTorn);
+  std::printf("rank 1's block: %s\n", rank1_block.load() == kIntact ? "read whole" : "not read");
 }
 
 TEST(CommThreadsFailure, AbortStopsOthersWithItsCode) {
