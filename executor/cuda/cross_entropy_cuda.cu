@@ -2,11 +2,13 @@
 // each [T_blk, V_blk] fp32 logits block comes from cuBLAS and is folded into the running
 // (max, sum) with the shared lse_fold; the backward recomputes it from the saved lse and turns it
 // into dz with the shared cross_entropy_dlogit, rounded into the compute-dtype dlogits block as on
-// the CPU. The same order of blocks and the same workspace as on the CPU.
+// the CPU. The same order of blocks and the same workspace as on the CPU. The kernels' source is
+// in cross_entropy_kernels.cuh; this file holds the checks, the GEMMs and the launches.
 #include <algorithm>
 
 #include "executor/cpu/op_util.h"
 #include "executor/cuda/cross_entropy_blocks_cuda.h"
+#include "executor/cuda/cross_entropy_kernels.cuh"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/ops_cuda.h"
@@ -14,12 +16,16 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::block_max;
-using cuda_detail::block_sum;
-using cuda_detail::global_thread;
 using cuda_detail::grid_for;
-using cuda_detail::grid_threads;
 using cuda_detail::kThreads;
+// The kernels (cross_entropy_kernels.cuh).
+using cuda_detail::dlogits_kernel;
+using cuda_detail::finish_rows_kernel;
+using cuda_detail::fold_block_kernel;
+using cuda_detail::init_rows_kernel;
+using cuda_detail::log_softmax_rows_kernel;
+using cuda_detail::materialized_dlogits_kernel;
+using cuda_detail::store_kernel;
 
 // Workspace: the CPU's layout (cross_entropy_cpu.cpp): fp32 logits block [T_blk, V_blk], fp32
 // running max, running sum, target logit [T_blk] each, fp32 dX accumulator [T_blk, H], then the
@@ -48,62 +54,6 @@ Workspace carve(const CrossEntropyArgs& a) {
   ws.dx_acc = p;
   ws.dlogits = p + tb * a.hidden;
   return ws;
-}
-
-__global__ void init_rows_kernel(float* row_max, float* row_sum, float* target_logit, int64_t rows) {
-  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.0f;
-    target_logit[r] = 0.0f;
-  }
-}
-
-// One block per row of the logits block: (block max, Σ e^(z − max)) folded into the running pair.
-__global__ void fold_block_kernel(const float* logits, int64_t vb, int64_t v0, const int32_t* targets,
-                                  float* row_max, float* row_sum, float* target_logit) {
-  __shared__ float scratch[32];
-  const int64_t r = blockIdx.x;
-  const float* z = logits + r * vb;
-  float m = -INFINITY;
-  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) m = fmaxf(m, z[c]);
-  const float bmax = block_max(m, scratch);
-  float s = 0.0f;
-  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) s += expf(z[c] - bmax);
-  const float bsum = block_sum(s, scratch);
-  if (threadIdx.x == 0) {
-    lse_fold(row_max[r], row_sum[r], bmax, bsum);
-    const int64_t y = targets[r];
-    if (y >= v0 && y < v0 + vb) target_logit[r] = z[y - v0];
-  }
-}
-
-__global__ void finish_rows_kernel(const float* row_max, const float* row_sum,
-                                   const float* target_logit, const int32_t* targets, float* lse,
-                                   float* loss, int64_t rows) {
-  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
-    const float l = row_max[r] + logf(row_sum[r]);
-    lse[r] = l;
-    loss[r] = targets[r] >= 0 ? l - target_logit[r] : 0.0f;
-  }
-}
-
-// dz = g · (e^(z − lse) − onehot), 0 for ignored tokens, rounded once to the compute dtype. One
-// block per row of the block: no 64-bit division per element.
-template <class T>
-__global__ void dlogits_kernel(const float* logits, T* dz, int64_t vb, int64_t v0,
-                               const int32_t* targets, const float* lse, float g) {
-  const int64_t r = blockIdx.x;
-  const int64_t y = targets[r];
-  const float l = lse[r];
-  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) {
-    const int64_t i = r * vb + c;
-    store_f32(&dz[i], y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], l, v0 + c == y, g));
-  }
-}
-
-template <class T>
-__global__ void store_kernel(const float* src, T* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], src[i]);
 }
 
 const void* offset_rows(const void* base, int64_t row, int64_t hidden, DType dtype) {
@@ -185,45 +135,6 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
 }
 
 // ---- materialised (the naive baseline) ----
-
-// One block per token row: max and Σ e^(z − max) over the stored logits, then the fp32 log-probs.
-template <class T>
-__global__ void log_softmax_rows_kernel(const T* logits, float* log_probs, const int32_t* targets,
-                                        float* lse, float* loss, int64_t V) {
-  __shared__ float scratch[32];
-  const int64_t t = blockIdx.x;
-  const T* z = logits + t * V;
-  float* lp = log_probs + t * V;
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f32(z[j]));
-  const float row_max = block_max(m, scratch);
-  float s = 0.0f;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f32(z[j]) - row_max);
-  const float l = row_max + logf(block_sum(s, scratch));
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) lp[j] = to_f32(z[j]) - l;
-  if (threadIdx.x == 0) {
-    lse[t] = l;
-    const int64_t y = targets[t];
-    // l − z_y, not −lp[y]: lp[y] may have been written by another thread (no barrier since), and
-    // fl(l − z) = −fl(z − l), so this is the CPU's −lp[y] bit for bit.
-    loss[t] = (y >= 0 && y < V) ? l - to_f32(z[y]) : 0.0f;
-  }
-}
-
-// d_logits = g · (e^lp − onehot) in fp32, and its compute-dtype rounding into dz (the GEMM
-// operand). One block per token row: no 64-bit division per element over T·V elements.
-template <class T>
-__global__ void materialized_dlogits_kernel(const float* log_probs, float* d_logits, T* dz,
-                                            const int32_t* targets, int64_t V, float g) {
-  const int64_t t = blockIdx.x;
-  const int64_t y = targets[t];
-  const int64_t base = t * V;
-  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-    const float d = y < 0 ? 0.0f : g * (expf(log_probs[base + j]) - (j == y ? 1.0f : 0.0f));
-    d_logits[base + j] = d;
-    store_f32(&dz[base + j], d);
-  }
-}
 
 void check_materialized(const MaterializedCrossEntropyArgs& a) {
   require(a.tokens >= 0 && a.vocab > 0 && a.hidden > 0, "cross_entropy",

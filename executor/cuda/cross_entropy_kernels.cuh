@@ -1,0 +1,124 @@
+// The cross-entropy kernels (internal to executor/cuda): the blocked online log-sum-exp steps
+// (init_rows, fold_block, finish_rows), the blocked backward's dlogits and the dX store, and the
+// materialised baseline's log_softmax_rows and materialized_dlogits. All fp32 arithmetic with the
+// CPU twin's shared lse_fold and cross_entropy_dlogit; "one block per row" kernels take a row per
+// blockIdx.x and stride its columns by blockDim.x (a multiple of 32: block_max/block_sum).
+// cross_entropy_cuda.cu launches them (between its cuBLAS GEMMs);
+// tests/unit/executor_cross_entropy_emulation_test.cpp runs the same source on the host
+// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU op, without a GPU.
+//   #include "executor/cuda/cross_entropy_kernels.cuh"
+//   fold_block_kernel<<<rows, kThreads, 0, stream>>>(logits, vb, v0, targets, row_max, row_sum, target_logit);
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "executor/cuda/kernel_util.cuh"
+#include "executor/ops/cross_entropy.h"
+#include "executor/ops/dtype.h"
+
+// One translation unit per binary includes this header (the kernels have internal linkage).
+namespace flatpeak::exec::cuda_detail {
+namespace {
+
+// ---- blocked (online log-sum-exp over vocab blocks) ----
+
+__global__ void init_rows_kernel(float* row_max, float* row_sum, float* target_logit, int64_t rows) {
+  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.0f;
+    target_logit[r] = 0.0f;
+  }
+}
+
+// One block per row of the logits block: (block max, Σ e^(z − max)) folded into the running pair.
+__global__ void fold_block_kernel(const float* logits, int64_t vb, int64_t v0, const int32_t* targets,
+                                  float* row_max, float* row_sum, float* target_logit) {
+  __shared__ float scratch[32];
+  const int64_t r = blockIdx.x;
+  const float* z = logits + r * vb;
+  float m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) m = fmaxf(m, z[c]);
+  const float bmax = block_max(m, scratch);
+  float s = 0.0f;
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) s += expf(z[c] - bmax);
+  const float bsum = block_sum(s, scratch);
+  if (threadIdx.x == 0) {
+    lse_fold(row_max[r], row_sum[r], bmax, bsum);
+    const int64_t y = targets[r];
+    if (y >= v0 && y < v0 + vb) target_logit[r] = z[y - v0];
+  }
+}
+
+__global__ void finish_rows_kernel(const float* row_max, const float* row_sum,
+                                   const float* target_logit, const int32_t* targets, float* lse,
+                                   float* loss, int64_t rows) {
+  for (int64_t r = global_thread(); r < rows; r += grid_threads()) {
+    const float l = row_max[r] + logf(row_sum[r]);
+    lse[r] = l;
+    loss[r] = targets[r] >= 0 ? l - target_logit[r] : 0.0f;
+  }
+}
+
+// dz = g · (e^(z − lse) − onehot), 0 for ignored tokens, rounded once to the compute dtype. One
+// block per row of the block: no 64-bit division per element.
+template <class T>
+__global__ void dlogits_kernel(const float* logits, T* dz, int64_t vb, int64_t v0,
+                               const int32_t* targets, const float* lse, float g) {
+  const int64_t r = blockIdx.x;
+  const int64_t y = targets[r];
+  const float l = lse[r];
+  for (int64_t c = threadIdx.x; c < vb; c += blockDim.x) {
+    const int64_t i = r * vb + c;
+    store_f32(&dz[i], y < 0 ? 0.0f : cross_entropy_dlogit(logits[i], l, v0 + c == y, g));
+  }
+}
+
+template <class T>
+__global__ void store_kernel(const float* src, T* dst, int64_t n) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], src[i]);
+}
+
+// ---- materialised (the naive baseline) ----
+
+// One block per token row: max and Σ e^(z − max) over the stored logits, then the fp32 log-probs.
+template <class T>
+__global__ void log_softmax_rows_kernel(const T* logits, float* log_probs, const int32_t* targets,
+                                        float* lse, float* loss, int64_t V) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  const T* z = logits + t * V;
+  float* lp = log_probs + t * V;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f32(z[j]));
+  const float row_max = block_max(m, scratch);
+  float s = 0.0f;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f32(z[j]) - row_max);
+  const float l = row_max + logf(block_sum(s, scratch));
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) lp[j] = to_f32(z[j]) - l;
+  if (threadIdx.x == 0) {
+    lse[t] = l;
+    const int64_t y = targets[t];
+    // l − z_y, not −lp[y]: lp[y] may have been written by another thread (no barrier since), and
+    // fl(l − z) = −fl(z − l), so this is the CPU's −lp[y] bit for bit.
+    loss[t] = (y >= 0 && y < V) ? l - to_f32(z[y]) : 0.0f;
+  }
+}
+
+// d_logits = g · (e^lp − onehot) in fp32, and its compute-dtype rounding into dz (the GEMM
+// operand). One block per token row: no 64-bit division per element over T·V elements.
+template <class T>
+__global__ void materialized_dlogits_kernel(const float* log_probs, float* d_logits, T* dz,
+                                            const int32_t* targets, int64_t V, float g) {
+  const int64_t t = blockIdx.x;
+  const int64_t y = targets[t];
+  const int64_t base = t * V;
+  for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float d = y < 0 ? 0.0f : g * (expf(log_probs[base + j]) - (j == y ? 1.0f : 0.0f));
+    d_logits[base + j] = d;
+    store_f32(&dz[base + j], d);
+  }
+}
+
+}  // namespace
+}  // namespace flatpeak::exec::cuda_detail
