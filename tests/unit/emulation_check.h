@@ -48,6 +48,13 @@ T sentinel_of() {
   return out;
 }
 
+// For inputs a kernel takes a maximum over: fmaxf drops a NaN, but this huge value becomes the
+// maximum and sends a log-sum-exp (and any e^(z − lse)) to ±inf.
+template <class T>
+T huge_of() {
+  return sentinel_of<T>();
+}
+
 template <class T>
 std::vector<T> to_storage(const std::vector<float>& values) {
   std::vector<T> out(values.size());

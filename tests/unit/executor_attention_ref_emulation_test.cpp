@@ -35,6 +35,9 @@ using namespace emu_check;
 struct Shape {
   int64_t tokens, q_heads, kv_heads, head_dim;
   std::vector<unsigned> rows;  // the query (forward, dQ) and key (dK/dV) rows run; empty: all
+  // >= 0: k[r, kv 0] = 2 · q[r, head 0] for r = boost_key, so that query row r's largest score
+  // (head 0) is its own key: in a second key tile, the running max changes there.
+  int64_t boost_key = -1;
 };
 
 // Runs the blocks (x, y) of a (grid_x, grid_y) grid with x in xs: blockIdx and gridDim as in the
@@ -79,8 +82,13 @@ void run_case(const Shape& s, DType dtype) {
   const std::string name = std::string(dtype_name(dtype)) + " T" + std::to_string(T_) + " a" +
                            std::to_string(a) + " g" + std::to_string(g) + " d" + std::to_string(d);
   std::mt19937 rng(51);
-  const std::vector<T> q = to_storage<T>(uniform(rng, T_ * a * d));      // [T, a, d]
-  const std::vector<T> k = to_storage<T>(uniform(rng, T_ * g * d));      // [T, g, d]
+  const std::vector<float> q_f = uniform(rng, T_ * a * d);
+  std::vector<float> k_f = uniform(rng, T_ * g * d);
+  for (int64_t c = 0; s.boost_key >= 0 && c < d; ++c) {
+    k_f[static_cast<size_t>(s.boost_key * g * d + c)] = 2.0f * q_f[static_cast<size_t>(s.boost_key * a * d + c)];
+  }
+  const std::vector<T> q = to_storage<T>(q_f);                           // [T, a, d]
+  const std::vector<T> k = to_storage<T>(k_f);                           // [T, g, d]
   const std::vector<T> v = to_storage<T>(uniform(rng, T_ * g * d));      // [T, g, d]
   const std::vector<T> d_out = to_storage<T>(uniform(rng, T_ * a * d));  // [T, a, d]
 
@@ -205,10 +213,11 @@ TEST(AttentionRefEmulation, F32WideHead) { run_case<float>({3, 1, 1, 136, {}}, D
 
 TEST(AttentionRefEmulation, Bf16OneToken) { run_case<Bf16>({1, 4, 2, 32, {}}, DType::BF16); }
 
-// T = 130: query rows 128, 129 fold a second key tile, key rows 0, 1 a second query tile (of 2
-// and 1 rows); rows 127 and 128 meet at the tile edge.
+// T = 130: query rows 128, 129 fold a second key tile (row 128's largest score in it, so the
+// first tile's sum and output are rescaled), key rows 0, 1 a second query tile (of 2 and 1
+// rows); rows 127 and 128 meet at the tile edge.
 TEST(AttentionRefEmulation, Bf16SecondTile) {
-  run_case<Bf16>({130, 2, 1, 32, {0, 1, 127, 128, 129}}, DType::BF16);
+  run_case<Bf16>({130, 2, 1, 32, {0, 1, 127, 128, 129}, 128}, DType::BF16);
 }
 
 }  // namespace

@@ -9,8 +9,9 @@
 // gradients in forward equal to forward + backward bitwise. The materialised kernels: lse, loss,
 // log_probs and d_logits (fp32) within the fp32 bound; d_x and d_w within the storage's bound
 // (the CUDA GEMMs take the compute-dtype dz, the CPU's the fp32 d_logits). Every input carries
-// NaN past its end and every output a sentinel: a read past the end shows as NaN, a write as a
-// changed sentinel. Each workspace region is its own guarded buffer sized to the block.
+// NaN past its end (logits a huge value: fmaxf drops a NaN) and every output a sentinel: a read
+// past the end shows as NaN or ±inf, a write as a changed sentinel. Each workspace region is its
+// own guarded buffer sized to the block.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
 #include "executor/cuda/cross_entropy_kernels.cuh"
@@ -82,12 +83,13 @@ struct BlockedIo {
   std::vector<float> d_w;               // [V, H] + sentinel, accumulated
 };
 
-// The launcher's cuBLAS logits GEMM: [tb, vb] fp32 = x[t0 : t0 + tb] · w[v0 : v0 + vb]ᵀ, then NaN.
+// The launcher's cuBLAS logits GEMM: [tb, vb] fp32 = x[t0 : t0 + tb] · w[v0 : v0 + vb]ᵀ, then a
+// huge guard (the kernels take a max over it, which a NaN would pass unseen).
 template <class T>
 std::vector<float> logits_block(const BlockedIo<T>& io, int64_t t0, int64_t tb, int64_t v0,
                                 int64_t vb) {
   const int64_t H = io.s.hidden;
-  std::vector<float> logits(static_cast<size_t>(tb * vb) + kGuard, nan_of<float>());  // [tb, vb]
+  std::vector<float> logits(static_cast<size_t>(tb * vb) + kGuard, huge_of<float>());  // [tb, vb]
   gemm_cpu(false, true, tb, vb, H, 1.0f, io.x.data() + t0 * H, H, io.w.data() + v0 * H, H, false,
            logits.data(), vb);
   return logits;
@@ -276,7 +278,7 @@ void materialized_case(const Shape& s, DType dtype) {
   const std::vector<T> gx = with_guard(x, nan_of<T>()), gw = with_guard(w, nan_of<T>());
   const std::vector<int32_t> gy = with_guard(targets, kTargetGuard);
   const float fs = sentinel_of<float>();
-  std::vector<T> e_logits(n_tv + kGuard, nan_of<T>());  // [T, V]
+  std::vector<T> e_logits(n_tv + kGuard, huge_of<T>());  // [T, V] + huge (a max is taken over it)
   gemm_cpu(false, true, T_, V, H, 1.0f, gx.data(), H, gw.data(), H, false, e_logits.data(), V);
   std::vector<float> e_log_probs(n_tv + kGuard, fs), e_lse(n_t + kGuard, fs), e_loss(e_lse);
   emu::launch(static_cast<unsigned>(T_), 1, cd::kThreads, 0, [&] {
