@@ -78,7 +78,8 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
 
 // SwiGLU expert FFN: per expert, cuBLAS over its rows with fp32 accumulation; in bf16 the two
 // GEMMs of stored tensors (gate_up, dh) on tensor cores, the four that take the fp32 h or
-// d[gate | up] on fp32 operands (the bf16 one widened into the workspace). expert_counts is read
+// d[gate | up] on fp32 operands (the bf16 one widened into the workspace) in TF32; in f32 storage
+// every GEMM is exact fp32. expert_counts is read
 // on the host (a host pointer, unlike the other fields), because it decides the GEMM shapes.
 // Workspace: (n·H + 2F·H + 3·n·F) fp32, n = the busiest expert's rows.
 int64_t expert_ffn_workspace_bytes_cuda(const ExpertFfnArgs& args);
