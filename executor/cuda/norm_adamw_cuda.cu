@@ -5,149 +5,22 @@
 #include "executor/cpu/op_util.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
+#include "executor/cuda/norm_adamw_kernels.cuh"
 #include "executor/cuda/ops_cuda.h"
 
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::block_sum;
-using cuda_detail::global_thread;
+using cuda_detail::adamw_kernel;
+using cuda_detail::embedding_backward_kernel;
+using cuda_detail::embedding_forward_kernel;
 using cuda_detail::grid_for;
-using cuda_detail::grid_threads;
 using cuda_detail::kThreads;
-
-// ---- AdamW -------------------------------------------------------------------------------
-
-template <class G>
-__global__ void adamw_kernel(float* master, const G* grad, float* m, float* v, Bf16* param_out,
-                             int64_t n, AdamWScalars s) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
-    float p = master[i];
-    float mi = m[i];
-    float vi = v[i];
-    adamw_update(p, mi, vi, to_f32(grad[i]), s);
-    master[i] = p;
-    m[i] = mi;
-    v[i] = vi;
-    if (param_out != nullptr) param_out[i] = f32_to_bf16(p);
-  }
-}
-
-// ---- embedding ---------------------------------------------------------------------------
-
-template <class T>
-__global__ void embedding_forward_kernel(const int32_t* ids, const T* table, T* out,
-                                         int64_t tokens, int64_t hidden) {
-  for (int64_t i = global_thread(); i < tokens * hidden; i += grid_threads()) {
-    const int64_t t = i / hidden;
-    const int64_t h = i % hidden;
-    out[i] = table[static_cast<int64_t>(ids[t]) * hidden + h];
-  }
-}
-
-// One thread per hidden column walks the tokens in order: the same sequence of rounded adds
-// as the CPU for every d_table element, whatever ids repeat.
-template <class T>
-__global__ void embedding_backward_kernel(const int32_t* ids, const T* d_out, T* d_table,
-                                          int64_t tokens, int64_t hidden) {
-  for (int64_t h = global_thread(); h < hidden; h += grid_threads()) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      T* dst = &d_table[static_cast<int64_t>(ids[t]) * hidden + h];
-      store_f32(dst, to_f32(*dst) + to_f32(d_out[t * hidden + h]));
-    }
-  }
-}
-
-// ---- RMSNorm -----------------------------------------------------------------------------
-
-template <class T>
-__global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, float* rstd_out,
-                                       int64_t hidden, float eps) {
-  __shared__ float scratch[32];
-  const int64_t t = blockIdx.x;
-  const T* xr = x + t * hidden;
-  float partial = 0.0f;
-  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) partial += to_f32(xr[h]) * to_f32(xr[h]);
-  const float rstd = rmsnorm_rstd(block_sum(partial, scratch), hidden, eps);
-  if (threadIdx.x == 0) rstd_out[t] = rstd;
-  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-    store_f32(&out[t * hidden + h], to_f32(xr[h]) * rstd * to_f32(w[h]));
-  }
-}
-
-// dx = rstd · (w ⊙ dy) − x · rstd³ / H · Σ_h (w ⊙ dy ⊙ x), one block per token.
-template <class T>
-__global__ void rmsnorm_backward_dx_kernel(const T* x, const T* w, const T* dy, const float* rstd_in,
-                                           T* dx, int64_t hidden) {
-  __shared__ float scratch[32];
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden;
-  const float rstd = rstd_in[blockIdx.x];
-  float partial = 0.0f;
-  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-    partial += to_f32(w[h]) * to_f32(dy[row + h]) * to_f32(x[row + h]);
-  }
-  const float dot = block_sum(partial, scratch);
-  const float coef = dot * rstd * rstd * rstd / static_cast<float>(hidden);
-  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-    store_f32(&dx[row + h], rstd * to_f32(w[h]) * to_f32(dy[row + h]) - coef * to_f32(x[row + h]));
-  }
-}
-
-// dw += Σ_t dy ⊙ x · rstd: one thread per column, tokens in order, added once.
-template <class T>
-__global__ void rmsnorm_backward_dw_kernel(const T* x, const T* dy, const float* rstd_in, T* dw,
-                                           int64_t tokens, int64_t hidden) {
-  for (int64_t h = global_thread(); h < hidden; h += grid_threads()) {
-    float sum = 0.0f;
-    for (int64_t t = 0; t < tokens; ++t) {
-      sum += to_f32(dy[t * hidden + h]) * to_f32(x[t * hidden + h]) * rstd_in[t];
-    }
-    store_f32(&dw[h], to_f32(dw[h]) + sum);
-  }
-}
-
-// ---- router ------------------------------------------------------------------------------
-
-__global__ void router_forward_kernel(const float* logits, int32_t* topk_ids, float* topk_weights,
-                                      int64_t tokens, int64_t experts, int64_t top_k) {
-  for (int64_t t = global_thread(); t < tokens; t += grid_threads()) {
-    const float* z = logits + t * experts;
-    int32_t* ids = topk_ids + t * top_k;
-    float* w = topk_weights + t * top_k;
-    float max_z = -INFINITY;
-    for (int64_t e = 0; e < experts; ++e) max_z = fmaxf(max_z, z[e]);
-    float sum = 0.0f;
-    for (int64_t e = 0; e < experts; ++e) sum += expf(z[e] - max_z);
-    float kept_sum = 0.0f;
-    for (int64_t s = 0; s < top_k; ++s) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < experts; ++e) {
-        bool taken = false;
-        for (int64_t p = 0; p < s; ++p) taken = taken || ids[p] == e;
-        if (!taken && (best < 0 || z[e] > z[best])) best = e;
-      }
-      ids[s] = static_cast<int32_t>(best);
-      w[s] = expf(z[best] - max_z) / sum;
-      kept_sum += w[s];
-    }
-    for (int64_t s = 0; s < top_k; ++s) w[s] /= kept_sum;
-  }
-}
-
-__global__ void router_backward_kernel(const int32_t* topk_ids, const float* topk_weights,
-                                       const float* d_topk_weights, float* d_logits,
-                                       int64_t tokens, int64_t experts, int64_t top_k) {
-  for (int64_t t = global_thread(); t < tokens; t += grid_threads()) {
-    const int32_t* ids = topk_ids + t * top_k;
-    const float* w = topk_weights + t * top_k;
-    const float* dw = d_topk_weights + t * top_k;
-    float* dz = d_logits + t * experts;
-    for (int64_t e = 0; e < experts; ++e) dz[e] = 0.0f;
-    float weighted = 0.0f;
-    for (int64_t s = 0; s < top_k; ++s) weighted += w[s] * dw[s];
-    for (int64_t s = 0; s < top_k; ++s) dz[ids[s]] = w[s] * (dw[s] - weighted);
-  }
-}
+using cuda_detail::rmsnorm_backward_dw_kernel;
+using cuda_detail::rmsnorm_backward_dx_kernel;
+using cuda_detail::rmsnorm_forward_kernel;
+using cuda_detail::router_backward_kernel;
+using cuda_detail::router_forward_kernel;
 
 }  // namespace
 

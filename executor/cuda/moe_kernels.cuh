@@ -1,0 +1,128 @@
+// The kernels of the MoE data movement (internal to executor/cuda): the routing plan (one block,
+// a stable counting sort by expert), the row gathers of permute / unpermute, the k-slot sum of
+// permute backward, and combine forward / backward (optionally through slot_to_row, the fused
+// unpermute). moe_cuda.cu launches them; tests/unit/executor_moe_emulation_test.cpp runs
+// the same source on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the
+// CPU ops (executor/cpu/{permute,combine}_cpu.cpp), without a GPU.
+//   #include "executor/cuda/moe_kernels.cuh"
+//   gather_rows_kernel<<<grid_for(rows * hidden), kThreads, 0, stream>>>(x, row_to_slot, k, x_perm, rows, hidden);
+#pragma once
+
+#include <cstdint>
+
+#include "executor/cuda/kernel_util.cuh"
+#include "executor/ops/dtype.h"
+
+// One translation unit per binary includes this header (the kernels have internal linkage).
+namespace flatpeak::exec::cuda_detail {
+namespace {
+
+// ---- routing plan ------------------------------------------------------------------------
+
+// One block. Each thread owns experts e ≡ threadIdx.x (mod blockDim.x): counts its copies,
+// then (after one thread turns counts into first rows) walks the copies in (token, slot) order
+// and hands out its rows, which is the CPU's stable counting sort. expert_counts holds first
+// rows in between, as on the CPU.
+__global__ void moe_route_kernel(const int32_t* topk_ids, int64_t copies, int64_t experts,
+                                 int64_t* expert_counts, int32_t* slot_to_row,
+                                 int32_t* row_to_slot) {
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < copies; ++i) count += topk_ids[i] == e ? 1 : 0;
+    expert_counts[e] = count;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t next_row = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t count = expert_counts[e];
+      expert_counts[e] = next_row;
+      next_row += count;
+    }
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
+    const int64_t first = expert_counts[e];
+    int64_t row = first;
+    for (int64_t i = 0; i < copies; ++i) {
+      if (topk_ids[i] == e) {
+        slot_to_row[i] = static_cast<int32_t>(row);
+        row_to_slot[row] = static_cast<int32_t>(i);
+        ++row;
+      }
+    }
+    expert_counts[e] = row - first;
+  }
+}
+
+// ---- permute / unpermute -----------------------------------------------------------------
+
+// dst row r = src row index_of(r); used for permute (src row = token of the copy), unpermute
+// forward (src row = permuted row of the slot) and unpermute backward (src = slot of the row).
+template <class T>
+__global__ void gather_rows_kernel(const T* src, const int32_t* index, int64_t index_divisor,
+                                   T* dst, int64_t rows, int64_t hidden) {
+  for (int64_t i = global_thread(); i < rows * hidden; i += grid_threads()) {
+    const int64_t r = i / hidden;
+    const int64_t h = i % hidden;
+    dst[i] = src[(static_cast<int64_t>(index[r]) / index_divisor) * hidden + h];
+  }
+}
+
+// d_x[t, h] = Σ_{s=0..k-1} d_x_perm[slot_to_row[t·k + s], h], in slot order.
+template <class T>
+__global__ void permute_backward_kernel(const T* d_x_perm, const int32_t* slot_to_row, T* d_x,
+                                        int64_t tokens, int64_t top_k, int64_t hidden) {
+  for (int64_t i = global_thread(); i < tokens * hidden; i += grid_threads()) {
+    const int64_t t = i / hidden;
+    const int64_t h = i % hidden;
+    float sum = 0.0f;
+    for (int64_t s = 0; s < top_k; ++s) {
+      sum += to_f32(d_x_perm[static_cast<int64_t>(slot_to_row[t * top_k + s]) * hidden + h]);
+    }
+    store_f32(&d_x[i], sum);
+  }
+}
+
+// ---- combine -----------------------------------------------------------------------------
+
+__device__ inline int64_t combine_row(const int32_t* slot_to_row, int64_t slot) {
+  return slot_to_row != nullptr ? slot_to_row[slot] : slot;
+}
+
+template <class T>
+__global__ void combine_forward_kernel(const T* y, const float* weights, const int32_t* slot_to_row,
+                                       T* out, int64_t tokens, int64_t top_k, int64_t hidden) {
+  for (int64_t i = global_thread(); i < tokens * hidden; i += grid_threads()) {
+    const int64_t t = i / hidden;
+    const int64_t h = i % hidden;
+    float sum = 0.0f;
+    for (int64_t s = 0; s < top_k; ++s) {
+      sum += weights[t * top_k + s] * to_f32(y[combine_row(slot_to_row, t * top_k + s) * hidden + h]);
+    }
+    store_f32(&out[i], sum);
+  }
+}
+
+// One block per (token, slot): d_y = w · d_out; d_weights = dot(d_out[t], y[t, s]) (fp32).
+template <class T>
+__global__ void combine_backward_kernel(const T* y, const float* weights, const int32_t* slot_to_row,
+                                        const T* d_out, T* d_y, float* d_weights, int64_t top_k,
+                                        int64_t hidden) {
+  __shared__ float scratch[32];
+  const int64_t slot = blockIdx.x;
+  const int64_t t = slot / top_k;
+  const int64_t row = combine_row(slot_to_row, slot);
+  const float w = weights[slot];
+  float partial = 0.0f;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    const float g = to_f32(d_out[t * hidden + h]);
+    partial += g * to_f32(y[row * hidden + h]);
+    store_f32(&d_y[row * hidden + h], w * g);
+  }
+  const float dot = block_sum(partial, scratch);
+  if (threadIdx.x == 0) d_weights[slot] = dot;
+}
+
+}  // namespace
+}  // namespace flatpeak::exec::cuda_detail

@@ -1,0 +1,230 @@
+// The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, with
+// the launches of moe_cuda.cu (same grids, blocks and order), against the CPU ops
+// (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the
+// route kernel's two barriers and combine backward's block reduction, without a GPU (the device
+// itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
+// permute / unpermute (copies) bitwise, the k-slot sums and d_weights within emulation_guards.h's
+// Tol. Inputs carry NaN past their end (index arrays: an index into that NaN), outputs sentinels.
+#include "cuda_emulation.h"
+// The emulation header first: it defines what the kernels' source expects from CUDA.
+#include "executor/cuda/moe_kernels.cuh"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "emulation_guards.h"
+#include "executor/ops/combine.h"
+#include "executor/ops/permute.h"
+
+namespace flatpeak::exec {
+namespace {
+
+namespace cd = cuda_detail;
+using namespace emu_test;
+
+constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
+constexpr unsigned kRouteThreads = 1024;   // moe_route_cuda: one block of 1024
+constexpr unsigned kCombineThreads = 128;  // combine_backward_cuda: one block of 128 per slot
+
+// ---- MoE ---------------------------------------------------------------------------------
+
+// k distinct experts per token, every third token's sorted so the low ids get more copies.
+std::vector<int32_t> topk_ids(std::mt19937& rng, int64_t tokens, int64_t k, int64_t experts) {
+  std::vector<int32_t> ids, all(static_cast<size_t>(experts));
+  std::iota(all.begin(), all.end(), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::shuffle(all.begin(), all.end(), rng);
+    if (t % 3 == 0) std::sort(all.begin(), all.begin() + std::min(experts, k + 2));
+    ids.insert(ids.end(), all.begin(), all.begin() + k);
+  }
+  return ids;
+}
+
+struct MoeShape {
+  int64_t tokens, top_k, experts, hidden;
+};
+
+// moe_route_cuda's launch against moe_route_cpu.
+void check_route(const MoeShape& s, const std::vector<int32_t>& ids, const PermuteArgs& cpu) {
+  const int64_t rows = s.tokens * s.top_k;
+  const Guarded<int32_t> g_ids = with_guard(ids, 0);  // a read past the end counts expert 0 more
+  Guarded<int64_t> counts = output_of<int64_t>(s.experts);  // [E]
+  Guarded<int32_t> s2r = output_of<int32_t>(rows);         // [T·k]
+  Guarded<int32_t> r2s = output_of<int32_t>(rows);         // [T·k]
+  emu::launch(1, 1, kRouteThreads, 0, [&] {
+    cd::moe_route_kernel(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr());
+  });
+  expect_same("route/expert_counts", counts,
+              std::vector<int64_t>(cpu.expert_counts, cpu.expert_counts + s.experts));
+  expect_same("route/slot_to_row", s2r, std::vector<int32_t>(cpu.slot_to_row, cpu.slot_to_row + rows));
+  expect_same("route/row_to_slot", r2s, std::vector<int32_t>(cpu.row_to_slot, cpu.row_to_slot + rows));
+  expect_guard_intact("route/expert_counts", counts);
+  expect_guard_intact("route/slot_to_row", s2r);
+  expect_guard_intact("route/row_to_slot", r2s);
+}
+
+template <class T>
+void moe_case(const MoeShape& s, uint32_t seed) {
+  SCOPED_TRACE("T" + std::to_string(s.tokens) + " k" + std::to_string(s.top_k) + " E" +
+               std::to_string(s.experts) + " H" + std::to_string(s.hidden) + " " +
+               dtype_name(dtype_of<T>()));
+  std::mt19937 rng(seed);
+  const int64_t H = s.hidden, k = s.top_k, tokens = s.tokens, rows = tokens * k;
+  const std::vector<int32_t> ids = topk_ids(rng, tokens, k, s.experts);  // [T, k]
+
+  // The CPU plan; the kernels below read it (guarded), as they would read the device's.
+  std::vector<int64_t> counts(static_cast<size_t>(s.experts));  // [E]
+  std::vector<int32_t> s2r(static_cast<size_t>(rows)), r2s(s2r.size());  // [T·k]
+  PermuteArgs p;
+  p.dtype = dtype_of<T>();
+  p.tokens = tokens;
+  p.top_k = k;
+  p.experts = s.experts;
+  p.hidden = H;
+  p.topk_ids = ids.data();
+  p.expert_counts = counts.data();
+  p.slot_to_row = s2r.data();
+  p.row_to_slot = r2s.data();
+  moe_route_cpu(p);
+  // Past the end, index `rows`: row T of x, row T·k of the [T·k, H] buffers, all NaN guard.
+  const Guarded<int32_t> g_s2r = with_guard(s2r, static_cast<int32_t>(rows));
+  const Guarded<int32_t> g_r2s = with_guard(r2s, static_cast<int32_t>(rows));
+
+  // permute forward / backward, unpermute forward / backward.
+  const std::vector<T> x = stored<T>(uniform(rng, tokens * H));        // [T, H]
+  const std::vector<T> d_x_perm = stored<T>(uniform(rng, rows * H));   // [T·k, H]
+  const std::vector<T> y_perm = stored<T>(uniform(rng, rows * H));     // [T·k, H]
+  const std::vector<T> d_y_slots = stored<T>(uniform(rng, rows * H));  // [T, k, H]
+  std::vector<T> x_perm(static_cast<size_t>(rows * H)), d_x(static_cast<size_t>(tokens * H));
+  std::vector<T> y_slots(x_perm.size()), d_y_perm(x_perm.size());
+  p.x = x.data();
+  p.x_perm = x_perm.data();
+  p.d_x_perm = d_x_perm.data();
+  p.d_x = d_x.data();
+  p.y_perm = y_perm.data();
+  p.y_slots = y_slots.data();
+  p.d_y_slots = d_y_slots.data();
+  p.d_y_perm = d_y_perm.data();
+  permute_forward_cpu(p);
+  permute_backward_cpu(p);
+  unpermute_forward_cpu(p);
+  unpermute_backward_cpu(p);
+
+  const Guarded<T> g_x = with_guard(x, quiet_nan<T>());
+  const Guarded<T> g_dxp = with_guard(d_x_perm, quiet_nan<T>());
+  const Guarded<T> g_yp = with_guard(y_perm, quiet_nan<T>());
+  const Guarded<T> g_dys = with_guard(d_y_slots, quiet_nan<T>());
+  Guarded<T> e_xp = output_of<T>(rows * H), e_dx = output_of<T>(tokens * H);
+  Guarded<T> e_ys = output_of<T>(rows * H), e_dyp = output_of<T>(rows * H);
+  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+    cd::gather_rows_kernel(g_x.ptr(), g_r2s.ptr(), k, e_xp.ptr(), rows, H);
+  });
+  emu::launch(cd::grid_for(tokens * H), 1, kBlock, 0, [&] {
+    cd::permute_backward_kernel(g_dxp.ptr(), g_s2r.ptr(), e_dx.ptr(), tokens, k, H);
+  });
+  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+    cd::gather_rows_kernel(g_yp.ptr(), g_s2r.ptr(), int64_t{1}, e_ys.ptr(), rows, H);
+  });
+  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+    cd::gather_rows_kernel(g_dys.ptr(), g_r2s.ptr(), int64_t{1}, e_dyp.ptr(), rows, H);
+  });
+  expect_same(tag<T>("permute/x_perm"), e_xp, x_perm);
+  expect_close(tag<T>("permute/d_x"), widen(e_dx), widen(d_x), Tol::of(dtype_of<T>()));
+  expect_same(tag<T>("unpermute/y_slots"), e_ys, y_slots);
+  expect_same(tag<T>("unpermute/d_y_perm"), e_dyp, d_y_perm);
+  for (const Guarded<T>* g : {&e_xp, &e_dx, &e_ys, &e_dyp}) expect_guard_intact(tag<T>("permute"), *g);
+
+  // combine forward / backward, on slot-order y and through slot_to_row (the fused unpermute).
+  const std::vector<float> weights = positive(rng, rows, 0.05f, 1.0f);  // [T, k] fp32
+  const std::vector<T> d_out = stored<T>(uniform(rng, tokens * H));     // [T, H]
+  const Guarded<float> g_w = with_guard(weights, quiet_nan<float>());
+  const Guarded<T> g_dout = with_guard(d_out, quiet_nan<T>());
+  for (const bool fused : {false, true}) {
+    const std::vector<T>& y = fused ? y_perm : d_y_slots;  // [T·k, H] either way, non-zero
+    const std::string name = tag<T>(fused ? "combine_fused" : "combine");
+    std::vector<T> out(static_cast<size_t>(tokens * H)), d_y(static_cast<size_t>(rows * H));
+    std::vector<float> d_weights(static_cast<size_t>(rows));  // [T, k]
+    CombineArgs c;
+    c.dtype = dtype_of<T>();
+    c.tokens = tokens;
+    c.top_k = k;
+    c.hidden = H;
+    c.y = y.data();
+    c.weights = weights.data();
+    c.slot_to_row = fused ? s2r.data() : nullptr;
+    c.out = out.data();
+    c.d_out = d_out.data();
+    c.d_y = d_y.data();
+    c.d_weights = d_weights.data();
+    combine_forward_cpu(c);
+    combine_backward_cpu(c);
+
+    const Guarded<T> g_y = with_guard(y, quiet_nan<T>());
+    const int32_t* slot_to_row = fused ? g_s2r.ptr() : nullptr;
+    Guarded<T> e_out = output_of<T>(tokens * H), e_dy = output_of<T>(rows * H);
+    Guarded<float> e_dw = output_of<float>(rows);
+    emu::launch(cd::grid_for(tokens * H), 1, kBlock, 0, [&] {
+      cd::combine_forward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, e_out.ptr(), tokens, k, H);
+    });
+    emu::launch(static_cast<unsigned>(rows), 1, kCombineThreads, 0, [&] {
+      cd::combine_backward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, g_dout.ptr(), e_dy.ptr(),
+                                  e_dw.ptr(), k, H);
+    });
+    expect_close(name + "/out", widen(e_out), widen(out), Tol::of(dtype_of<T>()));
+    expect_close(name + "/d_y", widen(e_dy), widen(d_y), Tol::of(dtype_of<T>()));
+    expect_close(name + "/d_weights", e_dw.head(), d_weights, Tol::f32());
+    expect_guard_intact(name + "/out", e_out);
+    expect_guard_intact(name + "/d_y", e_dy);
+    expect_guard_intact(name + "/d_weights", e_dw);
+  }
+}
+
+// H past one 128-thread block (combine backward's block-stride loop) and one 256-thread block;
+// T·k·H and T·H not multiples of 256.
+TEST(MoeEmulation, F32) { moe_case<float>({2, 2, 3, 130}, 21); }
+// H below a warp: most of combine backward's threads idle in its reduction.
+TEST(MoeEmulation, Bf16) { moe_case<Bf16>({4, 2, 3, 20}, 22); }
+
+// The routing plan alone (one 1024-thread launch each): skewed counts over a few experts, and
+// more experts than threads (threads own two; most experts empty).
+void route_case(const MoeShape& s, std::vector<int32_t> ids) {
+  const int64_t rows = s.tokens * s.top_k;
+  std::vector<int64_t> counts(static_cast<size_t>(s.experts));
+  std::vector<int32_t> s2r(static_cast<size_t>(rows)), r2s(s2r.size());
+  PermuteArgs p;
+  p.tokens = s.tokens;
+  p.top_k = s.top_k;
+  p.experts = s.experts;
+  p.hidden = s.hidden;
+  p.topk_ids = ids.data();
+  p.expert_counts = counts.data();
+  p.slot_to_row = s2r.data();
+  p.row_to_slot = r2s.data();
+  moe_route_cpu(p);
+  check_route(s, ids, p);
+}
+
+TEST(MoeEmulation, Route) {
+  const MoeShape s{23, 3, 7, 1};
+  std::mt19937 rng(23);
+  route_case(s, topk_ids(rng, s.tokens, s.top_k, s.experts));
+}
+
+TEST(MoeEmulation, RouteMoreExpertsThanThreads) {
+  const MoeShape s{9, 4, 1100, 1};
+  std::mt19937 rng(24);
+  std::vector<int32_t> ids = topk_ids(rng, s.tokens, s.top_k, s.experts);
+  ids[0] = 1024;  // experts in the second round of the stride loop, one of them twice
+  ids[5] = 1099;
+  ids[9] = 1024;
+  route_case(s, ids);
+}
+
+}  // namespace
+}  // namespace flatpeak::exec
