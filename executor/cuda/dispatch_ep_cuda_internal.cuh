@@ -13,6 +13,7 @@
 
 #include "executor/cuda/cublas_context.h"
 #include "executor/cuda/device_allocator.h"
+#include "executor/cuda/dispatch_ep_limits.h"
 #include "executor/schedules/dispatch_plan.h"
 
 namespace flatpeak::cuda::dispatch_ep_detail {
@@ -27,8 +28,6 @@ using exec::dispatch_detail::RowPlan;
 using exec::dispatch_detail::z;
 
 constexpr Category kDsp = Category::Dispatch;
-constexpr int kMaxEp = 64;    // per-destination arrays passed by value to kernels
-constexpr int kMaxTopK = 32;  // a token's k rows sorted in registers
 
 // A buffer of n elements of `dtype` (the CPU's Tensor of that numel: the same tracked bytes).
 inline DeviceBuffer make_buf(DeviceAllocator& a, DType dtype, int64_t n, cudaStream_t s, Category c = kDsp) {
@@ -121,13 +120,6 @@ void scatter_dprobs(cudaStream_t s, const Dims& d, const int32_t* sort32, const 
 
 // ---- capped rounds
 
-// One round's rows at the source, per destination (host values passed to the kernels).
-struct RoundRanges {
-  int64_t lo[kMaxEp];    // first send position of the round's rows for each destination
-  int64_t n[kMaxEp];     // how many
-  int64_t q0[kMaxEp];    // their first row in the round's send layout
-  int ep;
-};
 RoundRanges round_ranges(const RowPlan& p, const Round& rd);
 // The CPU's pack_round: for each destination's rows, send row q gets src[slot / k], its prob,
 // its expert id and its slot (i_home). sort = the send order [T·k] (position → slot), int64.

@@ -1,8 +1,10 @@
-// The kernels of the CUDA dispatch at EP ≥ 1 (dispatch_ep_cuda_internal.cuh): each the device
-// form of a loop of the CPU schedule (executor/schedules/dispatch_*.cpp), in the same order of
-// fp32 operations where a sum's order is the CPU's (a token's rows; the router's kept experts).
+// The kernel launchers of the CUDA dispatch at EP ≥ 1 (dispatch_ep_cuda_internal.cuh); the kernels
+// (dispatch_ep_kernels.cuh) are each the device form of a loop of the CPU schedule
+// (executor/schedules/dispatch_*.cpp), in the same order of fp32 operations where a sum's order is
+// the CPU's (a token's rows; the router's kept experts).
 // Every launch is on the rank's stream; grid-stride loops over 64-bit element counts.
 #include "executor/cuda/dispatch_ep_cuda_internal.cuh"
+#include "executor/cuda/dispatch_ep_kernels.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -11,239 +13,17 @@
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/schedule_util_cuda.cuh"
-#include "executor/ops/expert_ffn.h"
 
 namespace flatpeak::cuda::dispatch_ep_detail {
 
 namespace {
 
-using exec::cuda_detail::block_sum;
-using exec::cuda_detail::global_thread;
 using exec::cuda_detail::grid_for;
-using exec::cuda_detail::grid_threads;
 using exec::cuda_detail::kThreads;
 using exec::f32_to_bf16;
 using exec::to_f32;
 
 void check_launch() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
-
-// Blocks for a kernel that takes one row per block (grid-stride over rows).
-unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t{1} << 20))); }
-
-// ---- routing (the CPU's compute_routing, one thread per token)
-
-__global__ void routing_kernel(const float* logits, const int64_t* ids, float* scores, float* scattered, uint8_t* map, float* w,
-                               int64_t T, int64_t E, int64_t k) {
-  for (int64_t t = global_thread(); t < T; t += grid_threads()) {
-    const float* zt = logits + t * E;
-    float* sc = scores + t * E;
-    float mx = zt[0];
-    for (int64_t e = 1; e < E; ++e) mx = fmaxf(mx, zt[e]);
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; ++e) sum += (sc[e] = expf(zt[e] - mx));
-    for (int64_t e = 0; e < E; ++e) sc[e] /= sum;
-    float kept = 0.0f;
-    for (int64_t s = 0; s < k; ++s) kept += sc[ids[t * k + s]];
-    for (int64_t e = 0; e < E; ++e) scattered[t * E + e] = 0.0f;
-    for (int64_t s = 0; s < k; ++s) {
-      const int64_t e = ids[t * k + s];
-      w[t * k + s] = sc[e] / kept;
-      scattered[t * E + e] = w[t * k + s];
-      map[t * E + e] = 1;
-    }
-  }
-}
-
-// ---- experts
-
-// act[i] = silu(gate)·up·prob over rows [i0, i0 + n), prob index j0 + (i − i0).
-__global__ void act_kernel(const Bf16* fc1, const float* prob, Bf16* act, int64_t i0, int64_t j0, int64_t n, int64_t F) {
-  for (int64_t idx = global_thread(); idx < n * F; idx += grid_threads()) {
-    const int64_t r = idx / F, f = idx % F, i = i0 + r;
-    const float g = to_f32(fc1[i * 2 * F + f]), u = to_f32(fc1[i * 2 * F + F + f]);
-    act[i * F + f] = f32_to_bf16(exec::silu_f32(g) * u * prob[j0 + r]);
-  }
-}
-
-// Per row (a block each): d fc1 from d act, and d prob = Σ_f d act·silu(gate)·up written over
-// the row's prob once every thread has read it.
-__global__ void act_backward_kernel(const Bf16* fc1, const Bf16* d_act, float* prob, Bf16* d_fc1, int64_t i0, int64_t j0,
-                                    int64_t n, int64_t F) {
-  __shared__ float scratch[32];
-  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
-    const int64_t i = i0 + r, j = j0 + r;
-    const float p = prob[j];
-    float dp = 0.0f;
-    for (int64_t f = threadIdx.x; f < F; f += blockDim.x) {
-      const float g = to_f32(fc1[i * 2 * F + f]), u = to_f32(fc1[i * 2 * F + F + f]);
-      const float dh = to_f32(d_act[i * F + f]);
-      dp += dh * exec::silu_f32(g) * u;
-      const float da = dh * p;
-      d_fc1[i * 2 * F + f] = f32_to_bf16(da * u * exec::silu_grad_f32(g));
-      d_fc1[i * 2 * F + F + f] = f32_to_bf16(da * exec::silu_f32(g));
-    }
-    dp = block_sum(dp, scratch);  // synchronises: every thread has read p
-    if (threadIdx.x == 0) prob[j] = dp;
-  }
-}
-
-// ---- router backward
-
-// dz[t, e] = w_e·(dw_e − Σ_j w_j dw_j) at the kept experts, 0 elsewhere (one thread per token).
-__global__ void router_dz_kernel(const float* dw, const float* w, const int64_t* ids, float* dz, int64_t T, int64_t E, int64_t k) {
-  for (int64_t t = global_thread(); t < T; t += grid_threads()) {
-    float dot = 0.0f;
-    for (int64_t s = 0; s < k; ++s) dot += w[t * k + s] * dw[t * E + ids[t * k + s]];
-    for (int64_t e = 0; e < E; ++e) dz[t * E + e] = 0.0f;
-    for (int64_t s = 0; s < k; ++s) {
-      const int64_t e = ids[t * k + s];
-      dz[t * E + e] = w[t * k + s] * (dw[t * E + e] - dot);
-    }
-  }
-}
-
-// The token's k kept experts in increasing order (k ≤ kMaxTopK).
-__device__ inline void sorted_experts(const int64_t* ids, int64_t t, int64_t k, int64_t* e) {
-  for (int64_t s = 0; s < k; ++s) {
-    const int64_t v = ids[t * k + s];
-    int64_t m = s;
-    for (; m > 0 && e[m - 1] > v; --m) e[m] = e[m - 1];
-    e[m] = v;
-  }
-}
-
-// d_x[t, h] += Σ_e dz[t, e]·W[e, h] over the kept experts, increasing e (the other terms are 0).
-__global__ void router_dx_kernel(const float* dz, const Bf16* w_router, const int64_t* ids, float* d_x, int64_t T, int64_t H,
-                                 int64_t E, int64_t k) {
-  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
-    const int64_t t = idx / H, h = idx % H;
-    int64_t e[kMaxTopK];
-    sorted_experts(ids, t, k, e);
-    float sum = 0.0f;
-    for (int64_t s = 0; s < k; ++s) sum += dz[t * E + e[s]] * to_f32(w_router[e[s] * H + h]);
-    d_x[idx] += sum;
-  }
-}
-
-// dW_router[e, h] += Σ_t dz[t, e]·x[t, h], tokens in order (zero d logits skipped: they add 0).
-__global__ void router_dw_kernel(const float* dz, const Bf16* x, float* dw, int64_t T, int64_t H, int64_t E) {
-  for (int64_t idx = global_thread(); idx < E * H; idx += grid_threads()) {
-    const int64_t e = idx / H, h = idx % H;
-    float sum = 0.0f;
-    for (int64_t t = 0; t < T; ++t) {
-      const float v = dz[t * E + e];
-      if (v != 0.0f) sum += v * to_f32(x[t * H + h]);
-    }
-    dw[idx] += sum;
-  }
-}
-
-// ---- uncapped pass
-
-__global__ void gather_probs_kernel(const int32_t* sort32, const float* topk_w, float* pprobs, int64_t N) {
-  for (int64_t i = global_thread(); i < N; i += grid_threads()) pprobs[i] = topk_w[sort32[i]];
-}
-
-__global__ void gather_rows_kernel(const int32_t* sort32, const Bf16* src, bool per_copy, Bf16* rows, int64_t N, int64_t H,
-                                   int64_t k) {
-  for (int64_t idx = global_thread(); idx < N * H; idx += grid_threads()) {
-    const int64_t i = idx / H, h = idx % H;
-    const int64_t slot = sort32[i];
-    rows[idx] = src[(per_copy ? slot : slot / k) * H + h];
-  }
-}
-
-__global__ void repeat_kernel(const Bf16* x, Bf16* repeated, int64_t N, int64_t H, int64_t k) {
-  for (int64_t idx = global_thread(); idx < N * H; idx += grid_threads()) {
-    const int64_t i = idx / H, h = idx % H;
-    repeated[idx] = x[(i / k) * H + h];
-  }
-}
-
-// A token's k rows (send positions unsort32[slot]) in increasing expert order, fp32 from zero
-// (out) or added one by one to acc (the CPU's d_x loop).
-__global__ void sum_token_rows_kernel(const int64_t* ids, const int32_t* unsort32, const Bf16* rows, Bf16* out, float* acc,
-                                      int64_t T, int64_t H, int64_t k) {
-  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
-    const int64_t t = idx / H, h = idx % H;
-    int64_t e[kMaxTopK], pos[kMaxTopK];
-    for (int64_t s = 0; s < k; ++s) {  // insertion by expert id
-      const int64_t v = ids[t * k + s], ps = unsort32[t * k + s];
-      int64_t m = s;
-      for (; m > 0 && e[m - 1] > v; --m) {
-        e[m] = e[m - 1];
-        pos[m] = pos[m - 1];
-      }
-      e[m] = v;
-      pos[m] = ps;
-    }
-    float sum = acc ? acc[idx] : 0.0f;
-    for (int64_t s = 0; s < k; ++s) sum += to_f32(rows[pos[s] * H + h]);
-    if (acc) acc[idx] = sum;
-    else out[idx] = f32_to_bf16(sum);
-  }
-}
-
-__global__ void scatter_dprobs_kernel(const int32_t* sort32, const int64_t* ids, const float* pprobs, float* scores, int64_t N,
-                                      int64_t E, int64_t k) {
-  for (int64_t i = global_thread(); i < N; i += grid_threads()) {
-    const int64_t slot = sort32[i];
-    scores[(slot / k) * E + ids[slot]] = pprobs[i];
-  }
-}
-
-// ---- capped rounds
-
-__global__ void pack_round_kernel(const int64_t* sort, const float* topk_w, const int64_t* topk_ids, const Bf16* src, Bf16* rows,
-                                  float* p_send, int64_t* i_send, int64_t* i_home, int64_t lo, int64_t q0, int64_t n, int64_t H,
-                                  int64_t k) {
-  for (int64_t idx = global_thread(); idx < n * H; idx += grid_threads()) {
-    const int64_t i = idx / H, h = idx % H, q = q0 + i;
-    const int64_t slot = sort[lo + i];
-    rows[q * H + h] = src[(slot / k) * H + h];
-    if (h == 0) {
-      p_send[q] = topk_w[slot];
-      i_send[q] = topk_ids[slot];
-      i_home[q] = slot;
-    }
-  }
-}
-
-// A token's rows of this round in send order (ascending q), added one by one to acc.
-__global__ void add_round_rows_kernel(RoundRanges rr, const int64_t* dest, const int64_t* unsort, const Bf16* rows, float* acc,
-                                      int64_t T, int64_t H, int64_t k) {
-  for (int64_t idx = global_thread(); idx < T * H; idx += grid_threads()) {
-    const int64_t t = idx / H, h = idx % H;
-    int64_t q[kMaxTopK];
-    int64_t m = 0;
-    for (int64_t s = 0; s < k; ++s) {
-      const int64_t slot = t * k + s, dd = dest[slot], off = unsort[slot] - rr.lo[dd];
-      if (off < 0 || off >= rr.n[dd]) continue;  // not in this round
-      const int64_t v = rr.q0[dd] + off;
-      int64_t a = m++;
-      for (; a > 0 && q[a - 1] > v; --a) q[a] = q[a - 1];
-      q[a] = v;
-    }
-    if (m == 0) continue;
-    float sum = acc[idx];
-    for (int64_t a = 0; a < m; ++a) sum += to_f32(rows[q[a] * H + h]);
-    acc[idx] = sum;
-  }
-}
-
-__global__ void scatter_round_dprobs_kernel(const int64_t* i_home, const int64_t* ids, const float* dprob, float* scores, int64_t n,
-                                            int64_t E, int64_t k) {
-  for (int64_t q = global_thread(); q < n; q += grid_threads()) {
-    const int64_t slot = i_home[q];
-    scores[(slot / k) * E + ids[slot]] = dprob[q];
-  }
-}
-
-// ---- small
-
-__global__ void add_f32_kernel(const float* src, float* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] += src[i];
-}
 
 // Calls fn(l, i0, m) for every local expert with m > 0 rows from expert-order row i0.
 template <class Fn>

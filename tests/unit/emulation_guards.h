@@ -40,6 +40,8 @@ T sentinel() {
     return f32_from_bits(0x7149f2cau);  // ≈ 1e30
   } else if constexpr (std::is_same_v<T, int32_t>) {
     return 0x5a5a5a5a;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return uint8_t{0x5a};
   } else {
     return int64_t{0x5a5a5a5a5a5a5a5a};
   }
