@@ -1,6 +1,7 @@
 // Internals of the CUDA dispatch at EP ≥ 1 (dispatch_ep_cuda.h), shared by its two files only:
-//   dispatch_ep_cuda_ops.cu  kernels and their launchers: inputs, routing, regrouping, packing,
-//                            the per-token sums, the experts' GEMMs, the router's backward;
+//   dispatch_ep_cuda_ops.cu  the launchers of the kernels (dispatch_ep_kernels.cuh): inputs, routing,
+//                            regrouping, packing, the per-token sums, the experts' GEMMs, the
+//                            router's backward;
 //   dispatch_ep_cuda.cu      the entry point and the passes (uncapped, capped rounds).
 // The buffers mirror the CPU's (executor/schedules/dispatch_internal.h) one for one.
 //   LayerDev L(alloc, d, s);  fill_layer(c, d, L, s);  RoutingDev r(alloc, d, s);  compute_routing(blas, d, L, ids, r);
@@ -120,6 +121,7 @@ void scatter_dprobs(cudaStream_t s, const Dims& d, const int32_t* sort32, const 
 
 // ---- capped rounds
 
+// One round's RoundRanges (dispatch_ep_limits.h).
 RoundRanges round_ranges(const RowPlan& p, const Round& rd);
 // The CPU's pack_round: for each destination's rows, send row q gets src[slot / k], its prob,
 // its expert id and its slot (i_home). sort = the send order [T·k] (position → slot), int64.
