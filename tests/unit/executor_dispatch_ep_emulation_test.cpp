@@ -62,6 +62,15 @@ Routed make_routed(std::mt19937& rng) {
   return s;
 }
 
+// Row r scaled by 8^(r mod 5): sums of such rows round differently in another order, so the
+// bitwise checks of the per-token sums see the order of the additions.
+std::vector<float> spread_rows(std::vector<float> values, int64_t row_elems) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] *= static_cast<float>(int64_t{1} << (3 * ((static_cast<int64_t>(i) / row_elems) % 5)));
+  }
+  return values;
+}
+
 template <class I>
 Guarded<I> index_guarded(const std::vector<I>& v, I past_end) {  // past the end: an index into NaN
   return with_guard(v, past_end);
@@ -225,7 +234,7 @@ TEST(DispatchEpEmulation, UncappedGathersAndSums) {
   const int64_t T = s.T, E = s.E, k = s.k, H = s.H, N = s.N;
   const std::vector<Bf16> x = stored<Bf16>(uniform(rng, T * H));         // [T, H] bf16
   const std::vector<Bf16> per_copy = stored<Bf16>(uniform(rng, N * H));  // [N, H] bf16, slot order
-  const std::vector<Bf16> rows = stored<Bf16>(uniform(rng, N * H));      // [N, H] bf16, send order
+  const std::vector<Bf16> rows = stored<Bf16>(spread_rows(uniform(rng, N * H), H));  // [N, H] bf16, send order
   const std::vector<float> acc0 = uniform(rng, T * H);                   // [T, H] fp32 +=
   const std::vector<float> pprobs = uniform(rng, N);                     // [N] fp32, send order
   const std::vector<float> scores0 = uniform(rng, T * E);                // [T, E] fp32
@@ -299,15 +308,16 @@ TEST(DispatchEpEmulation, UncappedGathersAndSums) {
   expect_guard_intact("scatter_dprobs", e_scores);
 }
 
-// One capped round over 3 destinations: copies sent in destination order (sort), the round
-// takes a sub-range of each destination's copies (none of destination 1's); pack_round launches
-// once per destination with rows, add_round_rows adds a token's rows of the round in send order.
+// One capped round over 4 destinations: copies sent in destination order (sort), the round
+// takes a sub-range of each destination's copies (none of destination 3's); pack_round launches
+// once per destination with rows, add_round_rows adds a token's rows of the round in send order
+// (at least one token has 3 of them, not in slot order).
 TEST(DispatchEpEmulation, CappedRound) {
   std::mt19937 rng(35);
   const Routed s = make_routed(rng);
-  const int64_t T = s.T, E = s.E, k = s.k, H = s.H, N = s.N, ep = 3;
+  const int64_t T = s.T, E = s.E, k = s.k, H = s.H, N = s.N, ep = 4;
   std::vector<int64_t> dest(static_cast<size_t>(N));  // [N] slot → destination rank (expert's owner)
-  for (int64_t slot = 0; slot < N; ++slot) dest[static_cast<size_t>(slot)] = s.ids[static_cast<size_t>(slot)] / 2;
+  for (int64_t slot = 0; slot < N; ++slot) dest[static_cast<size_t>(slot)] = s.ids[static_cast<size_t>(slot)] % ep;
   std::vector<int64_t> sort(static_cast<size_t>(N)), unsort(sort.size());  // int64 send order and inverse
   std::iota(sort.begin(), sort.end(), 0);
   std::stable_sort(sort.begin(), sort.end(), [&](int64_t a, int64_t b) { return dest[static_cast<size_t>(a)] < dest[static_cast<size_t>(b)]; });
@@ -322,7 +332,7 @@ TEST(DispatchEpEmulation, CappedRound) {
     const int64_t have = dest_begin[static_cast<size_t>(t + 1)] - dest_begin[static_cast<size_t>(t)];
     const int64_t first = have > 1 ? 1 : 0;  // the round starts past the first copy
     rr.lo[t] = dest_begin[static_cast<size_t>(t)] + first;
-    rr.n[t] = t == 1 ? 0 : have - first;
+    rr.n[t] = t == 3 ? 0 : have - first;
     rr.q0[t] = sent;
     sent += rr.n[t];
   }
@@ -343,7 +353,10 @@ TEST(DispatchEpEmulation, CappedRound) {
       i_home[static_cast<size_t>(q)] = slot;
     }
   }
+  // The round's rows as they come back (the experts' outputs), added per token.
+  const std::vector<Bf16> returned = stored<Bf16>(spread_rows(uniform(rng, sent * H), H));  // [sent, H] bf16
   std::vector<float> acc = acc0, scores = scores0;
+  int64_t most_rows = 0;  // of one token in the round
   for (int64_t t = 0; t < T; ++t) {
     std::vector<int64_t> qs;
     for (int64_t j = 0; j < k; ++j) {
@@ -351,10 +364,12 @@ TEST(DispatchEpEmulation, CappedRound) {
       if (off >= 0 && off < rr.n[dd]) qs.push_back(rr.q0[dd] + off);
     }
     std::sort(qs.begin(), qs.end());
+    most_rows = std::max(most_rows, static_cast<int64_t>(qs.size()));
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t q : qs) acc[static_cast<size_t>(t * H + h)] += to_f32(rows[static_cast<size_t>(q * H + h)]);
+      for (int64_t q : qs) acc[static_cast<size_t>(t * H + h)] += to_f32(returned[static_cast<size_t>(q * H + h)]);
     }
   }
+  ASSERT_EQ(most_rows, k) << "no token with all its rows in the round: the add order is untested";
   for (int64_t q = 0; q < sent; ++q) {
     const int64_t slot = i_home[static_cast<size_t>(q)];
     scores[static_cast<size_t>((slot / k) * E + s.ids[static_cast<size_t>(slot)])] = dprob[static_cast<size_t>(q)];
@@ -363,7 +378,7 @@ TEST(DispatchEpEmulation, CappedRound) {
   const Guarded<int64_t> g_sort = index_guarded(sort, N), g_unsort = index_guarded(unsort, N);
   const Guarded<int64_t> g_dest = index_guarded(dest, int64_t{0}), g_ids = index_guarded(s.ids, E);
   const Guarded<float> g_topk_w = with_guard(s.topk_w, quiet_nan<float>()), g_dprob = with_guard(dprob, quiet_nan<float>());
-  const Guarded<Bf16> g_src = with_guard(src, quiet_nan<Bf16>()), g_rows = with_guard(rows, quiet_nan<Bf16>());
+  const Guarded<Bf16> g_src = with_guard(src, quiet_nan<Bf16>()), g_ret = with_guard(returned, quiet_nan<Bf16>());
   const Guarded<int64_t> g_home = index_guarded(i_home, N);
   Guarded<Bf16> e_rows = output_of<Bf16>(sent * H);
   Guarded<float> e_p = output_of<float>(sent), e_acc = inout_of<float>(acc0), e_scores = inout_of<float>(scores0);
@@ -376,7 +391,7 @@ TEST(DispatchEpEmulation, CappedRound) {
     });
   }
   emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
-    de::add_round_rows_kernel(rr, g_dest.ptr(), g_unsort.ptr(), g_rows.ptr(), e_acc.ptr(), T, H, k);
+    de::add_round_rows_kernel(rr, g_dest.ptr(), g_unsort.ptr(), g_ret.ptr(), e_acc.ptr(), T, H, k);
   });
   emu::launch(grid_for(sent), 1, kBlock, 0, [&] {
     de::scatter_round_dprobs_kernel(g_home.ptr(), g_ids.ptr(), g_dprob.ptr(), e_scores.ptr(), sent, E, k);
