@@ -32,6 +32,17 @@ constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
 constexpr unsigned kRouteThreads = 1024;   // moe_route_cuda: one block of 1024
 constexpr unsigned kCombineThreads = 128;  // combine_backward_cuda: one block of 128 per slot
 
+// The launchers' grid_for, under a cap that a test lowers to run the grid-stride loops more than
+// once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
+unsigned g_block_cap = ~0u;
+unsigned grid_for(int64_t n, int threads = cd::kThreads) { return std::min(cd::grid_for(n, threads), g_block_cap); }
+struct BlockCap {
+  explicit BlockCap(unsigned cap) { g_block_cap = cap; }
+  ~BlockCap() { g_block_cap = ~0u; }
+  BlockCap(const BlockCap&) = delete;
+  BlockCap& operator=(const BlockCap&) = delete;
+};
+
 // ---- MoE ---------------------------------------------------------------------------------
 
 // k distinct experts per token, every third token's sorted so the low ids get more copies.
@@ -122,16 +133,16 @@ void moe_case(const MoeShape& s, uint32_t seed) {
   const Guarded<T> g_dys = with_guard(d_y_slots, quiet_nan<T>());
   Guarded<T> e_xp = output_of<T>(rows * H), e_dx = output_of<T>(tokens * H);
   Guarded<T> e_ys = output_of<T>(rows * H), e_dyp = output_of<T>(rows * H);
-  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
     cd::gather_rows_kernel(g_x.ptr(), g_r2s.ptr(), k, e_xp.ptr(), rows, H);
   });
-  emu::launch(cd::grid_for(tokens * H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
     cd::permute_backward_kernel(g_dxp.ptr(), g_s2r.ptr(), e_dx.ptr(), tokens, k, H);
   });
-  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
     cd::gather_rows_kernel(g_yp.ptr(), g_s2r.ptr(), int64_t{1}, e_ys.ptr(), rows, H);
   });
-  emu::launch(cd::grid_for(rows * H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
     cd::gather_rows_kernel(g_dys.ptr(), g_r2s.ptr(), int64_t{1}, e_dyp.ptr(), rows, H);
   });
   expect_same(tag<T>("permute/x_perm"), e_xp, x_perm);
@@ -169,7 +180,7 @@ void moe_case(const MoeShape& s, uint32_t seed) {
     const int32_t* slot_to_row = fused ? g_s2r.ptr() : nullptr;
     Guarded<T> e_out = output_of<T>(tokens * H), e_dy = output_of<T>(rows * H);
     Guarded<float> e_dw = output_of<float>(rows);
-    emu::launch(cd::grid_for(tokens * H), 1, kBlock, 0, [&] {
+    emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
       cd::combine_forward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, e_out.ptr(), tokens, k, H);
     });
     emu::launch(static_cast<unsigned>(rows), 1, kCombineThreads, 0, [&] {
@@ -224,6 +235,12 @@ TEST(MoeEmulation, RouteMoreExpertsThanThreads) {
   ids[5] = 1099;
   ids[9] = 1024;
   route_case(s, ids);
+}
+
+// One block for every grid-stride kernel: each thread takes several elements.
+TEST(MoeEmulation, GridStride) {
+  const BlockCap cap(1);
+  moe_case<float>({2, 2, 3, 130}, 25);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -30,6 +31,17 @@ using namespace emu_test;
 
 constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
 constexpr int kRouterThreads = 128;  // router_{forward,backward}_cuda
+
+// The launchers' grid_for, under a cap that a test lowers to run the grid-stride loops more than
+// once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
+unsigned g_block_cap = ~0u;
+unsigned grid_for(int64_t n, int threads = cd::kThreads) { return std::min(cd::grid_for(n, threads), g_block_cap); }
+struct BlockCap {
+  explicit BlockCap(unsigned cap) { g_block_cap = cap; }
+  ~BlockCap() { g_block_cap = ~0u; }
+  BlockCap(const BlockCap&) = delete;
+  BlockCap& operator=(const BlockCap&) = delete;
+};
 
 // ---- AdamW -------------------------------------------------------------------------------
 
@@ -62,7 +74,7 @@ void adamw_case(int64_t n, int64_t steps, bool with_param_out) {
     adamw_step_cpu(a);
     const AdamWScalars scalars = adamw_scalars(a);
     Bf16* out = with_param_out ? e_out.ptr() : nullptr;
-    emu::launch(cd::grid_for(n), 1, kBlock, 0, [&] {
+    emu::launch(grid_for(n), 1, kBlock, 0, [&] {
       cd::adamw_kernel(e_master.ptr(), g_grad.ptr(), e_m.ptr(), e_v.ptr(), out, n, scalars);
     });
   }
@@ -116,10 +128,10 @@ void embedding_case(int64_t tokens, int64_t vocab, int64_t H) {
   const Guarded<T> g_dout = with_guard(d_out, quiet_nan<T>());
   Guarded<T> e_out = output_of<T>(tokens * H);
   Guarded<T> e_dtable = inout_of<T>(d_table_init);
-  emu::launch(cd::grid_for(tokens * H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
     cd::embedding_forward_kernel(g_ids.ptr(), g_table.ptr(), e_out.ptr(), tokens, H);
   });
-  emu::launch(cd::grid_for(H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(H), 1, kBlock, 0, [&] {
     cd::embedding_backward_kernel(g_ids.ptr(), g_dout.ptr(), e_dtable.ptr(), tokens, H);
   });
   expect_same(tag<T>("embedding/out"), e_out, out);
@@ -176,7 +188,7 @@ void rmsnorm_case(int64_t tokens, int64_t H) {
   emu::launch(blocks, 1, kBlock, 0, [&] {
     cd::rmsnorm_backward_dx_kernel(g_x.ptr(), g_w.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dx.ptr(), H);
   });
-  emu::launch(cd::grid_for(H), 1, kBlock, 0, [&] {
+  emu::launch(grid_for(H), 1, kBlock, 0, [&] {
     cd::rmsnorm_backward_dw_kernel(g_x.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dw.ptr(), tokens, H);
   });
   const Tol tol = Tol::of(dtype_of<T>());
@@ -221,7 +233,7 @@ void router_case(const std::string& name, const std::vector<float>& logits, int6
   const Guarded<float> g_dw = with_guard(d_w, quiet_nan<float>());
   Guarded<int32_t> e_ids = output_of<int32_t>(tokens * k);
   Guarded<float> e_w = output_of<float>(tokens * k), e_dz = output_of<float>(tokens * E);
-  const unsigned blocks = cd::grid_for(tokens, kRouterThreads);
+  const unsigned blocks = grid_for(tokens, kRouterThreads);
   emu::launch(blocks, 1, kRouterThreads, 0, [&] {
     cd::router_forward_kernel(g_logits.ptr(), e_ids.ptr(), e_w.ptr(), tokens, E, k);
   });
@@ -253,6 +265,18 @@ TEST(NormAdamwEmulation, RouterTies) {
   for (float& z : logits) z = 0.5f + static_cast<float>(pick(rng));
   router_case("router_ties", logits, T, E, 4, 17);
   router_case("router_all", logits, T, E, E, 18);
+}
+
+// One block for every grid-stride kernel: each thread takes several elements (tokens for the
+// router, columns for embedding backward and RMSNorm's dw).
+TEST(NormAdamwEmulation, GridStride) {
+  const BlockCap cap(1);
+  adamw_case<float>(300, 1, true);
+  embedding_case<float>(3, 2, 260);
+  rmsnorm_case<float>(2, 300);
+  const int64_t T = 150, E = 9, k = 3;
+  std::mt19937 rng(19);
+  router_case("router_one_block", positive(rng, T * E, 0.05f, 4.0f), T, E, k, 20);
 }
 
 }  // namespace
