@@ -11,34 +11,10 @@
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/cuda_raii.h"
 #include "executor/cuda/kernel_util.cuh"
+#include "executor/cuda/schedule_fill_kernels.cuh"
 #include "executor/ops/dtype.h"
 
 namespace flatpeak::exec::cuda_detail {
-
-// schedule_util.h's mix64 and uniform_pm1, for the device.
-__device__ inline uint64_t mix64_device(uint64_t seed, uint64_t index) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ULL + index + 0x632BE59BD9B4E019ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
-__device__ inline float uniform_pm1_device(uint64_t seed, uint64_t index) {
-  return static_cast<float>(static_cast<double>(mix64_device(seed, index) >> 11) * 0x1.0p-52 - 1.0);
-}
-
-// Templates so that a header kernel is defined once per program however many files include it.
-// Element i holds the value of index first_index + i (a rank's slice of a global tensor).
-template <class T>
-__global__ void fill_bf16_kernel(T* p, int64_t n, uint64_t seed, float scale, uint64_t first_index) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads())
-    p[i] = f32_to_bf16(scale * uniform_pm1_device(seed, first_index + static_cast<uint64_t>(i)));
-}
-
-template <class I>
-__global__ void fill_targets_kernel(I* p, int64_t n, int64_t vocab, uint64_t seed, uint64_t first_index) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads())
-    p[i] = static_cast<I>(mix64_device(seed, first_index + static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
-}
 
 inline void fill_bf16_cuda(Bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream, uint64_t first_index = 0) {
   if (n <= 0) return;
