@@ -10,6 +10,7 @@
 #include <string>
 
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/dispatch_schedule_kernels.cuh"
 #include "executor/cuda/ops_cuda.h"
 #include "executor/cuda/schedule_util_cuda.cuh"
 
@@ -22,10 +23,14 @@ using exec::Category;
 using exec::DType;
 using exec::DispatchScheduleConfig;
 using exec::cuda_detail::ScopedEvent;
+using exec::cuda_detail::combine_backward_round_kernel;
+using exec::cuda_detail::combine_round_kernel;
 using exec::cuda_detail::event_seconds;
-using exec::cuda_detail::global_thread;
+using exec::cuda_detail::f32_to_bf16_kernel;
+using exec::cuda_detail::gather_round_kernel;
 using exec::cuda_detail::grid_for;
-using exec::cuda_detail::grid_threads;
+using exec::cuda_detail::kept_softmax_kernel;
+using exec::cuda_detail::scatter_add_round_kernel;
 using exec::cuda_detail::kThreads;
 
 constexpr Category kDsp = Category::Dispatch;
@@ -44,70 +49,6 @@ Dims dims_of(const DispatchScheduleConfig& c) {
 }
 
 int64_t aligned(int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; }
-
-// topk_w[t, s] = softmax over the token's kept router logits (the CPU's renormalised weights).
-__global__ void kept_softmax_kernel(const float* logits, const int32_t* ids, float* w, int64_t T,
-                                    int64_t E, int64_t k) {
-  for (int64_t t = global_thread(); t < T; t += grid_threads()) {
-    float m = -INFINITY;
-    for (int64_t s = 0; s < k; ++s) m = fmaxf(m, logits[t * E + ids[t * k + s]]);
-    float sum = 0.0f;
-    for (int64_t s = 0; s < k; ++s) sum += expf(logits[t * E + ids[t * k + s]] - m);
-    for (int64_t s = 0; s < k; ++s) w[t * k + s] = expf(logits[t * E + ids[t * k + s]] - m) / sum;
-  }
-}
-
-// in[i] = x[token of sorted row r0 + i], prob[i] = its router weight, for i < n.
-__global__ void gather_round_kernel(const Bf16* x, const float* topk_w, const int32_t* row_to_slot,
-                                    int64_t r0, int64_t n, int64_t H, int64_t k, Bf16* in, float* prob) {
-  for (int64_t i = global_thread(); i < n * H; i += grid_threads()) {
-    const int64_t r = i / H, h = i % H;
-    const int64_t slot = row_to_slot[r0 + r];
-    in[i] = x[(slot / k) * H + h];
-    if (h == 0) prob[r] = topk_w[slot];
-  }
-}
-
-// acc[token] += prob · y[i] (fp32 atomics: a token's rows may sit in one round).
-__global__ void combine_round_kernel(const Bf16* y, const float* prob, const int32_t* row_to_slot,
-                                     int64_t r0, int64_t n, int64_t H, int64_t k, float* acc) {
-  for (int64_t i = global_thread(); i < n * H; i += grid_threads()) {
-    const int64_t r = i / H, h = i % H;
-    const int64_t t = row_to_slot[r0 + r] / k;
-    atomicAdd(&acc[t * H + h], prob[r] * exec::to_f32(y[i]));
-  }
-}
-
-// Per round row (one block): d_y = prob · d_out[token] (bf16) and d prob = d_out[token] · y.
-__global__ void combine_backward_round_kernel(const Bf16* d_out, const Bf16* y, const float* prob,
-                                              const int32_t* row_to_slot, int64_t r0, int64_t H,
-                                              int64_t k, Bf16* d_y, float* d_topk_w) {
-  __shared__ float scratch[32];
-  const int64_t r = blockIdx.x;
-  const int64_t slot = row_to_slot[r0 + r];
-  const Bf16* g = d_out + (slot / k) * H;
-  float dot = 0.0f;
-  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
-    const float gh = exec::to_f32(g[h]);
-    d_y[r * H + h] = exec::f32_to_bf16(prob[r] * gh);
-    dot += gh * exec::to_f32(y[r * H + h]);
-  }
-  dot = exec::cuda_detail::block_sum(dot, scratch);
-  if (threadIdx.x == 0) d_topk_w[slot] = dot;
-}
-
-// d_x[token] += d_in[i] (fp32 atomics).
-__global__ void scatter_add_round_kernel(const Bf16* d_in, const int32_t* row_to_slot, int64_t r0,
-                                         int64_t n, int64_t H, int64_t k, float* d_x) {
-  for (int64_t i = global_thread(); i < n * H; i += grid_threads()) {
-    const int64_t r = i / H, h = i % H;
-    atomicAdd(&d_x[(row_to_slot[r0 + r] / k) * H + h], exec::to_f32(d_in[i]));
-  }
-}
-
-__global__ void f32_to_bf16_kernel(const float* src, Bf16* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = exec::f32_to_bf16(src[i]);
-}
 
 void check_launch() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
 

@@ -5,14 +5,15 @@
 //   #include "cuda_emulation.h"  then  #include "executor/cuda/attention_tc_kernels.cuh"
 //   emu::launch(grid_x, grid_y, 128, smem_bytes, [&] { some_kernel(args...); });
 // One std::thread per CUDA thread; __syncthreads and __syncwarp are barriers (a mutex and a
-// condition variable, so every write before one is seen after it); __shfl_xor_sync goes through a
-// per-warp array between two warp barriers. WMMA fragments hold the whole 16x16 tile and only lane
-// 0 of a warp loads, multiplies and stores them: a lane that reads a tile another lane stored
-// without a __syncwarp between may see stale data, as on a device. Shared memory starts filled
-// with 0xCD bytes (reads of unwritten shared memory give large garbage, not zeros). Misaligned
-// fragment pointers (WMMA needs 32 bytes) and leading dimensions that are not a multiple of 8
-// (16-bit) or 4 (fp32) are counted in emu::violations(). Not emulated: timing, bank conflicts,
-// registers, the real fragment layouts and the tensor cores' own rounding of fp32 sums.
+// condition variable, so every write before one is seen after it); atomicAdd (float) takes a lock;
+// __shfl_xor_sync goes through a per-warp array between two warp barriers. WMMA fragments hold
+// the whole 16x16 tile and only lane 0 of a warp loads, multiplies and stores them: a lane that
+// reads a tile another lane stored without a __syncwarp between may see stale data, as on a
+// device. Shared memory starts filled with 0xCD bytes (reads of unwritten shared memory give large
+// garbage, not zeros). Misaligned fragment pointers (WMMA needs 32 bytes) and leading dimensions
+// that are not a multiple of 8 (16-bit) or 4 (fp32) are counted in emu::violations(). Not
+// emulated: timing, bank conflicts, registers, the real fragment layouts and the tensor cores' own
+// rounding of fp32 sums.
 #pragma once
 
 #ifndef FLATPEAK_CUDA_EMULATION
@@ -138,6 +139,15 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
 }  // namespace emu
 
 inline void __syncthreads() { emu::current->block.arrive_and_wait(); }
+// Atomic as on a device (one lock for all addresses); the order of a location's additions is the
+// order the threads reach it, so sums of several terms may differ in their last bits run to run.
+inline float atomicAdd(float* address, float value) {
+  static std::mutex lock;
+  const std::lock_guard<std::mutex> guard(lock);
+  const float old = *address;
+  *address = old + value;
+  return old;
+}
 inline void __syncwarp() { emu::current->warps[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float value, int lane_mask) {
   const unsigned t = threadIdx.x;
