@@ -16,16 +16,20 @@
 
 #include "executor/cpu/op_util.h"
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/expert_ffn_kernels.cuh"
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/cuda/ops_cuda.h"
 
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::global_thread;
+using cuda_detail::add_kernel;
 using cuda_detail::grid_for;
-using cuda_detail::grid_threads;
 using cuda_detail::kThreads;
+using cuda_detail::store_kernel;
+using cuda_detail::swiglu_backward_kernel;
+using cuda_detail::swiglu_kernel;
+using cuda_detail::widen_kernel;
 
 // fp32 workspace, n = the busiest expert's rows, each buffer reused once its value is dead:
 //   rows   [n, H]    dy, then x, widened (bf16 backward); the forward's out and the backward's dx
@@ -62,45 +66,6 @@ Workspace carve(const ExpertFfnArgs& a, int64_t n) {
 template <class T>
 constexpr DType storage_of() {
   return std::is_same_v<T, float> ? DType::F32 : DType::BF16;
-}
-
-template <class T>
-__global__ void widen_kernel(const T* src, float* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] = to_f32(src[i]);
-}
-
-template <class T>
-__global__ void store_kernel(const float* src, T* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], src[i]);
-}
-
-template <class T>
-__global__ void add_kernel(const float* src, T* dst, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], to_f32(dst[i]) + src[i]);
-}
-
-// h = silu(gate) ⊙ up from the stored (rounded) gate_up, as the CPU reads it.
-template <class T>
-__global__ void swiglu_kernel(const T* gate_up, float* h, int64_t n, int64_t F) {
-  for (int64_t i = global_thread(); i < n * F; i += grid_threads()) {
-    const int64_t r = i / F;
-    const int64_t f = i % F;
-    h[i] = silu_f32(to_f32(gate_up[r * 2 * F + f])) * to_f32(gate_up[r * 2 * F + F + f]);
-  }
-}
-
-// dgu holds dh in its gate half; turns it into d[gate | up].
-template <class T>
-__global__ void swiglu_backward_kernel(const T* gate_up, float* dgu, int64_t n, int64_t F) {
-  for (int64_t i = global_thread(); i < n * F; i += grid_threads()) {
-    const int64_t r = i / F;
-    const int64_t f = i % F;
-    const float g = to_f32(gate_up[r * 2 * F + f]);
-    const float u = to_f32(gate_up[r * 2 * F + F + f]);
-    const float dh = dgu[r * 2 * F + f];
-    dgu[r * 2 * F + f] = dh * u * silu_grad_f32(g);
-    dgu[r * 2 * F + F + f] = dh * silu_f32(g);
-  }
 }
 
 template <class K, class... Args>
