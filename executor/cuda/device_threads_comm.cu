@@ -5,42 +5,17 @@
 #include <vector>
 
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/device_threads_comm_kernels.cuh"
 #include "executor/cuda/kernel_util.cuh"
 
 namespace flatpeak::cuda {
 
 namespace {
 
-using exec::cuda_detail::global_thread;
 using exec::cuda_detail::grid_for;
-using exec::cuda_detail::grid_threads;
 using exec::cuda_detail::kThreads;
-
-// The CPU's reduce_in_rank_order, element by element: acc starts at rank 0's value and adds (or
-// takes the max of) ranks 1..n−1 in order, in Acc; the result is rounded once to T.
-template <class T, class Acc>
-__global__ void reduce_rank_order_kernel(const T* staged, T* out, int64_t count, int n, bool sum) {
-  for (int64_t i = global_thread(); i < count; i += grid_threads()) {
-    Acc acc = static_cast<Acc>(staged[i]);
-    for (int p = 1; p < n; ++p) {
-      const Acc v = static_cast<Acc>(staged[static_cast<int64_t>(p) * count + i]);
-      acc = sum ? static_cast<Acc>(acc + v) : (acc < v ? v : acc);
-    }
-    out[i] = static_cast<T>(acc);
-  }
-}
-
-__global__ void reduce_rank_order_bf16_kernel(const exec::Bf16* staged, exec::Bf16* out, int64_t count, int n,
-                                              bool sum) {
-  for (int64_t i = global_thread(); i < count; i += grid_threads()) {
-    float acc = exec::to_f32(staged[i]);
-    for (int p = 1; p < n; ++p) {
-      const float v = exec::to_f32(staged[static_cast<int64_t>(p) * count + i]);
-      acc = sum ? __fadd_rn(acc, v) : (acc < v ? v : acc);
-    }
-    out[i] = exec::f32_to_bf16(acc);
-  }
-}
+using exec::cuda_detail::reduce_rank_order_bf16_kernel;
+using exec::cuda_detail::reduce_rank_order_kernel;
 
 const char* byte_ptr(const void* p, int64_t elems, exec::DType dtype) {
   return static_cast<const char*>(p) + elems * exec::dtype_bytes(dtype);

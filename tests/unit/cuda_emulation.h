@@ -139,6 +139,9 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
 }  // namespace emu
 
 inline void __syncthreads() { emu::current->block.arrive_and_wait(); }
+// Separately rounded float ops: nvcc never contracts them into an fma (nor does the host here).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 // Atomic as on a device (one lock for all addresses); the order of a location's additions is the
 // order the threads reach it, so sums of several terms may differ in their last bits run to run.
 inline float atomicAdd(float* address, float value) {
