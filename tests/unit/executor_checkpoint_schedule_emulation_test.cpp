@@ -32,7 +32,9 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) { return static_cast<size_t>(n); }
+size_t z(int64_t n) {
+  return static_cast<size_t>(n);
+}
 
 bool same_bits(const std::vector<Bf16>& x, const std::vector<Bf16>& y, int64_t n) {
   return std::memcmp(x.data(), y.data(), z(n) * sizeof(Bf16)) == 0;
@@ -49,7 +51,9 @@ std::vector<Bf16> wide_input(std::mt19937& rng, int64_t n) {  // [n] bf16 + NaN
   for (float& v : values) v = std::ldexp(v, exponent(rng));
   return with_guard(to_storage<Bf16>(values), nan_of<Bf16>());
 }
-std::vector<Bf16> output(int64_t n) { return std::vector<Bf16>(z(n) + kGuard, sentinel_of<Bf16>()); }
+std::vector<Bf16> output(int64_t n) {
+  return std::vector<Bf16>(z(n) + kGuard, sentinel_of<Bf16>());
+}
 
 TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
   for (int64_t n : {int64_t{1}, int64_t{300}, int64_t{513}}) {
@@ -64,24 +68,24 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
     std::vector<Bf16> want(z(n));
 
     std::vector<Bf16> sum2 = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] { cd::add2_kernel(a.data(), b.data(), sum2.data(), n); });
+    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+                [&] { cd::add2_kernel(a.data(), b.data(), sum2.data(), n); });
     expect_guard("add2", sum2, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]));
     EXPECT_TRUE(same_bits(sum2, want, n)) << "add2";
 
     std::vector<Bf16> sum3 = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] {
-      cd::add3_kernel(a.data(), b.data(), c.data(), sum3.data(), n);
-    });
+    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+                [&] { cd::add3_kernel(a.data(), b.data(), c.data(), sum3.data(), n); });
     expect_guard("add3", sum3, z(n), sentinel_of<Bf16>());
-    for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]) + to_f32(c[z(i)]));
+    for (int64_t i = 0; i < n; ++i)
+      want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]) + to_f32(c[z(i)]));
     EXPECT_TRUE(same_bits(sum3, want, n)) << "add3";
 
     const float tokens = 7.0f;
     std::vector<Bf16> d = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] {
-      cd::loss_gradient_kernel(a.data(), b.data(), d.data(), n, tokens);
-    });
+    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+                [&] { cd::loss_gradient_kernel(a.data(), b.data(), d.data(), n, tokens); });
     expect_guard("loss_gradient", d, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16((to_f32(a[z(i)]) - to_f32(b[z(i)])) / tokens);
     EXPECT_TRUE(same_bits(d, want, n)) << "loss_gradient";
@@ -94,10 +98,13 @@ TEST(CheckpointScheduleEmulation, FillNormMatchesCpu) {
     int64_t n;
     uint64_t seed, base;
   };
-  for (const Case& c : {Case{300, 1009 * 3 + 2, 0}, Case{300, 1009 * 3 + 2, 3 * 1000003}, Case{37, 7 * 9 + 5, 0}}) {
-    SCOPED_TRACE("n " + std::to_string(c.n) + " seed " + std::to_string(c.seed) + " base " + std::to_string(c.base));
+  for (const Case& c :
+       {Case{300, 1009 * 3 + 2, 0}, Case{300, 1009 * 3 + 2, 3 * 1000003}, Case{37, 7 * 9 + 5, 0}}) {
+    SCOPED_TRACE("n " + std::to_string(c.n) + " seed " + std::to_string(c.seed) + " base " +
+                 std::to_string(c.base));
     std::vector<Bf16> got = output(c.n);
-    emu::launch(cd::grid_for(c.n), 1, cd::kThreads, 0, [&] { cd::fill_norm_kernel(got.data(), c.n, c.seed, c.base); });
+    emu::launch(cd::grid_for(c.n), 1, cd::kThreads, 0,
+                [&] { cd::fill_norm_kernel(got.data(), c.n, c.seed, c.base); });
     expect_guard("norm", got, z(c.n), sentinel_of<Bf16>());
     std::vector<Bf16> want(z(c.n));
     for (int64_t i = 0; i < c.n; ++i)
@@ -120,7 +127,8 @@ TEST(CheckpointScheduleEmulation, SquaredErrorPartials) {
   for (unsigned grid : {1u, 2u, 3u}) {
     SCOPED_TRACE("grid " + std::to_string(grid));
     std::vector<double> partials(grid + kGuard, sentinel_of<float>());
-    emu::launch(grid, 1, cd::kThreads, 0, [&] { cd::squared_error_kernel(x.data(), target.data(), partials.data(), n); });
+    emu::launch(grid, 1, cd::kThreads, 0,
+                [&] { cd::squared_error_kernel(x.data(), target.data(), partials.data(), n); });
     expect_guard("partials", partials, grid, static_cast<double>(sentinel_of<float>()));
     double sum = 0.0;
     for (unsigned b = 0; b < grid; ++b) {

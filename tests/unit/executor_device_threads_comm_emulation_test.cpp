@@ -28,7 +28,9 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) { return static_cast<size_t>(n); }
+size_t z(int64_t n) {
+  return static_cast<size_t>(n);
+}
 
 // [ranks, count] contributions: floats ±[0.05, 1] scaled by up to 1000 (so sums round), integers
 // up to ±2^30 (three i32 ranks can pass 2^31), i64 up to ±2^42.
@@ -48,22 +50,30 @@ std::vector<T> staged_values(std::mt19937& rng, int ranks, int64_t count) {
 
 template <class T>
 T input_guard() {
-  if constexpr (std::is_integral_v<T>) return std::numeric_limits<T>::max();
-  else return nan_of<T>();
+  if constexpr (std::is_integral_v<T>)
+    return std::numeric_limits<T>::max();
+  else
+    return nan_of<T>();
 }
 template <class T>
 T output_sentinel() {
-  if constexpr (std::is_integral_v<T>) return static_cast<T>(0x7bcd7bcd);
-  else return sentinel_of<T>();
+  if constexpr (std::is_integral_v<T>)
+    return static_cast<T>(0x7bcd7bcd);
+  else
+    return sentinel_of<T>();
 }
 
 template <class T>
 void launch_reduce(const T* staged, T* out, int64_t count, int n, bool sum) {
   emu::launch(cd::grid_for(count), 1, cd::kThreads, 0, [&] {
-    if constexpr (std::is_same_v<T, float>) cd::reduce_rank_order_kernel<float, float>(staged, out, count, n, sum);
-    else if constexpr (std::is_same_v<T, Bf16>) cd::reduce_rank_order_bf16_kernel(staged, out, count, n, sum);
-    else if constexpr (std::is_same_v<T, int32_t>) cd::reduce_rank_order_kernel<int32_t, int64_t>(staged, out, count, n, sum);
-    else cd::reduce_rank_order_kernel<int64_t, int64_t>(staged, out, count, n, sum);
+    if constexpr (std::is_same_v<T, float>)
+      cd::reduce_rank_order_kernel<float, float>(staged, out, count, n, sum);
+    else if constexpr (std::is_same_v<T, Bf16>)
+      cd::reduce_rank_order_bf16_kernel(staged, out, count, n, sum);
+    else if constexpr (std::is_same_v<T, int32_t>)
+      cd::reduce_rank_order_kernel<int32_t, int64_t>(staged, out, count, n, sum);
+    else
+      cd::reduce_rank_order_kernel<int64_t, int64_t>(staged, out, count, n, sum);
   });
 }
 
@@ -72,7 +82,8 @@ void run_case(DType dtype) {
   const int64_t count = 300;
   for (int ranks : {1, 2, 3}) {
     for (bool sum : {true, false}) {
-      SCOPED_TRACE(std::string(dtype_name(dtype)) + " ranks " + std::to_string(ranks) + (sum ? " sum" : " max"));
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " ranks " + std::to_string(ranks) +
+                   (sum ? " sum" : " max"));
       std::mt19937 rng(static_cast<uint32_t>(ranks * 2 + sum));
       const std::vector<T> staged = with_guard(staged_values<T>(rng, ranks, count), input_guard<T>());
       std::vector<T> out(z(count) + kGuard, output_sentinel<T>());  // [count]
@@ -87,10 +98,18 @@ void run_case(DType dtype) {
   }
 }
 
-TEST(DeviceThreadsCommEmulation, F32) { run_case<float>(DType::F32); }
-TEST(DeviceThreadsCommEmulation, Bf16) { run_case<Bf16>(DType::BF16); }
-TEST(DeviceThreadsCommEmulation, I32) { run_case<int32_t>(DType::I32); }
-TEST(DeviceThreadsCommEmulation, I64) { run_case<int64_t>(DType::I64); }
+TEST(DeviceThreadsCommEmulation, F32) {
+  run_case<float>(DType::F32);
+}
+TEST(DeviceThreadsCommEmulation, Bf16) {
+  run_case<Bf16>(DType::BF16);
+}
+TEST(DeviceThreadsCommEmulation, I32) {
+  run_case<int32_t>(DType::I32);
+}
+TEST(DeviceThreadsCommEmulation, I64) {
+  run_case<int64_t>(DType::I64);
+}
 
 }  // namespace
 }  // namespace flatpeak::exec

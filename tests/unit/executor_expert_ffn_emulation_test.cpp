@@ -30,7 +30,9 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) { return static_cast<size_t>(n); }
+size_t z(int64_t n) {
+  return static_cast<size_t>(n);
+}
 
 template <class T>
 DType dtype_of() {
@@ -47,12 +49,17 @@ std::vector<float> gate_values(std::mt19937& rng, int64_t n) {
   std::vector<float> out = uniform(rng, n);
   for (float& v : out) v *= 8.0f;
   const float specials[] = {-100.0f, -89.0f, -88.0f, -30.0f, -17.0f, 0.0f, 17.0f, 30.0f, 88.0f, 100.0f};
-  for (size_t i = 0; i < sizeof specials / sizeof specials[0] && i < out.size(); ++i) out[i * 3 % out.size()] = specials[i];
+  for (size_t i = 0; i < sizeof specials / sizeof specials[0] && i < out.size(); ++i)
+    out[i * 3 % out.size()] = specials[i];
   return out;
 }
 
-double sigmoid_double(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-double silu_double(double x) { return x * sigmoid_double(x); }
+double sigmoid_double(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
+double silu_double(double x) {
+  return x * sigmoid_double(x);
+}
 double silu_grad_double(double x) {
   const double s = sigmoid_double(x);
   return s * (1.0 + x * (1.0 - s));
@@ -63,15 +70,17 @@ void run_elementwise(int64_t n, uint32_t seed) {
   SCOPED_TRACE(std::string(dtype_name(dtype_of<T>())) + " n " + std::to_string(n));
   std::mt19937 rng(seed);
   const std::vector<T> src = with_guard(to_storage<T>(uniform(rng, n)), nan_of<T>());  // [n] + NaN
-  const std::vector<float> f32 = with_guard(uniform(rng, n), nan_of<float>());          // [n] fp32 + NaN
+  const std::vector<float> f32 = with_guard(uniform(rng, n), nan_of<float>());         // [n] fp32 + NaN
 
   std::vector<float> widened(z(n) + kGuard, sentinel_of<float>());  // [n] fp32
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] { cd::widen_kernel<T>(src.data(), widened.data(), n); });
+  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+              [&] { cd::widen_kernel<T>(src.data(), widened.data(), n); });
   expect_guard("widen", widened, z(n), sentinel_of<float>());
   EXPECT_TRUE(same_bits(widened, widen(src, z(n)), z(n))) << "widen";
 
   std::vector<T> stored(z(n) + kGuard, sentinel_of<T>());  // [n] storage
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] { cd::store_kernel<T>(f32.data(), stored.data(), n); });
+  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+              [&] { cd::store_kernel<T>(f32.data(), stored.data(), n); });
   expect_guard("store", stored, z(n), sentinel_of<T>());
   std::vector<T> want(z(n));
   for (int64_t i = 0; i < n; ++i) store_f32(&want[z(i)], f32[z(i)]);
@@ -85,12 +94,17 @@ void run_elementwise(int64_t n, uint32_t seed) {
   EXPECT_TRUE(same_bits(acc, want, z(n))) << "add";
 }
 
-TEST(ExpertFfnEmulation, ElementwiseBf16) { run_elementwise<Bf16>(300, 1); }
-TEST(ExpertFfnEmulation, ElementwiseF32) { run_elementwise<float>(300, 2); }
+TEST(ExpertFfnEmulation, ElementwiseBf16) {
+  run_elementwise<Bf16>(300, 1);
+}
+TEST(ExpertFfnEmulation, ElementwiseF32) {
+  run_elementwise<float>(300, 2);
+}
 
 template <class T>
 void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
-  SCOPED_TRACE(std::string(dtype_name(dtype_of<T>())) + " n " + std::to_string(n) + " F " + std::to_string(F));
+  SCOPED_TRACE(std::string(dtype_name(dtype_of<T>())) + " n " + std::to_string(n) + " F " +
+               std::to_string(F));
   std::mt19937 rng(seed);
   // gate_up [n, 2F]: row r holds gate [F] then up [F].
   const std::vector<float> gates = gate_values(rng, n * F);
@@ -103,11 +117,12 @@ void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
     }
   }
   const std::vector<T> gate_up = with_guard(to_storage<T>(gu_values), nan_of<T>());  // [n, 2F] + NaN
-  const std::vector<float> gu = widen(gate_up, z(n * 2 * F));                         // as stored
+  const std::vector<float> gu = widen(gate_up, z(n * 2 * F));                        // as stored
 
   // Forward: h [n, F] fp32.
   std::vector<float> h(z(n * F) + kGuard, sentinel_of<float>());
-  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0, [&] { cd::swiglu_kernel<T>(gate_up.data(), h.data(), n, F); });
+  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0,
+              [&] { cd::swiglu_kernel<T>(gate_up.data(), h.data(), n, F); });
   expect_guard("h", h, z(n * F), sentinel_of<float>());
   std::vector<float> want_h(z(n * F));  // expert_ffn_cpu.cpp's swiglu
   std::vector<double> exact_h(z(n * F));
@@ -131,9 +146,8 @@ void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
       dgu[z(r * 2 * F + F + f)] = std::numeric_limits<float>::quiet_NaN();
     }
   }
-  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0, [&] {
-    cd::swiglu_backward_kernel<T>(gate_up.data(), dgu.data(), n, F);
-  });
+  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0,
+              [&] { cd::swiglu_backward_kernel<T>(gate_up.data(), dgu.data(), n, F); });
   expect_guard("dgu", dgu, z(n * 2 * F), sentinel_of<float>());
   std::vector<float> want_dgu(z(n * 2 * F));
   std::vector<float> exact_dgu(z(n * 2 * F));
@@ -150,9 +164,15 @@ void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
   expect_within("d[gate | up] vs double", widen(dgu, z(n * 2 * F)), exact_dgu, 1e-5, 1e-6);
 }
 
-TEST(ExpertFfnEmulation, SwigluBf16) { run_swiglu<Bf16>(7, 40, 3); }
-TEST(ExpertFfnEmulation, SwigluF32) { run_swiglu<float>(7, 40, 4); }
-TEST(ExpertFfnEmulation, SwigluOneBlockOddF) { run_swiglu<Bf16>(3, 7, 5); }
+TEST(ExpertFfnEmulation, SwigluBf16) {
+  run_swiglu<Bf16>(7, 40, 3);
+}
+TEST(ExpertFfnEmulation, SwigluF32) {
+  run_swiglu<float>(7, 40, 4);
+}
+TEST(ExpertFfnEmulation, SwigluOneBlockOddF) {
+  run_swiglu<Bf16>(3, 7, 5);
+}
 
 }  // namespace
 }  // namespace flatpeak::exec

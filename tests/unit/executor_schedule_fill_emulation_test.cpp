@@ -41,7 +41,9 @@ std::string name_of(const Case& c, unsigned grid) {
 }
 
 // The grids to run: the launcher's, then one block (each thread covers several elements).
-std::vector<unsigned> grids_of(int64_t n) { return {cd::grid_for(n), 1u}; }
+std::vector<unsigned> grids_of(int64_t n) {
+  return {cd::grid_for(n), 1u};
+}
 
 const Case kCases[] = {
     {1, 0, 0},
@@ -62,9 +64,8 @@ TEST(ScheduleFillEmulation, Bf16MatchesCpuBitForBit) {
     for (unsigned grid : grids_of(c.n)) {
       SCOPED_TRACE(name_of(c, grid) + " scale " + std::to_string(scale));
       std::vector<Bf16> got(static_cast<size_t>(c.n) + kGuard, sentinel_of<Bf16>());  // [n] bf16 + guard
-      emu::launch(grid, 1, cd::kThreads, 0, [&] {
-        cd::fill_bf16_kernel<Bf16>(got.data(), c.n, c.seed, scale, c.first_index);
-      });
+      emu::launch(grid, 1, cd::kThreads, 0,
+                  [&] { cd::fill_bf16_kernel<Bf16>(got.data(), c.n, c.seed, scale, c.first_index); });
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(Bf16)), 0);
       expect_guard("p", got, static_cast<size_t>(c.n), sentinel_of<Bf16>());
     }
@@ -76,13 +77,11 @@ TEST(ScheduleFillEmulation, Bf16MatchesCpuBitForBit) {
 TEST(ScheduleFillEmulation, Bf16SliceIsPartOfTheWhole) {
   const int64_t whole = 600, first = 333, n = whole - first;
   std::vector<Bf16> all(static_cast<size_t>(whole) + kGuard, sentinel_of<Bf16>());  // [whole] bf16
-  std::vector<Bf16> part(static_cast<size_t>(n) + kGuard, sentinel_of<Bf16>());    // [n] bf16
-  emu::launch(cd::grid_for(whole), 1, cd::kThreads, 0, [&] {
-    cd::fill_bf16_kernel<Bf16>(all.data(), whole, 9, 1.0f, 0);
-  });
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] {
-    cd::fill_bf16_kernel<Bf16>(part.data(), n, 9, 1.0f, static_cast<uint64_t>(first));
-  });
+  std::vector<Bf16> part(static_cast<size_t>(n) + kGuard, sentinel_of<Bf16>());     // [n] bf16
+  emu::launch(cd::grid_for(whole), 1, cd::kThreads, 0,
+              [&] { cd::fill_bf16_kernel<Bf16>(all.data(), whole, 9, 1.0f, 0); });
+  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
+              [&] { cd::fill_bf16_kernel<Bf16>(part.data(), n, 9, 1.0f, static_cast<uint64_t>(first)); });
   EXPECT_EQ(std::memcmp(part.data(), all.data() + first, static_cast<size_t>(n) * sizeof(Bf16)), 0);
   int64_t distinct_from_first = 0;
   for (int64_t i = 0; i < whole; ++i) {
@@ -113,9 +112,8 @@ TEST(ScheduleFillEmulation, TargetsMatchCpuBitForBit) {
     for (unsigned grid : grids_of(c.n)) {
       SCOPED_TRACE(name_of(c, grid) + " vocab " + std::to_string(vocab));
       std::vector<int32_t> got(static_cast<size_t>(c.n) + kGuard, kTargetSentinel);  // [n] i32 + guard
-      emu::launch(grid, 1, cd::kThreads, 0, [&] {
-        cd::fill_targets_kernel<int32_t>(got.data(), c.n, vocab, c.seed, c.first_index);
-      });
+      emu::launch(grid, 1, cd::kThreads, 0,
+                  [&] { cd::fill_targets_kernel<int32_t>(got.data(), c.n, vocab, c.seed, c.first_index); });
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(int32_t)), 0);
       expect_guard("p", got, static_cast<size_t>(c.n), kTargetSentinel);
       for (int64_t i = 0; i < c.n; ++i) {
