@@ -1,9 +1,11 @@
-// Checks shared by the kernel emulation tests (tests/unit/*_emulation_test.cpp): random non-zero
-// inputs as the CUDA tests draw them, guard regions past the end of buffers, and the CUDA tests'
-// comparison |got − want| <= rel·|want| + floor·max|want|.
+// Checks shared by the kernel emulation tests (tests/unit/*_emulation_test.cpp over
+// cuda_emulation.h): random non-zero inputs as the CUDA tests draw them, guard regions past the end
+// of buffers, and the CUDA tests' comparison |got − want| <= rel·|want| + floor·max|want|.
 //   std::vector<Bf16> x = with_guard(to_storage<Bf16>(uniform(rng, n)), nan_of<Bf16>());
-//   std::vector<float> y(n + kGuard, sentinel_of<float>());  ... launch ...
-//   expect_guard("y", y, n, sentinel_of<float>());  expect_within("y", got, want, 1e-5, 1e-5);
+//   Guarded<float> y = output_of<float>(n);  ... launch ...
+//   expect_guard_intact("y", y);  expect_within("y", widen(y), want, kF32Tol);
+// An input read past its end brings a NaN into the result; an output written past its end (or an
+// element left unwritten, where outputs start as sentinels) leaves a sentinel changed (or in place).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -15,22 +17,39 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "executor/ops/dtype.h"
 
 namespace flatpeak::exec::emu_check {
 
-// Elements past the end of every guarded buffer: NaN in inputs (a read past the end turns an
-// output into NaN), a sentinel in outputs (a write past the end changes it).
-constexpr size_t kGuard = 64;
+// Elements past the end of every guarded buffer (>= any row in these tests).
+constexpr size_t kGuard = 512;
 
-// ±[0.05, 1], as the CUDA tests' Rng::uniform: never zero.
-inline std::vector<float> uniform(std::mt19937& rng, int64_t n) {
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
+template <class T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, Bf16> ? DType::BF16 : DType::F32;
+}
+
+template <class T>
+std::string tag(const char* op) {  // "rmsnorm/bf16"
+  return std::string(op) + "/" + dtype_name(dtype_of<T>());
+}
+
+// ±[lo, hi], as the CUDA tests' Rng::uniform: never zero.
+inline std::vector<float> uniform(std::mt19937& rng, int64_t n, float lo = 0.05f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> magnitude(lo, hi);
   std::bernoulli_distribution negative(0.5);
   std::vector<float> out(static_cast<size_t>(n));
   for (float& x : out) x = negative(rng) ? -magnitude(rng) : magnitude(rng);
+  return out;
+}
+
+inline std::vector<float> positive(std::mt19937& rng, int64_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> out(static_cast<size_t>(n));
+  for (float& x : out) x = dist(rng);
   return out;
 }
 
@@ -40,12 +59,22 @@ T nan_of() {
   store_f32(&out, std::numeric_limits<float>::quiet_NaN());
   return out;
 }
-// A finite value no kernel writes here: about 2.1e36, exact in bf16 (its bits 0x7bcd0000).
+
+// Values no kernel writes in these tests: for float and bf16 about 2.1e36, exact in bf16 (bits
+// 0x7bcd0000), far above any value the kernels compute from inputs in ±[0.05, 1].
 template <class T>
 T sentinel_of() {
-  T out{};
-  store_f32(&out, f32_from_bits(0x7bcd0000u));
-  return out;
+  if constexpr (std::is_same_v<T, int32_t>) {
+    return 0x5a5a5a5a;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return uint8_t{0x5a};
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    return int64_t{0x5a5a5a5a5a5a5a5a};
+  } else {
+    T out{};
+    store_f32(&out, f32_from_bits(0x7bcd0000u));
+    return out;
+  }
 }
 
 // For inputs a kernel takes a maximum over: fmaxf drops a NaN, but this huge value becomes the
@@ -55,25 +84,47 @@ T huge_of() {
   return sentinel_of<T>();
 }
 
+inline size_t z(int64_t n) {  // a size or index as the vectors take it
+  return static_cast<size_t>(n);
+}
+
 template <class T>
-std::vector<T> to_storage(const std::vector<float>& values) {
+bool same_bits(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+// The first n elements of x and y bitwise equal (copies, in-order sums).
+template <class T>
+bool same_bits(const T* x, const T* y, size_t n) {
+  return std::memcmp(x, y, n * sizeof(T)) == 0;
+}
+template <class T>
+bool same_bits(const std::vector<T>& x, const std::vector<T>& y, size_t n) {
+  return same_bits(x.data(), y.data(), n);
+}
+
+template <class T>
+std::vector<T> to_storage(const std::vector<float>& values) {  // rounded to T's storage
   std::vector<T> out(values.size());
   for (size_t i = 0; i < values.size(); ++i) store_f32(&out[i], values[i]);
   return out;
 }
 
-// The first n elements widened to fp32.
+// The first n elements (all by default) widened to fp32.
 template <class T>
 std::vector<float> widen(const std::vector<T>& x, size_t n) {
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = to_f32(x[i]);
   return out;
 }
-
-// values, then kGuard copies of guard.
 template <class T>
-std::vector<T> with_guard(std::vector<T> values, T guard) {
-  values.insert(values.end(), kGuard, guard);
+std::vector<float> widen(const std::vector<T>& x) {
+  return widen(x, x.size());
+}
+
+// values, then `count` copies of guard (kGuard elements, or kGuard rows of a row-major tensor).
+template <class T>
+std::vector<T> with_guard(std::vector<T> values, T guard, size_t count = kGuard) {
+  values.insert(values.end(), count, guard);
   return values;
 }
 
@@ -81,13 +132,56 @@ std::vector<T> with_guard(std::vector<T> values, T guard) {
 template <class T>
 int64_t guard_changed(const std::vector<T>& x, size_t from, T guard) {
   int64_t changed = 0;
-  for (size_t i = from; i < x.size(); ++i) changed += std::memcmp(&x[i], &guard, sizeof(T)) != 0;
+  for (size_t i = from; i < x.size(); ++i) changed += same_bits(x[i], guard) ? 0 : 1;
   return changed;
 }
 
 template <class T>
 void expect_guard(const std::string& name, const std::vector<T>& x, size_t from, T guard) {
   EXPECT_EQ(guard_changed(x, from, guard), 0) << name << ": elements past the end written";
+}
+
+// A guarded buffer that remembers its length and guard: [n + kGuard], n elements, then kGuard
+// copies of `guard`.
+template <class T>
+struct Guarded {
+  std::vector<T> data;
+  int64_t n = 0;
+  T guard{};
+  T* ptr() { return data.data(); }
+  const T* ptr() const { return data.data(); }
+  std::vector<T> head() const { return std::vector<T>(data.begin(), data.begin() + n); }
+};
+
+template <class T>
+Guarded<T> guarded(const std::vector<T>& values, T guard) {
+  return Guarded<T>{with_guard(values, guard), static_cast<int64_t>(values.size()), guard};
+}
+
+template <class T>
+Guarded<T> input_of(const std::vector<float>& values) {  // NaN past the end
+  return guarded(to_storage<T>(values), nan_of<T>());
+}
+
+template <class T>
+Guarded<T> inout_of(const std::vector<float>& values) {  // read and written: sentinel past the end
+  return guarded(to_storage<T>(values), sentinel_of<T>());
+}
+
+template <class T>
+Guarded<T> output_of(int64_t n) {  // overwritten: sentinel everywhere, so a skipped element shows
+  return guarded(std::vector<T>(static_cast<size_t>(n), sentinel_of<T>()), sentinel_of<T>());
+}
+
+template <class T>
+std::vector<float> widen(const Guarded<T>& x) {
+  return widen(x.data, static_cast<size_t>(x.n));
+}
+
+// Nothing past the end written (for an input: nothing written there either).
+template <class T>
+void expect_guard_intact(const std::string& name, const Guarded<T>& g) {
+  expect_guard(name, g.data, static_cast<size_t>(g.n), g.guard);
 }
 
 // Elements of got outside |got − want| <= rel·|want| + floor·max|want| (NaN counts as outside);
@@ -134,6 +228,21 @@ inline Tol tol_of(DType dtype) { return dtype == DType::BF16 ? kBf16Tol : kF32To
 inline void expect_within(const std::string& name, const std::vector<float>& got,
                           const std::vector<float>& want, Tol tol) {
   expect_within(name, got, want, tol.rel, tol.floor);
+}
+
+// Bitwise equality of the first n elements (copies, integer outputs, in-order sums).
+template <class T>
+void expect_same(const std::string& name, const Guarded<T>& got, const std::vector<T>& want) {
+  ASSERT_EQ(static_cast<size_t>(got.n), want.size()) << name;
+  int64_t bad = 0;
+  int64_t first = -1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!same_bits(got.data[i], want[i])) {
+      ++bad;
+      if (first < 0) first = static_cast<int64_t>(i);
+    }
+  }
+  EXPECT_EQ(bad, 0) << name << ": first difference at " << first;
 }
 
 }  // namespace flatpeak::exec::emu_check

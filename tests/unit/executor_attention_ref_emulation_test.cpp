@@ -6,7 +6,7 @@
 // dimension), T = 1, f32 and bf16 storage. Bounds as tests/cuda/attention_cuda_test.cu for these
 // kernels: out, d_q, d_k, d_v within rel 1e-5 (+ 1e-5 of the largest magnitude) in f32 and rel
 // 1e-2 (+ 1e-3) in bf16; lse within rel 1e-5 (+ 1e-5); at T = 1, d_q and d_k (zero exactly)
-// within 1e-3. Inputs carry 64 NaN rows past T, outputs 64 sentinel rows: a read past T turns
+// within 1e-3. Inputs carry kGuard NaN rows past T, outputs kGuard sentinel rows: a read past T turns
 // outputs into NaN, a write past T changes a sentinel. A std::thread runs each CUDA thread, so the
 // T = 130 case runs only the blocks of a few rows around the tile edge (each block writes only its
 // own row; the others are left as sentinels and not compared), with the CPU's out and lse as the
@@ -119,16 +119,15 @@ void run_case(const Shape& s, DType dtype) {
 
   // The kernels: inputs with NaN rows past T, outputs with sentinel rows past T.
   const size_t guard_qo = kGuard * static_cast<size_t>(a * d), guard_kv = kGuard * static_cast<size_t>(g * d);
-  auto nan_rows = [](std::vector<T> x, size_t n) {
-    x.insert(x.end(), n, nan_of<T>());
-    return x;
-  };
-  const std::vector<T> gq = nan_rows(q, guard_qo), gk = nan_rows(k, guard_kv);  // [T + 64, ., d]
-  const std::vector<T> gv = nan_rows(v, guard_kv), gdo = nan_rows(d_out, guard_qo);
+  const T nan = nan_of<T>();
+  const std::vector<T> gq = with_guard(q, nan, guard_qo);       // [T + kGuard, a, d]
+  const std::vector<T> gk = with_guard(k, nan, guard_kv);       // [T + kGuard, g, d]
+  const std::vector<T> gv = with_guard(v, nan, guard_kv);       // [T + kGuard, g, d]
+  const std::vector<T> gdo = with_guard(d_out, nan, guard_qo);  // [T + kGuard, a, d]
   const T ts = sentinel_of<T>();
   const float fs = sentinel_of<float>();
-  std::vector<T> e_out(n_qo + guard_qo, ts), e_dq(n_qo + guard_qo, ts);  // [T + 64, a, d]
-  std::vector<T> e_dk(n_kv + guard_kv, ts), e_dv(n_kv + guard_kv, ts);   // [T + 64, g, d]
+  std::vector<T> e_out(n_qo + guard_qo, ts), e_dq(n_qo + guard_qo, ts);  // [T + kGuard, a, d]
+  std::vector<T> e_dk(n_kv + guard_kv, ts), e_dv(n_kv + guard_kv, ts);   // [T + kGuard, g, d]
   std::vector<float> e_lse(static_cast<size_t>(a * T_) + kGuard, fs);    // [a, T] + sentinel
   std::vector<float> delta(static_cast<size_t>(a * T_) + kGuard, fs);    // [a, T] D + sentinel
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // softmax_scale 0, as the launcher
@@ -143,12 +142,12 @@ void run_case(const Shape& s, DType dtype) {
               });
   // attention_backward_cuda: delta over T·a, then dQ (T, a) and dK/dV (T, g). Its out and lse are
   // the forward's (the CPU's where the forward ran only some rows), NaN past T.
-  std::vector<T> b_out = all_rows ? e_out : out;  // [T + 64, a, d]
+  std::vector<T> b_out = all_rows ? e_out : out;  // [T + kGuard, a, d]
   b_out.resize(n_qo);
-  b_out = nan_rows(b_out, guard_qo);
+  b_out = with_guard(b_out, nan, guard_qo);
   std::vector<float> b_lse = all_rows ? e_lse : lse;  // [a, T] + NaN
   b_lse.resize(static_cast<size_t>(a * T_));
-  b_lse.insert(b_lse.end(), kGuard, nan_of<float>());
+  b_lse = with_guard(b_lse, nan_of<float>());
   emu::launch(cd::grid_for(T_ * a, cd::kThreads), 1, static_cast<unsigned>(cd::kThreads), 0, [&] {
     cd::attention_delta_kernel(b_out.data(), gdo.data(), delta.data(), T_, a, d);
   });

@@ -4,8 +4,8 @@
 // device itself is checked by tests/cuda/attention_cuda_test.cu). Bounds as there: out, d_q, d_k,
 // d_v within rel 1e-2 + 5e-3 of the largest magnitude (P and dS are rounded to bf16 as GEMM
 // operands, so the error scales with Σ|p·v|, not with the cancelling result); lse within rel 1e-4
-// + 1e-5; at T = 1, d_q and d_k (zero exactly) within 1e-3. Inputs carry 64 NaN rows past T and
-// outputs 64 sentinel rows: a read past T turns outputs into NaN, a write past T changes a sentinel.
+// + 1e-5; at T = 1, d_q and d_k (zero exactly) within 1e-3. Inputs carry kGuard NaN rows past T and
+// outputs kGuard sentinel rows: a read past T turns outputs into NaN, a write past T changes a sentinel.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
 #include "executor/cuda/attention_tc_kernels.cuh"
@@ -20,84 +20,37 @@
 #include <string>
 #include <vector>
 
+#include "emulation_check.h"
 #include "executor/ops/attention.h"
 
 namespace flatpeak::exec {
 namespace {
 
 namespace tc = cuda_detail;
-
-constexpr int64_t kGuardRows = 64;  // past T in every buffer
-constexpr uint16_t kSentinel = 0x7bcd;  // a bf16 bit pattern no kernel writes here (≈ 2.1e36)
+using namespace emu_check;
 
 struct Shape {
   int64_t tokens, q_heads, kv_heads, head_dim;
   bool vec16;  // the kernels' 16-byte load path, else element by element
 };
 
-std::vector<float> uniform(std::mt19937& rng, int64_t n) {  // ±[0.05, 1], as the CUDA tests
-  std::uniform_real_distribution<float> magnitude(0.05f, 1.0f);
-  std::bernoulli_distribution negative(0.5);
-  std::vector<float> out(static_cast<size_t>(n));
-  for (float& x : out) x = negative(rng) ? -magnitude(rng) : magnitude(rng);
-  return out;
+// [T + kGuard, heads, d] bf16: the values, then NaN rows.
+std::vector<Bf16> with_nan_rows(const std::vector<float>& values, int64_t row_elems) {
+  return with_guard(to_storage<Bf16>(values), nan_of<Bf16>(), kGuard * static_cast<size_t>(row_elems));
 }
 
-// [T + guard, heads, d] bf16: the values, then NaN rows.
-std::vector<Bf16> with_nan_guard(const std::vector<float>& values, int64_t row_elems) {
-  std::vector<Bf16> out(values.size() + static_cast<size_t>(kGuardRows * row_elems),
-                        f32_to_bf16(std::numeric_limits<float>::quiet_NaN()));
-  for (size_t i = 0; i < values.size(); ++i) out[i] = f32_to_bf16(values[i]);
-  return out;
-}
-
-std::vector<float> widen(const std::vector<Bf16>& x, size_t n) {
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = to_f32(x[i]);
-  return out;
-}
-
-// Elements of `got` outside |got − want| <= rel·|want| + floor·max|want|; the worst in `detail`.
-int64_t count_outside(const std::vector<float>& got, const std::vector<float>& want, double rel,
-                      double floor, std::string& detail) {
-  double max_want = 0.0;
-  for (float w : want) max_want = std::max(max_want, std::fabs(static_cast<double>(w)));
-  int64_t bad = 0;
-  double worst = 0.0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double diff = std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
-    const double ratio = diff / (rel * std::fabs(static_cast<double>(want[i])) + floor * max_want);
-    if (!(ratio <= 1.0)) ++bad;
-    if (!(ratio <= worst)) {
-      worst = ratio;
-      detail = "worst at " + std::to_string(i) + ": got " + std::to_string(got[i]) + " want " +
-               std::to_string(want[i]) + " (" + std::to_string(ratio) + " of the bound)";
-    }
-  }
-  return bad;
-}
-
-void expect_within(const std::string& name, const std::vector<float>& got,
-                   const std::vector<float>& want, double rel, double floor) {
-  std::string detail;
-  EXPECT_EQ(count_outside(got, want, rel, floor, detail), 0) << name << ": " << detail;
-}
-
-void expect_sentinels(const std::string& name, const std::vector<Bf16>& x, size_t written) {
-  int64_t changed = 0;
-  for (size_t i = written; i < x.size(); ++i) changed += x[i].bits != kSentinel;
-  EXPECT_EQ(changed, 0) << name << ": elements past T written";
-}
+// The bound of the tensor-core kernels' bf16 outputs (see the top of the file).
+constexpr Tol kTcTol{1e-2, 5e-3};
 
 void run_case(const Shape& s) {
   const int64_t T = s.tokens, a = s.q_heads, g = s.kv_heads, d = s.head_dim;
   std::mt19937 rng(51);
   const std::vector<float> q_f = uniform(rng, T * a * d), k_f = uniform(rng, T * g * d);
   const std::vector<float> v_f = uniform(rng, T * g * d), do_f = uniform(rng, T * a * d);
-  const std::vector<Bf16> q = with_nan_guard(q_f, a * d);      // [T + 64, a, d]
-  const std::vector<Bf16> k = with_nan_guard(k_f, g * d);      // [T + 64, g, d]
-  const std::vector<Bf16> v = with_nan_guard(v_f, g * d);      // [T + 64, g, d]
-  const std::vector<Bf16> d_out = with_nan_guard(do_f, a * d);  // [T + 64, a, d]
+  const std::vector<Bf16> q = with_nan_rows(q_f, a * d);       // [T + kGuard, a, d]
+  const std::vector<Bf16> k = with_nan_rows(k_f, g * d);       // [T + kGuard, g, d]
+  const std::vector<Bf16> v = with_nan_rows(v_f, g * d);       // [T + kGuard, g, d]
+  const std::vector<Bf16> d_out = with_nan_rows(do_f, a * d);  // [T + kGuard, a, d]
 
   // The CPU op on the same bf16 values.
   AttentionArgs args;
@@ -125,11 +78,12 @@ void run_case(const Shape& s) {
   attention_backward_cpu(args);
 
   // The kernels, outputs with sentinel rows past T.
-  const Bf16 sentinel{kSentinel};
-  std::vector<Bf16> e_out(static_cast<size_t>((T + kGuardRows) * a * d), sentinel);  // [T + 64, a, d]
-  std::vector<Bf16> e_dq(e_out.size(), sentinel);                                  // [T + 64, a, d]
-  std::vector<Bf16> e_dk(static_cast<size_t>((T + kGuardRows) * g * d), sentinel);  // [T + 64, g, d]
-  std::vector<Bf16> e_dv(e_dk.size(), sentinel);                                   // [T + 64, g, d]
+  const Bf16 sentinel = sentinel_of<Bf16>();
+  const size_t guard_qo = kGuard * static_cast<size_t>(a * d), guard_kv = kGuard * static_cast<size_t>(g * d);
+  std::vector<Bf16> e_out(out.size() + guard_qo, sentinel);  // [T + kGuard, a, d]
+  std::vector<Bf16> e_dq(e_out.size(), sentinel);            // [T + kGuard, a, d]
+  std::vector<Bf16> e_dk(d_k.size() + guard_kv, sentinel);   // [T + kGuard, g, d]
+  std::vector<Bf16> e_dv(e_dk.size(), sentinel);             // [T + kGuard, g, d]
   std::vector<float> e_lse(static_cast<size_t>(a * T), std::numeric_limits<float>::quiet_NaN());
   std::vector<float> delta(static_cast<size_t>(a * T));  // [a, T] D = rowsum(dO ⊙ O), as the delta kernel
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -162,20 +116,20 @@ void run_case(const Shape& s) {
 
   const std::string name = "T" + std::to_string(T) + " a" + std::to_string(a) + " g" +
                            std::to_string(g) + " d" + std::to_string(d);
-  expect_within(name + " out", widen(e_out, out.size()), widen(out, out.size()), 1e-2, 5e-3);
+  expect_within(name + " out", widen(e_out, out.size()), widen(out, out.size()), kTcTol);
   expect_within(name + " lse", e_lse, lse, 1e-4, 1e-5);
   if (T == 1) {  // the one key has probability 1: dS = dP − D = 0, rounding noise only
     for (float x : widen(e_dq, d_q.size())) EXPECT_LE(std::fabs(x), 1e-3f) << name << " d_q";
     for (float x : widen(e_dk, d_k.size())) EXPECT_LE(std::fabs(x), 1e-3f) << name << " d_k";
   } else {
-    expect_within(name + " d_q", widen(e_dq, d_q.size()), widen(d_q, d_q.size()), 1e-2, 5e-3);
-    expect_within(name + " d_k", widen(e_dk, d_k.size()), widen(d_k, d_k.size()), 1e-2, 5e-3);
+    expect_within(name + " d_q", widen(e_dq, d_q.size()), widen(d_q, d_q.size()), kTcTol);
+    expect_within(name + " d_k", widen(e_dk, d_k.size()), widen(d_k, d_k.size()), kTcTol);
   }
-  expect_within(name + " d_v", widen(e_dv, d_v.size()), widen(d_v, d_v.size()), 1e-2, 5e-3);
-  expect_sentinels(name + " out", e_out, out.size());
-  expect_sentinels(name + " d_q", e_dq, d_q.size());
-  expect_sentinels(name + " d_k", e_dk, d_k.size());
-  expect_sentinels(name + " d_v", e_dv, d_v.size());
+  expect_within(name + " d_v", widen(e_dv, d_v.size()), widen(d_v, d_v.size()), kTcTol);
+  expect_guard(name + " out", e_out, out.size(), sentinel);
+  expect_guard(name + " d_q", e_dq, d_q.size(), sentinel);
+  expect_guard(name + " d_k", e_dk, d_k.size(), sentinel);
+  expect_guard(name + " d_v", e_dv, d_v.size(), sentinel);
 }
 
 TEST(AttentionTcEmulation, SharedMemoryPerKernel) {

@@ -32,14 +32,6 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) {
-  return static_cast<size_t>(n);
-}
-
-bool same_bits(const std::vector<Bf16>& x, const std::vector<Bf16>& y, int64_t n) {
-  return std::memcmp(x.data(), y.data(), z(n) * sizeof(Bf16)) == 0;
-}
-
 std::vector<Bf16> input(std::mt19937& rng, int64_t n) {  // [n] bf16 + NaN
   return with_guard(to_storage<Bf16>(uniform(rng, n)), nan_of<Bf16>());
 }
@@ -72,7 +64,7 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
                 [&] { cd::add2_kernel(a.data(), b.data(), sum2.data(), n); });
     expect_guard("add2", sum2, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]));
-    EXPECT_TRUE(same_bits(sum2, want, n)) << "add2";
+    EXPECT_TRUE(same_bits(sum2, want, z(n))) << "add2";
 
     std::vector<Bf16> sum3 = output(n);
     emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
@@ -80,7 +72,7 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
     expect_guard("add3", sum3, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i)
       want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]) + to_f32(c[z(i)]));
-    EXPECT_TRUE(same_bits(sum3, want, n)) << "add3";
+    EXPECT_TRUE(same_bits(sum3, want, z(n))) << "add3";
 
     const float tokens = 7.0f;
     std::vector<Bf16> d = output(n);
@@ -88,7 +80,7 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
                 [&] { cd::loss_gradient_kernel(a.data(), b.data(), d.data(), n, tokens); });
     expect_guard("loss_gradient", d, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16((to_f32(a[z(i)]) - to_f32(b[z(i)])) / tokens);
-    EXPECT_TRUE(same_bits(d, want, n)) << "loss_gradient";
+    EXPECT_TRUE(same_bits(d, want, z(n))) << "loss_gradient";
   }
 }
 
@@ -109,7 +101,7 @@ TEST(CheckpointScheduleEmulation, FillNormMatchesCpu) {
     std::vector<Bf16> want(z(c.n));
     for (int64_t i = 0; i < c.n; ++i)
       want[z(i)] = f32_to_bf16(1.0f + 0.1f * uniform_pm1(c.seed, c.base + static_cast<uint64_t>(i)));
-    EXPECT_TRUE(same_bits(got, want, c.n));
+    EXPECT_TRUE(same_bits(got, want, z(c.n)));
   }
 }
 

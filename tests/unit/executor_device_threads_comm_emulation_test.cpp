@@ -28,10 +28,6 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) {
-  return static_cast<size_t>(n);
-}
-
 // [ranks, count] contributions: floats ±[0.05, 1] scaled by up to 1000 (so sums round), integers
 // up to ±2^30 (three i32 ranks can pass 2^31), i64 up to ±2^42.
 template <class T>
@@ -54,13 +50,6 @@ T input_guard() {
     return std::numeric_limits<T>::max();
   else
     return nan_of<T>();
-}
-template <class T>
-T output_sentinel() {
-  if constexpr (std::is_integral_v<T>)
-    return static_cast<T>(0x7bcd7bcd);
-  else
-    return sentinel_of<T>();
 }
 
 template <class T>
@@ -86,9 +75,9 @@ void run_case(DType dtype) {
                    (sum ? " sum" : " max"));
       std::mt19937 rng(static_cast<uint32_t>(ranks * 2 + sum));
       const std::vector<T> staged = with_guard(staged_values<T>(rng, ranks, count), input_guard<T>());
-      std::vector<T> out(z(count) + kGuard, output_sentinel<T>());  // [count]
+      std::vector<T> out(z(count) + kGuard, sentinel_of<T>());  // [count]
       launch_reduce<T>(staged.data(), out.data(), count, ranks, sum);
-      expect_guard("out", out, z(count), output_sentinel<T>());
+      expect_guard("out", out, z(count), sentinel_of<T>());
       std::vector<const void*> parts;
       for (int p = 0; p < ranks; ++p) parts.push_back(staged.data() + p * count);
       std::vector<T> want(z(count));

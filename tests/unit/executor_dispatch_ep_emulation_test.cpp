@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "emulation_guards.h"
+#include "emulation_check.h"
 #include "executor/ops/expert_ffn.h"
 
 namespace flatpeak::exec {
@@ -31,7 +31,7 @@ namespace {
 
 namespace de = cuda::dispatch_ep_detail;
 using cuda_detail::grid_for;
-using namespace emu_test;
+using namespace emu_check;
 
 constexpr unsigned kBlock = static_cast<unsigned>(cuda_detail::kThreads);
 
@@ -73,7 +73,7 @@ std::vector<float> spread_rows(std::vector<float> values, int64_t row_elems) {
 
 template <class I>
 Guarded<I> index_guarded(const std::vector<I>& v, I past_end) {  // past the end: an index into NaN
-  return with_guard(v, past_end);
+  return guarded(v, past_end);
 }
 
 TEST(DispatchEpEmulation, Routing) {
@@ -99,18 +99,18 @@ TEST(DispatchEpEmulation, Routing) {
       map[static_cast<size_t>(t * s.E + e)] = 1;
     }
   }
-  const Guarded<float> g_logits = with_guard(logits, quiet_nan<float>());
+  const Guarded<float> g_logits = guarded(logits, nan_of<float>());
   const Guarded<int64_t> g_ids = index_guarded(s.ids, s.E);
   Guarded<float> e_scores = output_of<float>(s.T * s.E), e_scat = output_of<float>(s.T * s.E);
   Guarded<float> e_w = output_of<float>(s.N);
   // compute_routing zeroes the map (cudaMemsetAsync) before the kernel.
-  Guarded<uint8_t> e_map = with_guard(std::vector<uint8_t>(map.size(), 0), sentinel<uint8_t>());
+  Guarded<uint8_t> e_map = guarded(std::vector<uint8_t>(map.size(), 0), sentinel_of<uint8_t>());
   emu::launch(grid_for(s.T), 1, kBlock, 0, [&] {
     de::routing_kernel(g_logits.ptr(), g_ids.ptr(), e_scores.ptr(), e_scat.ptr(), e_map.ptr(), e_w.ptr(), s.T, s.E, s.k);
   });
-  expect_close("routing/scores", e_scores.head(), scores, Tol::f32());
-  expect_close("routing/scattered", e_scat.head(), scattered, Tol::f32());
-  expect_close("routing/topk_w", e_w.head(), w, Tol::f32());
+  expect_within("routing/scores", e_scores.head(), scores, kF32Tol);
+  expect_within("routing/scattered", e_scat.head(), scattered, kF32Tol);
+  expect_within("routing/topk_w", e_w.head(), w, kF32Tol);
   expect_same("routing/map", e_map, map);
   expect_guard_intact("routing/scores", e_scores);
   expect_guard_intact("routing/scattered", e_scat);
@@ -129,8 +129,8 @@ TEST(DispatchEpEmulation, ActivationAndBackward) {
     int64_t i0, j0, n;
   };
   const std::vector<Run> runs = {{0, 3, 2}, {2, 0, 3}};
-  const std::vector<Bf16> fc1 = stored<Bf16>(uniform(rng, R * 2 * F));   // [R, 2F] bf16
-  const std::vector<Bf16> d_act = stored<Bf16>(uniform(rng, R * F));     // [R, F] bf16
+  const std::vector<Bf16> fc1 = to_storage<Bf16>(uniform(rng, R * 2 * F));  // [R, 2F] bf16
+  const std::vector<Bf16> d_act = to_storage<Bf16>(uniform(rng, R * F));    // [R, F] bf16
   const std::vector<float> prob = positive(rng, R, 0.05f, 1.0f);         // [R] fp32
   std::vector<Bf16> act(static_cast<size_t>(R * F)), d_fc1(static_cast<size_t>(R * 2 * F));
   std::vector<float> d_prob = prob;  // d prob written over prob
@@ -150,8 +150,8 @@ TEST(DispatchEpEmulation, ActivationAndBackward) {
       d_prob[static_cast<size_t>(j)] = dp;
     }
   }
-  const Guarded<Bf16> g_fc1 = with_guard(fc1, quiet_nan<Bf16>()), g_dact = with_guard(d_act, quiet_nan<Bf16>());
-  const Guarded<float> g_prob = with_guard(prob, quiet_nan<float>());
+  const Guarded<Bf16> g_fc1 = guarded(fc1, nan_of<Bf16>()), g_dact = guarded(d_act, nan_of<Bf16>());
+  const Guarded<float> g_prob = guarded(prob, nan_of<float>());
   Guarded<Bf16> e_act = output_of<Bf16>(R * F), e_dfc1 = output_of<Bf16>(R * 2 * F);
   Guarded<float> e_prob = inout_of<float>(prob);
   for (const Run& r : runs) {
@@ -164,9 +164,9 @@ TEST(DispatchEpEmulation, ActivationAndBackward) {
       de::act_backward_kernel(g_fc1.ptr(), g_dact.ptr(), e_prob.ptr(), e_dfc1.ptr(), r.i0, r.j0, r.n, F);
     });
   }
-  expect_close("act", widen(e_act), widen(act), Tol::bf16());
-  expect_close("act_backward/d_fc1", widen(e_dfc1), widen(d_fc1), Tol::bf16());
-  expect_close("act_backward/d_prob", e_prob.head(), d_prob, Tol::f32());
+  expect_within("act", widen(e_act), widen(act), kBf16Tol);
+  expect_within("act_backward/d_fc1", widen(e_dfc1), widen(d_fc1), kBf16Tol);
+  expect_within("act_backward/d_prob", e_prob.head(), d_prob, kF32Tol);
   expect_guard_intact("act", e_act);
   expect_guard_intact("act_backward/d_fc1", e_dfc1);
   expect_guard_intact("act_backward/d_prob", e_prob);
@@ -179,8 +179,8 @@ TEST(DispatchEpEmulation, RouterBackward) {
   const Routed s = make_routed(rng);
   const int64_t T = s.T, E = s.E, k = s.k, H = s.H;
   const std::vector<float> dw = uniform(rng, T * E);                      // [T, E] d probs (scores)
-  const std::vector<Bf16> w_router = stored<Bf16>(uniform(rng, E * H));   // [E, H] bf16
-  const std::vector<Bf16> x = stored<Bf16>(uniform(rng, T * H));          // [T, H] bf16
+  const std::vector<Bf16> w_router = to_storage<Bf16>(uniform(rng, E * H));               // [E, H] bf16
+  const std::vector<Bf16> x = to_storage<Bf16>(uniform(rng, T * H));                      // [T, H] bf16
   const std::vector<float> d_x0 = uniform(rng, T * H), dw_router0 = uniform(rng, E * H);  // accumulated into
   std::vector<float> dz(static_cast<size_t>(T * E), 0.0f);
   for (int64_t t = 0; t < T; ++t) {
@@ -206,20 +206,20 @@ TEST(DispatchEpEmulation, RouterBackward) {
       dw_router[static_cast<size_t>(e * H + h)] += sum;
     }
   }
-  const Guarded<float> g_dw = with_guard(dw, quiet_nan<float>()), g_w = with_guard(s.topk_w, quiet_nan<float>());
+  const Guarded<float> g_dw = guarded(dw, nan_of<float>()), g_w = guarded(s.topk_w, nan_of<float>());
   const Guarded<int64_t> g_ids = index_guarded(s.ids, E);
-  const Guarded<Bf16> g_wr = with_guard(w_router, quiet_nan<Bf16>()), g_x = with_guard(x, quiet_nan<Bf16>());
+  const Guarded<Bf16> g_wr = guarded(w_router, nan_of<Bf16>()), g_x = guarded(x, nan_of<Bf16>());
   Guarded<float> e_dz = output_of<float>(T * E), e_dx = inout_of<float>(d_x0), e_dwr = inout_of<float>(dw_router0);
   emu::launch(grid_for(T), 1, kBlock, 0, [&] { de::router_dz_kernel(g_dw.ptr(), g_w.ptr(), g_ids.ptr(), e_dz.ptr(), T, E, k); });
   // dx and dW read the kernel's dz, as router_backward does (NaN past its end).
-  const Guarded<float> g_dz = with_guard(e_dz.head(), quiet_nan<float>());
+  const Guarded<float> g_dz = guarded(e_dz.head(), nan_of<float>());
   emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
     de::router_dx_kernel(g_dz.ptr(), g_wr.ptr(), g_ids.ptr(), e_dx.ptr(), T, H, E, k);
   });
   emu::launch(grid_for(E * H), 1, kBlock, 0, [&] { de::router_dw_kernel(g_dz.ptr(), g_x.ptr(), e_dwr.ptr(), T, H, E); });
-  expect_close("router/dz", e_dz.head(), dz, Tol::f32());
-  expect_close("router/d_x", e_dx.head(), d_x, Tol::f32());
-  expect_close("router/dw_router", e_dwr.head(), dw_router, Tol::f32());
+  expect_within("router/dz", e_dz.head(), dz, kF32Tol);
+  expect_within("router/d_x", e_dx.head(), d_x, kF32Tol);
+  expect_within("router/dw_router", e_dwr.head(), dw_router, kF32Tol);
   expect_guard_intact("router/dz", e_dz);
   expect_guard_intact("router/d_x", e_dx);
   expect_guard_intact("router/dw_router", e_dwr);
@@ -232,9 +232,10 @@ TEST(DispatchEpEmulation, UncappedGathersAndSums) {
   std::mt19937 rng(34);
   const Routed s = make_routed(rng);
   const int64_t T = s.T, E = s.E, k = s.k, H = s.H, N = s.N;
-  const std::vector<Bf16> x = stored<Bf16>(uniform(rng, T * H));         // [T, H] bf16
-  const std::vector<Bf16> per_copy = stored<Bf16>(uniform(rng, N * H));  // [N, H] bf16, slot order
-  const std::vector<Bf16> rows = stored<Bf16>(spread_rows(uniform(rng, N * H), H));  // [N, H] bf16, send order
+  const std::vector<Bf16> x = to_storage<Bf16>(uniform(rng, T * H));         // [T, H] bf16
+  const std::vector<Bf16> per_copy = to_storage<Bf16>(uniform(rng, N * H));  // [N, H] bf16, slot order
+  const std::vector<Bf16> rows =
+      to_storage<Bf16>(spread_rows(uniform(rng, N * H), H));             // [N, H] bf16, send order
   const std::vector<float> acc0 = uniform(rng, T * H);                   // [T, H] fp32 +=
   const std::vector<float> pprobs = uniform(rng, N);                     // [N] fp32, send order
   const std::vector<float> scores0 = uniform(rng, T * E);                // [T, E] fp32
@@ -275,9 +276,10 @@ TEST(DispatchEpEmulation, UncappedGathersAndSums) {
   const Guarded<int32_t> g_unsort = index_guarded(s.unsort32, static_cast<int32_t>(N));
   const Guarded<int64_t> g_ids = index_guarded(s.ids, E);
   // topk_w and per_copy past N, x past T (slot N / k = T): NaN.
-  const Guarded<float> g_topk_w = with_guard(s.topk_w, quiet_nan<float>()), g_pprobs = with_guard(pprobs, quiet_nan<float>());
-  const Guarded<Bf16> g_x = with_guard(x, quiet_nan<Bf16>()), g_pc = with_guard(per_copy, quiet_nan<Bf16>());
-  const Guarded<Bf16> g_rows = with_guard(rows, quiet_nan<Bf16>());
+  const Guarded<float> g_topk_w = guarded(s.topk_w, nan_of<float>()),
+                       g_pprobs = guarded(pprobs, nan_of<float>());
+  const Guarded<Bf16> g_x = guarded(x, nan_of<Bf16>()), g_pc = guarded(per_copy, nan_of<Bf16>());
+  const Guarded<Bf16> g_rows = guarded(rows, nan_of<Bf16>());
   Guarded<float> e_p = output_of<float>(N), e_acc = inout_of<float>(acc0), e_scores = inout_of<float>(scores0);
   Guarded<Bf16> e_gx = output_of<Bf16>(N * H), e_gc = output_of<Bf16>(N * H), e_rep = output_of<Bf16>(N * H);
   Guarded<Bf16> e_sum = output_of<Bf16>(T * H);
@@ -337,7 +339,7 @@ TEST(DispatchEpEmulation, CappedRound) {
     sent += rr.n[t];
   }
   ASSERT_GT(sent, 0);
-  const std::vector<Bf16> src = stored<Bf16>(uniform(rng, T * H));  // [T, H] bf16
+  const std::vector<Bf16> src = to_storage<Bf16>(uniform(rng, T * H));  // [T, H] bf16
   const std::vector<float> acc0 = uniform(rng, T * H);               // [T, H] fp32 +=
   const std::vector<float> dprob = uniform(rng, sent);               // [sent] fp32
   const std::vector<float> scores0 = uniform(rng, T * E);            // [T, E] fp32
@@ -354,7 +356,8 @@ TEST(DispatchEpEmulation, CappedRound) {
     }
   }
   // The round's rows as they come back (the experts' outputs), added per token.
-  const std::vector<Bf16> returned = stored<Bf16>(spread_rows(uniform(rng, sent * H), H));  // [sent, H] bf16
+  const std::vector<Bf16> returned =
+      to_storage<Bf16>(spread_rows(uniform(rng, sent * H), H));  // [sent, H] bf16
   std::vector<float> acc = acc0, scores = scores0;
   int64_t most_rows = 0;  // of one token in the round
   for (int64_t t = 0; t < T; ++t) {
@@ -377,8 +380,9 @@ TEST(DispatchEpEmulation, CappedRound) {
 
   const Guarded<int64_t> g_sort = index_guarded(sort, N), g_unsort = index_guarded(unsort, N);
   const Guarded<int64_t> g_dest = index_guarded(dest, int64_t{0}), g_ids = index_guarded(s.ids, E);
-  const Guarded<float> g_topk_w = with_guard(s.topk_w, quiet_nan<float>()), g_dprob = with_guard(dprob, quiet_nan<float>());
-  const Guarded<Bf16> g_src = with_guard(src, quiet_nan<Bf16>()), g_ret = with_guard(returned, quiet_nan<Bf16>());
+  const Guarded<float> g_topk_w = guarded(s.topk_w, nan_of<float>()),
+                       g_dprob = guarded(dprob, nan_of<float>());
+  const Guarded<Bf16> g_src = guarded(src, nan_of<Bf16>()), g_ret = guarded(returned, nan_of<Bf16>());
   const Guarded<int64_t> g_home = index_guarded(i_home, N);
   Guarded<Bf16> e_rows = output_of<Bf16>(sent * H);
   Guarded<float> e_p = output_of<float>(sent), e_acc = inout_of<float>(acc0), e_scores = inout_of<float>(scores0);
@@ -417,7 +421,7 @@ TEST(DispatchEpEmulation, AddF32) {
   const std::vector<float> src = uniform(rng, n), dst0 = uniform(rng, n);
   std::vector<float> want = dst0;
   for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] += src[static_cast<size_t>(i)];
-  const Guarded<float> g_src = with_guard(src, quiet_nan<float>());
+  const Guarded<float> g_src = guarded(src, nan_of<float>());
   Guarded<float> e_dst = inout_of<float>(dst0);
   emu::launch(grid_for(n), 1, kBlock, 0, [&] { de::add_f32_kernel(g_src.ptr(), e_dst.ptr(), n); });
   expect_same("add_f32", e_dst, want);

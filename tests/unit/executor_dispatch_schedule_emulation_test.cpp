@@ -49,26 +49,10 @@ std::string name_of(const Shape& s) {
          std::to_string(s.H) + " C" + std::to_string(s.C) + (s.router_ids ? " router ids" : " random ids");
 }
 
-size_t z(int64_t n) {
-  return static_cast<size_t>(n);
-}
-
-// values, then `count` copies of guard.
-template <class T>
-std::vector<T> guarded(std::vector<T> values, T guard, int64_t count) {
-  values.insert(values.end(), z(count), guard);
-  return values;
-}
-
 // Rows [r0, r0 + n) of a [rows, H] buffer, with NaN past them (a round's slice of the sorted rows).
 std::vector<Bf16> rows_of(const std::vector<Bf16>& x, int64_t r0, int64_t n, int64_t H) {
   std::vector<Bf16> out(x.begin() + r0 * H, x.begin() + (r0 + n) * H);
   return with_guard(out, nan_of<Bf16>());
-}
-
-template <class T>
-bool same_bits(const T* x, const T* y, int64_t n) {
-  return std::memcmp(x, y, z(n) * sizeof(T)) == 0;
 }
 
 void run_case(const Shape& s, uint32_t seed) {
@@ -147,8 +131,8 @@ void run_case(const Shape& s, uint32_t seed) {
   const std::vector<Bf16> y_perm = to_storage<Bf16>(uniform(rng, N * H));  // [T·k, H] bf16 expert outputs
   const std::vector<Bf16> d_out_host = to_storage<Bf16>(uniform(rng, T * H));        // [T, H] bf16
   const std::vector<Bf16> d_in_perm = to_storage<Bf16>(uniform(rng, N * H));         // [T·k, H] bf16 FFN d_x
-  const std::vector<Bf16> x = guarded(x_host, nan_of<Bf16>(), H + int64_t{kGuard});  // + NaN rows
-  const std::vector<Bf16> d_out = guarded(d_out_host, nan_of<Bf16>(), H + int64_t{kGuard});
+  const std::vector<Bf16> x = with_guard(x_host, nan_of<Bf16>(), z(H) + kGuard);     // + NaN rows
+  const std::vector<Bf16> d_out = with_guard(d_out_host, nan_of<Bf16>(), z(H) + kGuard);
 
   std::vector<Bf16> want_x_perm(z(N * H));  // [T·k, H] bf16
   p.x = x_host.data();
@@ -165,13 +149,13 @@ void run_case(const Shape& s, uint32_t seed) {
     });
     expect_guard("in", in, z(n * H), sentinel_of<Bf16>());
     expect_guard("prob", prob, z(n), sentinel_of<float>());
-    EXPECT_TRUE(same_bits(in.data(), want_x_perm.data() + r0 * H, n * H)) << "in of rows " << r0;
+    EXPECT_TRUE(same_bits(in.data(), want_x_perm.data() + r0 * H, z(n * H))) << "in of rows " << r0;
     for (int64_t r = 0; r < n; ++r)
       EXPECT_EQ(prob[z(r)], topk_w[z(row_to_slot[z(r0 + r)])]) << "prob of row " << r0 + r;
   };
 
   // ---- no-grad forward: the rounds into the fp32 accumulator, then bf16
-  std::vector<float> acc = guarded(std::vector<float>(z(T * H), 0.0f), sentinel_of<float>(), int64_t{kGuard});
+  std::vector<float> acc = with_guard(std::vector<float>(z(T * H), 0.0f), sentinel_of<float>());
   std::vector<std::vector<float>> probs(z(rounds));  // [n] fp32 + sentinel per round
   for (int64_t j = 0; j < rounds; ++j) {
     const int64_t r0 = j * C, n = std::min(C, N - r0);
@@ -222,7 +206,7 @@ void run_case(const Shape& s, uint32_t seed) {
   c.d_weights = want_d_w.data();
   combine_backward_cpu(c);
   std::vector<float> d_topk_w(z(N) + kGuard, sentinel_of<float>());  // [T, k] fp32
-  std::vector<float> d_x = guarded(std::vector<float>(z(T * H), 0.0f), sentinel_of<float>(), int64_t{kGuard});
+  std::vector<float> d_x = with_guard(std::vector<float>(z(T * H), 0.0f), sentinel_of<float>());
   for (int64_t j = 0; j < rounds; ++j) {
     const int64_t r0 = j * C, n = std::min(C, N - r0);
     // The recompute's gather is the forward's (same kernel and inputs): its prob is reused.
@@ -234,7 +218,7 @@ void run_case(const Shape& s, uint32_t seed) {
                                         d_y.data(), d_topk_w.data());
     });
     expect_guard("d_y", d_y, z(n * H), sentinel_of<Bf16>());
-    EXPECT_TRUE(same_bits(d_y.data(), want_d_y.data() + r0 * H, n * H)) << "d_y of rows " << r0;
+    EXPECT_TRUE(same_bits(d_y.data(), want_d_y.data() + r0 * H, z(n * H))) << "d_y of rows " << r0;
     const std::vector<Bf16> d_in = rows_of(d_in_perm, r0, n, H);  // [n, H] bf16 + NaN
     emu::launch(cd::grid_for(n * H), 1, cd::kThreads, 0, [&] {
       cd::scatter_add_round_kernel(d_in.data(), row_to_slot_in.data(), r0, n, H, k, d_x.data());

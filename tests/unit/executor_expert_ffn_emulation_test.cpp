@@ -30,20 +30,6 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-size_t z(int64_t n) {
-  return static_cast<size_t>(n);
-}
-
-template <class T>
-DType dtype_of() {
-  return std::is_same_v<T, float> ? DType::F32 : DType::BF16;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& x, const std::vector<T>& y, size_t n) {
-  return std::memcmp(x.data(), y.data(), n * sizeof(T)) == 0;
-}
-
 // Gate values: random in ±8, with the large magnitudes and zero at fixed places.
 std::vector<float> gate_values(std::mt19937& rng, int64_t n) {
   std::vector<float> out = uniform(rng, n);

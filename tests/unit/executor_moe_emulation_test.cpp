@@ -3,7 +3,7 @@
 // (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the
 // route kernel's two barriers and combine backward's block reduction, without a GPU (the device
 // itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
-// permute / unpermute (copies) bitwise, the k-slot sums and d_weights within emulation_guards.h's
+// permute / unpermute (copies) bitwise, the k-slot sums and d_weights within emulation_check.h's
 // Tol. Inputs carry NaN past their end (index arrays: an index into that NaN), outputs sentinels.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "emulation_guards.h"
+#include "emulation_check.h"
 #include "executor/ops/combine.h"
 #include "executor/ops/permute.h"
 
@@ -26,7 +26,7 @@ namespace flatpeak::exec {
 namespace {
 
 namespace cd = cuda_detail;
-using namespace emu_test;
+using namespace emu_check;
 
 constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
 constexpr unsigned kRouteThreads = 1024;   // moe_route_cuda: one block of 1024
@@ -64,7 +64,7 @@ struct MoeShape {
 // moe_route_cuda's launch against moe_route_cpu.
 void check_route(const MoeShape& s, const std::vector<int32_t>& ids, const PermuteArgs& cpu) {
   const int64_t rows = s.tokens * s.top_k;
-  const Guarded<int32_t> g_ids = with_guard(ids, 0);  // a read past the end counts expert 0 more
+  const Guarded<int32_t> g_ids = guarded(ids, 0);           // a read past the end counts expert 0 more
   Guarded<int64_t> counts = output_of<int64_t>(s.experts);  // [E]
   Guarded<int32_t> s2r = output_of<int32_t>(rows);         // [T·k]
   Guarded<int32_t> r2s = output_of<int32_t>(rows);         // [T·k]
@@ -104,14 +104,14 @@ void moe_case(const MoeShape& s, uint32_t seed) {
   p.row_to_slot = r2s.data();
   moe_route_cpu(p);
   // Past the end, index `rows`: row T of x, row T·k of the [T·k, H] buffers, all NaN guard.
-  const Guarded<int32_t> g_s2r = with_guard(s2r, static_cast<int32_t>(rows));
-  const Guarded<int32_t> g_r2s = with_guard(r2s, static_cast<int32_t>(rows));
+  const Guarded<int32_t> g_s2r = guarded(s2r, static_cast<int32_t>(rows));
+  const Guarded<int32_t> g_r2s = guarded(r2s, static_cast<int32_t>(rows));
 
   // permute forward / backward, unpermute forward / backward.
-  const std::vector<T> x = stored<T>(uniform(rng, tokens * H));        // [T, H]
-  const std::vector<T> d_x_perm = stored<T>(uniform(rng, rows * H));   // [T·k, H]
-  const std::vector<T> y_perm = stored<T>(uniform(rng, rows * H));     // [T·k, H]
-  const std::vector<T> d_y_slots = stored<T>(uniform(rng, rows * H));  // [T, k, H]
+  const std::vector<T> x = to_storage<T>(uniform(rng, tokens * H));        // [T, H]
+  const std::vector<T> d_x_perm = to_storage<T>(uniform(rng, rows * H));   // [T·k, H]
+  const std::vector<T> y_perm = to_storage<T>(uniform(rng, rows * H));     // [T·k, H]
+  const std::vector<T> d_y_slots = to_storage<T>(uniform(rng, rows * H));  // [T, k, H]
   std::vector<T> x_perm(static_cast<size_t>(rows * H)), d_x(static_cast<size_t>(tokens * H));
   std::vector<T> y_slots(x_perm.size()), d_y_perm(x_perm.size());
   p.x = x.data();
@@ -127,10 +127,10 @@ void moe_case(const MoeShape& s, uint32_t seed) {
   unpermute_forward_cpu(p);
   unpermute_backward_cpu(p);
 
-  const Guarded<T> g_x = with_guard(x, quiet_nan<T>());
-  const Guarded<T> g_dxp = with_guard(d_x_perm, quiet_nan<T>());
-  const Guarded<T> g_yp = with_guard(y_perm, quiet_nan<T>());
-  const Guarded<T> g_dys = with_guard(d_y_slots, quiet_nan<T>());
+  const Guarded<T> g_x = guarded(x, nan_of<T>());
+  const Guarded<T> g_dxp = guarded(d_x_perm, nan_of<T>());
+  const Guarded<T> g_yp = guarded(y_perm, nan_of<T>());
+  const Guarded<T> g_dys = guarded(d_y_slots, nan_of<T>());
   Guarded<T> e_xp = output_of<T>(rows * H), e_dx = output_of<T>(tokens * H);
   Guarded<T> e_ys = output_of<T>(rows * H), e_dyp = output_of<T>(rows * H);
   emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
@@ -146,16 +146,16 @@ void moe_case(const MoeShape& s, uint32_t seed) {
     cd::gather_rows_kernel(g_dys.ptr(), g_r2s.ptr(), int64_t{1}, e_dyp.ptr(), rows, H);
   });
   expect_same(tag<T>("permute/x_perm"), e_xp, x_perm);
-  expect_close(tag<T>("permute/d_x"), widen(e_dx), widen(d_x), Tol::of(dtype_of<T>()));
+  expect_within(tag<T>("permute/d_x"), widen(e_dx), widen(d_x), tol_of(dtype_of<T>()));
   expect_same(tag<T>("unpermute/y_slots"), e_ys, y_slots);
   expect_same(tag<T>("unpermute/d_y_perm"), e_dyp, d_y_perm);
   for (const Guarded<T>* g : {&e_xp, &e_dx, &e_ys, &e_dyp}) expect_guard_intact(tag<T>("permute"), *g);
 
   // combine forward / backward, on slot-order y and through slot_to_row (the fused unpermute).
   const std::vector<float> weights = positive(rng, rows, 0.05f, 1.0f);  // [T, k] fp32
-  const std::vector<T> d_out = stored<T>(uniform(rng, tokens * H));     // [T, H]
-  const Guarded<float> g_w = with_guard(weights, quiet_nan<float>());
-  const Guarded<T> g_dout = with_guard(d_out, quiet_nan<T>());
+  const std::vector<T> d_out = to_storage<T>(uniform(rng, tokens * H));  // [T, H]
+  const Guarded<float> g_w = guarded(weights, nan_of<float>());
+  const Guarded<T> g_dout = guarded(d_out, nan_of<T>());
   for (const bool fused : {false, true}) {
     const std::vector<T>& y = fused ? y_perm : d_y_slots;  // [T·k, H] either way, non-zero
     const std::string name = tag<T>(fused ? "combine_fused" : "combine");
@@ -176,7 +176,7 @@ void moe_case(const MoeShape& s, uint32_t seed) {
     combine_forward_cpu(c);
     combine_backward_cpu(c);
 
-    const Guarded<T> g_y = with_guard(y, quiet_nan<T>());
+    const Guarded<T> g_y = guarded(y, nan_of<T>());
     const int32_t* slot_to_row = fused ? g_s2r.ptr() : nullptr;
     Guarded<T> e_out = output_of<T>(tokens * H), e_dy = output_of<T>(rows * H);
     Guarded<float> e_dw = output_of<float>(rows);
@@ -187,9 +187,9 @@ void moe_case(const MoeShape& s, uint32_t seed) {
       cd::combine_backward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, g_dout.ptr(), e_dy.ptr(),
                                   e_dw.ptr(), k, H);
     });
-    expect_close(name + "/out", widen(e_out), widen(out), Tol::of(dtype_of<T>()));
-    expect_close(name + "/d_y", widen(e_dy), widen(d_y), Tol::of(dtype_of<T>()));
-    expect_close(name + "/d_weights", e_dw.head(), d_weights, Tol::f32());
+    expect_within(name + "/out", widen(e_out), widen(out), tol_of(dtype_of<T>()));
+    expect_within(name + "/d_y", widen(e_dy), widen(d_y), tol_of(dtype_of<T>()));
+    expect_within(name + "/d_weights", e_dw.head(), d_weights, kF32Tol);
     expect_guard_intact(name + "/out", e_out);
     expect_guard_intact(name + "/d_y", e_dy);
     expect_guard_intact(name + "/d_weights", e_dw);

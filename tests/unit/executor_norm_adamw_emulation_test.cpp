@@ -4,7 +4,7 @@
 // indexing, the grid- and block-stride loops, RMSNorm's block reductions and the router's top-k
 // tie rule, without a GPU (the device itself is checked by tests/cuda/ops_cuda_test.cu). Bounds
 // as there: router expert ids and the in-order embedding copies and scatter-add exactly; the
-// rest within emulation_guards.h's Tol. Inputs carry NaN past their end, outputs sentinels.
+// rest within emulation_check.h's Tol. Inputs carry NaN past their end, outputs sentinels.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
 #include "executor/cuda/norm_adamw_kernels.cuh"
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "emulation_guards.h"
+#include "emulation_check.h"
 #include "executor/ops/adamw.h"
 #include "executor/ops/embedding.h"
 #include "executor/ops/rmsnorm.h"
@@ -27,7 +27,7 @@ namespace flatpeak::exec {
 namespace {
 
 namespace cd = cuda_detail;
-using namespace emu_test;
+using namespace emu_check;
 
 constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
 constexpr int kRouterThreads = 128;  // router_{forward,backward}_cuda
@@ -52,11 +52,11 @@ void adamw_case(int64_t n, int64_t steps, bool with_param_out) {
   std::vector<float> master = uniform(rng, n);                   // [n] fp32
   std::vector<float> m = uniform(rng, n, 0.001f, 0.01f);          // [n] fp32
   std::vector<float> v = positive(rng, n, 0.0001f, 0.001f);       // [n] fp32, never negative
-  const std::vector<G> grad = stored<G>(uniform(rng, n));         // [n] G
+  const std::vector<G> grad = to_storage<G>(uniform(rng, n));     // [n] G
   std::vector<Bf16> param_out(static_cast<size_t>(n));           // [n] bf16
   Guarded<float> e_master = inout_of<float>(master), e_m = inout_of<float>(m);
   Guarded<float> e_v = inout_of<float>(v);
-  const Guarded<G> g_grad = with_guard(grad, quiet_nan<G>());
+  const Guarded<G> g_grad = guarded(grad, nan_of<G>());
   Guarded<Bf16> e_out = output_of<Bf16>(n);
   for (int64_t step = 1; step <= steps; ++step) {  // m, v and the bias corrections carry over
     AdamWArgs a;
@@ -78,13 +78,14 @@ void adamw_case(int64_t n, int64_t steps, bool with_param_out) {
       cd::adamw_kernel(e_master.ptr(), g_grad.ptr(), e_m.ptr(), e_v.ptr(), out, n, scalars);
     });
   }
-  expect_close("adamw/master", e_master.head(), master, Tol::f32());
-  expect_close("adamw/m", e_m.head(), m, Tol::f32());
-  expect_close("adamw/v", e_v.head(), v, Tol::f32());
+  expect_within("adamw/master", e_master.head(), master, kF32Tol);
+  expect_within("adamw/m", e_m.head(), m, kF32Tol);
+  expect_within("adamw/v", e_v.head(), v, kF32Tol);
   if (with_param_out) {
-    expect_close("adamw/param_out", widen(e_out), widen(param_out), Tol::bf16());
+    expect_within("adamw/param_out", widen(e_out), widen(param_out), kBf16Tol);
   } else {
-    expect_same("adamw/param_out untouched", e_out, std::vector<Bf16>(static_cast<size_t>(n), sentinel<Bf16>()));
+    expect_same("adamw/param_out untouched", e_out,
+                std::vector<Bf16>(static_cast<size_t>(n), sentinel_of<Bf16>()));
   }
   for (const Guarded<float>* g : {&e_master, &e_m, &e_v}) expect_guard_intact("adamw", *g);
   expect_guard_intact("adamw/param_out", e_out);
@@ -105,11 +106,11 @@ void embedding_case(int64_t tokens, int64_t vocab, int64_t H) {
   std::uniform_int_distribution<int32_t> id_dist(0, static_cast<int32_t>(vocab - 1));
   std::vector<int32_t> ids(static_cast<size_t>(tokens));  // [T] repeating: the add order matters
   for (int32_t& id : ids) id = id_dist(rng);
-  const std::vector<T> table = stored<T>(uniform(rng, vocab * H));  // [V, H]
-  const std::vector<T> d_out = stored<T>(uniform(rng, tokens * H));  // [T, H]
+  const std::vector<T> table = to_storage<T>(uniform(rng, vocab * H));   // [V, H]
+  const std::vector<T> d_out = to_storage<T>(uniform(rng, tokens * H));  // [T, H]
   const std::vector<float> d_table_init = uniform(rng, vocab * H);   // [V, H] accumulated into
   std::vector<T> out(static_cast<size_t>(tokens * H));               // [T, H]
-  std::vector<T> d_table = stored<T>(d_table_init);
+  std::vector<T> d_table = to_storage<T>(d_table_init);
   EmbeddingArgs a;
   a.dtype = dtype_of<T>();
   a.tokens = tokens;
@@ -123,9 +124,9 @@ void embedding_case(int64_t tokens, int64_t vocab, int64_t H) {
   embedding_forward_cpu(a);
   embedding_backward_cpu(a);
 
-  const Guarded<int32_t> g_ids = with_guard(ids, static_cast<int32_t>(vocab));  // row V: NaN guard
-  const Guarded<T> g_table = with_guard(table, quiet_nan<T>());
-  const Guarded<T> g_dout = with_guard(d_out, quiet_nan<T>());
+  const Guarded<int32_t> g_ids = guarded(ids, static_cast<int32_t>(vocab));  // row V: NaN guard
+  const Guarded<T> g_table = guarded(table, nan_of<T>());
+  const Guarded<T> g_dout = guarded(d_out, nan_of<T>());
   Guarded<T> e_out = output_of<T>(tokens * H);
   Guarded<T> e_dtable = inout_of<T>(d_table_init);
   emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
@@ -153,12 +154,12 @@ template <class T>
 void rmsnorm_case(int64_t tokens, int64_t H) {
   SCOPED_TRACE(tag<T>("rmsnorm") + " T" + std::to_string(tokens) + " H" + std::to_string(H));
   std::mt19937 rng(13);
-  const std::vector<T> x = stored<T>(uniform(rng, tokens * H));       // [T, H]
-  const std::vector<T> w = stored<T>(positive(rng, H, 0.5f, 1.5f));   // [H]
-  const std::vector<T> dy = stored<T>(uniform(rng, tokens * H));      // [T, H]
+  const std::vector<T> x = to_storage<T>(uniform(rng, tokens * H));      // [T, H]
+  const std::vector<T> w = to_storage<T>(positive(rng, H, 0.5f, 1.5f));  // [H]
+  const std::vector<T> dy = to_storage<T>(uniform(rng, tokens * H));     // [T, H]
   const std::vector<float> dw_init = uniform(rng, H);                 // [H] accumulated into
   std::vector<T> out(static_cast<size_t>(tokens * H)), dx(out.size());  // [T, H]
-  std::vector<T> dw = stored<T>(dw_init);                               // [H]
+  std::vector<T> dw = to_storage<T>(dw_init);                           // [H]
   std::vector<float> rstd(static_cast<size_t>(tokens)), workspace(static_cast<size_t>(H));
   RmsNormArgs a;
   a.dtype = dtype_of<T>();
@@ -175,8 +176,8 @@ void rmsnorm_case(int64_t tokens, int64_t H) {
   rmsnorm_forward_cpu(a);
   rmsnorm_backward_cpu(a);
 
-  const Guarded<T> g_x = with_guard(x, quiet_nan<T>()), g_w = with_guard(w, quiet_nan<T>());
-  const Guarded<T> g_dy = with_guard(dy, quiet_nan<T>());
+  const Guarded<T> g_x = guarded(x, nan_of<T>()), g_w = guarded(w, nan_of<T>());
+  const Guarded<T> g_dy = guarded(dy, nan_of<T>());
   Guarded<T> e_out = output_of<T>(tokens * H), e_dx = output_of<T>(tokens * H);
   Guarded<T> e_dw = inout_of<T>(dw_init);
   Guarded<float> e_rstd = output_of<float>(tokens);
@@ -191,11 +192,11 @@ void rmsnorm_case(int64_t tokens, int64_t H) {
   emu::launch(grid_for(H), 1, kBlock, 0, [&] {
     cd::rmsnorm_backward_dw_kernel(g_x.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dw.ptr(), tokens, H);
   });
-  const Tol tol = Tol::of(dtype_of<T>());
-  expect_close(tag<T>("rmsnorm/rstd"), e_rstd.head(), rstd, Tol::f32());
-  expect_close(tag<T>("rmsnorm/out"), widen(e_out), widen(out), tol);
-  expect_close(tag<T>("rmsnorm/d_x"), widen(e_dx), widen(dx), tol);
-  expect_close(tag<T>("rmsnorm/d_weight"), widen(e_dw), widen(dw), tol);
+  const Tol tol = tol_of(dtype_of<T>());
+  expect_within(tag<T>("rmsnorm/rstd"), e_rstd.head(), rstd, kF32Tol);
+  expect_within(tag<T>("rmsnorm/out"), widen(e_out), widen(out), tol);
+  expect_within(tag<T>("rmsnorm/d_x"), widen(e_dx), widen(dx), tol);
+  expect_within(tag<T>("rmsnorm/d_weight"), widen(e_dw), widen(dw), tol);
   expect_guard_intact(tag<T>("rmsnorm/rstd"), e_rstd);
   for (const Guarded<T>* g : {&e_out, &e_dx, &e_dw}) expect_guard_intact(tag<T>("rmsnorm"), *g);
 }
@@ -229,8 +230,8 @@ void router_case(const std::string& name, const std::vector<float>& logits, int6
   router_forward_cpu(a);
   router_backward_cpu(a);
 
-  const Guarded<float> g_logits = with_guard(logits, quiet_nan<float>());
-  const Guarded<float> g_dw = with_guard(d_w, quiet_nan<float>());
+  const Guarded<float> g_logits = guarded(logits, nan_of<float>());
+  const Guarded<float> g_dw = guarded(d_w, nan_of<float>());
   Guarded<int32_t> e_ids = output_of<int32_t>(tokens * k);
   Guarded<float> e_w = output_of<float>(tokens * k), e_dz = output_of<float>(tokens * E);
   const unsigned blocks = grid_for(tokens, kRouterThreads);
@@ -241,8 +242,8 @@ void router_case(const std::string& name, const std::vector<float>& logits, int6
     cd::router_backward_kernel(e_ids.ptr(), e_w.ptr(), g_dw.ptr(), e_dz.ptr(), tokens, E, k);
   });
   expect_same(name + "/topk_ids", e_ids, ids);
-  expect_close(name + "/topk_weights", e_w.head(), w, Tol::f32());
-  expect_close(name + "/d_logits", e_dz.head(), dz, Tol::f32());
+  expect_within(name + "/topk_weights", e_w.head(), w, kF32Tol);
+  expect_within(name + "/d_logits", e_dz.head(), dz, kF32Tol);
   expect_guard_intact(name + "/topk_ids", e_ids);
   expect_guard_intact(name + "/topk_weights", e_w);
   expect_guard_intact(name + "/d_logits", e_dz);
