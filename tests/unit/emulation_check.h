@@ -20,9 +20,25 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda_emulation.h"
+// The emulation header first: it defines what kernel_util.cuh expects from CUDA.
+#include "executor/cuda/kernel_util.cuh"
 #include "executor/ops/dtype.h"
 
 namespace flatpeak::exec::emu_check {
+
+// The launchers' grid_for, under a cap that a test lowers to run the grid-stride loops more than
+// once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
+inline unsigned g_block_cap = ~0u;
+inline unsigned grid_for(int64_t n, int threads = cuda_detail::kThreads) {
+  return std::min(cuda_detail::grid_for(n, threads), g_block_cap);
+}
+struct BlockCap {
+  explicit BlockCap(unsigned cap) { g_block_cap = cap; }
+  ~BlockCap() { g_block_cap = ~0u; }
+  BlockCap(const BlockCap&) = delete;
+  BlockCap& operator=(const BlockCap&) = delete;
+};
 
 // Elements past the end of every guarded buffer (>= any row in these tests).
 constexpr size_t kGuard = 512;

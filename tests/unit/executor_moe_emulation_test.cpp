@@ -32,17 +32,6 @@ constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
 constexpr unsigned kRouteThreads = 1024;   // moe_route_cuda: one block of 1024
 constexpr unsigned kCombineThreads = 128;  // combine_backward_cuda: one block of 128 per slot
 
-// The launchers' grid_for, under a cap that a test lowers to run the grid-stride loops more than
-// once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
-unsigned g_block_cap = ~0u;
-unsigned grid_for(int64_t n, int threads = cd::kThreads) { return std::min(cd::grid_for(n, threads), g_block_cap); }
-struct BlockCap {
-  explicit BlockCap(unsigned cap) { g_block_cap = cap; }
-  ~BlockCap() { g_block_cap = ~0u; }
-  BlockCap(const BlockCap&) = delete;
-  BlockCap& operator=(const BlockCap&) = delete;
-};
-
 // ---- MoE ---------------------------------------------------------------------------------
 
 // k distinct experts per token, every third token's sorted so the low ids get more copies.
