@@ -3,7 +3,8 @@
 // (max, sum) with the shared lse_fold; the backward recomputes it from the saved lse and turns it
 // into dz with the shared cross_entropy_dlogit, rounded into the compute-dtype dlogits block as on
 // the CPU. The same order of blocks and the same workspace as on the CPU. The kernels' source is
-// in cross_entropy_kernels.cuh; this file holds the checks, the GEMMs and the launches.
+// in cross_entropy_kernels.cuh; this file holds the checks and the GEMMs; the launch sequences are
+// the header's.
 #include <algorithm>
 
 #include "executor/cpu/op_util.h"
@@ -23,9 +24,6 @@ using cuda_detail::dlogits_kernel;
 using cuda_detail::finish_rows_kernel;
 using cuda_detail::fold_block_kernel;
 using cuda_detail::init_rows_kernel;
-using cuda_detail::log_softmax_rows_kernel;
-using cuda_detail::materialized_dlogits_kernel;
-using cuda_detail::store_kernel;
 
 // Workspace: the CPU's layout (cross_entropy_cpu.cpp): fp32 logits block [T_blk, V_blk], fp32
 // running max, running sum, target logit [T_blk] each, fp32 dX accumulator [T_blk, H], then the
@@ -62,22 +60,14 @@ const void* offset_rows(const void* base, int64_t row, int64_t hidden, DType dty
 
 void forward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
                    int64_t t0, int64_t tb) {
-  cudaStream_t stream = blas.stream();
-  init_rows_kernel<<<grid_for(tb), kThreads, 0, stream>>>(ws.row_max, ws.row_sum, ws.target_logit, tb);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
-  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
-    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
-    cuda::gemm_cuda(blas, false, true, tb, vb, a.hidden, 1.0f, a.dtype,
-                    offset_rows(a.x, t0, a.hidden, a.dtype), a.hidden, a.dtype,
-                    offset_rows(a.w, v0, a.hidden, a.dtype), a.hidden, false, DType::F32,
-                    ws.logits, vb);
-    fold_block_kernel<<<static_cast<unsigned>(tb), kThreads, 0, stream>>>(
-        ws.logits, vb, v0, a.targets + t0, ws.row_max, ws.row_sum, ws.target_logit);
-    FLATPEAK_CUDA_CHECK_LAUNCH();
-  }
-  finish_rows_kernel<<<grid_for(tb), kThreads, 0, stream>>>(
-      ws.row_max, ws.row_sum, ws.target_logit, a.targets + t0, a.lse + t0, a.loss + t0, tb);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  cuda_detail::blocked_forward_block(
+      ws.logits, ws.row_max, ws.row_sum, ws.target_logit, a.targets + t0, a.lse + t0, a.loss + t0,
+      tb, a.vocab, a.vocab_block_rows, blas.stream(), [&](int64_t v0, int64_t vb) {
+        cuda::gemm_cuda(blas, false, true, tb, vb, a.hidden, 1.0f, a.dtype,
+                        offset_rows(a.x, t0, a.hidden, a.dtype), a.hidden, a.dtype,
+                        offset_rows(a.w, v0, a.hidden, a.dtype), a.hidden, false, DType::F32,
+                        ws.logits, vb);
+      });
 }
 
 void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
@@ -86,30 +76,25 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::
   const int64_t H = a.hidden;
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(ws.dx_acc, 0, static_cast<size_t>(tb * H) * 4, stream));
   const void* x_blk = offset_rows(a.x, t0, H, a.dtype);
-  for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
-    const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
+  auto logits_gemm = [&](int64_t v0, int64_t vb) {
+    cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype, x_blk, H, a.dtype,
+                    offset_rows(a.w, v0, H, a.dtype), H, false, DType::F32, ws.logits, vb);
+  };
+  // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (compute-dtype operands, fp32 accumulators)
+  auto grad_gemms = [&](int64_t v0, int64_t vb) {
     const void* w_blk = offset_rows(a.w, v0, H, a.dtype);
-    cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype, x_blk, H, a.dtype, w_blk, H,
-                    false, DType::F32, ws.logits, vb);
-    dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
-      using T = decltype(tag);
-      dlogits_kernel<<<static_cast<unsigned>(tb), kThreads, 0, stream>>>(
-          ws.logits, static_cast<T*>(ws.dlogits), vb, v0, a.targets + t0, a.lse + t0,
-          a.grad_scale);
-    });
-    FLATPEAK_CUDA_CHECK_LAUNCH();
-    // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (compute-dtype operands, fp32 accumulators)
     cuda::gemm_cuda(blas, false, false, tb, H, vb, 1.0f, a.dtype, ws.dlogits, vb, a.dtype, w_blk,
                     H, true, DType::F32, ws.dx_acc, H);
     cuda::gemm_cuda(blas, true, false, vb, H, tb, 1.0f, a.dtype, ws.dlogits, vb, a.dtype, x_blk,
                     H, true, DType::F32, a.d_w + v0 * H, H);
-  }
+  };
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
-    store_kernel<<<grid_for(tb * H), kThreads, 0, stream>>>(
-        ws.dx_acc, static_cast<T*>(a.d_x) + t0 * H, tb * H);
+    cuda_detail::blocked_backward_block(ws.logits, static_cast<T*>(ws.dlogits), ws.dx_acc,
+                                        static_cast<T*>(a.d_x) + t0 * H, a.targets + t0,
+                                        a.lse + t0, a.grad_scale, tb, H, a.vocab,
+                                        a.vocab_block_rows, stream, logits_gemm, grad_gemms);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 enum class Pass { Forward, Backward, Fused };
@@ -155,10 +140,9 @@ void materialized_cross_entropy_forward_cuda(const MaterializedCrossEntropyArgs&
                   a.dtype, a.w, a.hidden, false, a.dtype, a.logits, a.vocab);
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
-    log_softmax_rows_kernel<<<static_cast<unsigned>(a.tokens), kThreads, 0, blas.stream()>>>(
-        static_cast<const T*>(a.logits), a.log_probs, a.targets, a.lse, a.loss, a.vocab);
+    cuda_detail::materialized_log_softmax(static_cast<const T*>(a.logits), a.log_probs, a.targets,
+                                          a.lse, a.loss, a.tokens, a.vocab, blas.stream());
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs& a,
@@ -170,10 +154,9 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
   if (T == 0) return;
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using Tc = decltype(tag);
-    materialized_dlogits_kernel<<<static_cast<unsigned>(T), kThreads, 0, blas.stream()>>>(
-        a.log_probs, a.d_logits, static_cast<Tc*>(a.logits), a.targets, V, a.grad_scale);
+    cuda_detail::materialized_dlogits(a.log_probs, a.d_logits, static_cast<Tc*>(a.logits),
+                                      a.targets, T, V, a.grad_scale, blas.stream());
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
   // dX = dz · W (over all V), dW = dzᵀ · X (one GEMM over all T), both written in the compute dtype.
   cuda::gemm_cuda(blas, false, false, T, H, V, 1.0f, a.dtype, a.logits, V, a.dtype, a.w, H, false,
                   a.dtype, a.d_x, H);

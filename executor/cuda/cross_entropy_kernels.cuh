@@ -3,13 +3,14 @@
 // materialised baseline's log_softmax_rows and materialized_dlogits. All fp32 arithmetic with the
 // CPU twin's shared lse_fold and cross_entropy_dlogit; "one block per row" kernels take a row per
 // blockIdx.x and stride its columns by blockDim.x (a multiple of 32: block_max/block_sum).
-// cross_entropy_cuda.cu launches them (between its cuBLAS GEMMs);
-// tests/unit/executor_cross_entropy_emulation_test.cpp runs the same source on the host
-// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU op, without a GPU.
+// The launch sequences at the end (grids, order, the GEMMs between as callables) are what
+// cross_entropy_cuda.cu runs; tests/unit/executor_cross_entropy_emulation_test.cpp runs the same
+// sequences on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU op.
 //   #include "executor/cuda/cross_entropy_kernels.cuh"
-//   fold_block_kernel<<<rows, kThreads, 0, stream>>>(logits, vb, v0, targets, row_max, row_sum, target_logit);
+//   blocked_forward_block(logits, row_max, row_sum, target_logit, targets, lse, loss, tb, V, Vb, stream, gemm);
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -118,6 +119,65 @@ __global__ void materialized_dlogits_kernel(const float* log_probs, float* d_log
     d_logits[base + j] = d;
     store_f32(&dz[base + j], d);
   }
+}
+
+// ---- launch sequences ----
+
+// The blocked forward of one token block of tb rows: the running (max, sum) initialised, then per
+// vocab block logits_gemm(v0, vb) fills logits [tb, vb] fp32 and fold_block folds it in; then lse
+// and loss. targets, lse and loss point at the block's first token.
+template <class LogitsGemm>
+void blocked_forward_block(const float* logits, float* row_max, float* row_sum, float* target_logit,
+                           const int32_t* targets, float* lse, float* loss, int64_t tb,
+                           int64_t vocab, int64_t vocab_block_rows, cudaStream_t stream,
+                           LogitsGemm logits_gemm) {
+  FLATPEAK_LAUNCH(init_rows_kernel, grid_for(tb), kThreads, 0, stream, row_max, row_sum,
+                  target_logit, tb);
+  for (int64_t v0 = 0; v0 < vocab; v0 += vocab_block_rows) {
+    const int64_t vb = std::min(vocab_block_rows, vocab - v0);
+    logits_gemm(v0, vb);
+    FLATPEAK_LAUNCH(fold_block_kernel, static_cast<unsigned>(tb), kThreads, 0, stream, logits, vb,
+                    v0, targets, row_max, row_sum, target_logit);
+  }
+  FLATPEAK_LAUNCH(finish_rows_kernel, grid_for(tb), kThreads, 0, stream, row_max, row_sum,
+                  target_logit, targets, lse, loss, tb);
+}
+
+// The blocked backward of one token block (dx_acc [tb, H] fp32 zeroed before): per vocab block
+// logits_gemm(v0, vb) refills logits [tb, vb], dlogits_kernel turns it into dz [tb, vb] (T), and
+// grad_gemms(v0, vb) adds dz · W_blk into dx_acc and dzᵀ · X_blk into d_w; then dx_acc is stored
+// into d_x [tb, H] (T). targets, lse and d_x point at the block's first token.
+template <class T, class LogitsGemm, class GradGemms>
+void blocked_backward_block(const float* logits, T* dz, const float* dx_acc, T* d_x,
+                            const int32_t* targets, const float* lse, float grad_scale, int64_t tb,
+                            int64_t hidden, int64_t vocab, int64_t vocab_block_rows,
+                            cudaStream_t stream, LogitsGemm logits_gemm, GradGemms grad_gemms) {
+  for (int64_t v0 = 0; v0 < vocab; v0 += vocab_block_rows) {
+    const int64_t vb = std::min(vocab_block_rows, vocab - v0);
+    logits_gemm(v0, vb);
+    FLATPEAK_LAUNCH(dlogits_kernel<T>, static_cast<unsigned>(tb), kThreads, 0, stream, logits, dz,
+                    vb, v0, targets, lse, grad_scale);
+    grad_gemms(v0, vb);
+  }
+  FLATPEAK_LAUNCH(store_kernel<T>, grid_for(tb * hidden), kThreads, 0, stream, dx_acc, d_x,
+                  tb * hidden);
+}
+
+// The materialised forward after its logits GEMM: one block per token over logits [T, V] (T).
+template <class T>
+void materialized_log_softmax(const T* logits, float* log_probs, const int32_t* targets,
+                              float* lse, float* loss, int64_t tokens, int64_t vocab,
+                              cudaStream_t stream) {
+  FLATPEAK_LAUNCH(log_softmax_rows_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0, stream,
+                  logits, log_probs, targets, lse, loss, vocab);
+}
+
+// The materialised backward before its two GEMMs: d_logits [T, V] fp32 and dz [T, V] (T).
+template <class T>
+void materialized_dlogits(const float* log_probs, float* d_logits, T* dz, const int32_t* targets,
+                          int64_t tokens, int64_t vocab, float grad_scale, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(materialized_dlogits_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0,
+                  stream, log_probs, d_logits, dz, targets, vocab, grad_scale);
 }
 
 }  // namespace

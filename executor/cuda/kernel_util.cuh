@@ -1,5 +1,5 @@
 // Launch helpers and reductions shared by the kernels of executor/cuda (internal).
-//   const unsigned blocks = grid_for(n, 256);  kernel<<<blocks, 256, 0, stream>>>(...);
+//   FLATPEAK_LAUNCH(kernel, grid_for(n), kThreads, 0, stream, args...);  // kernel<<<...>>>(args...)
 //   float total = block_sum(partial, scratch);  // scratch: __shared__ float[32]
 // Kernels written in a .cuh with only these helpers (and dtype.h) also run on the host through
 // tests/unit/cuda_emulation.h (FLATPEAK_CUDA_EMULATION), which defines the CUDA names used here.
@@ -7,6 +7,8 @@
 
 #ifndef FLATPEAK_CUDA_EMULATION
 #include <cuda_runtime.h>
+
+#include "executor/cuda/cuda_check.h"
 // Dynamic shared memory (the launch's third argument) as `type name[]`, 16-byte aligned.
 #define FLATPEAK_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #endif
@@ -23,7 +25,24 @@ constexpr int kThreads = 256;
 inline unsigned grid_for(int64_t n, int threads = kThreads) {
   const int64_t blocks = (n + threads - 1) / threads;
   const int64_t cap = int64_t{1} << 20;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+  const unsigned grid = static_cast<unsigned>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+#ifdef FLATPEAK_CUDA_EMULATION
+  if (grid > emu::grid_cap()) return emu::grid_cap();  // a test's lower cap
+#endif
+  return grid;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), or under the host emulation the same launch run
+// at once by emu::launch: the launch sequences in the *_kernels.cuh headers are one code for the
+// device and for the emulation tests. Through FLATPEAK_LAUNCH, which checks the launch on a device.
+template <class... Params, class... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int64_t smem_bytes,
+                   cudaStream_t stream, Args&&... args) {
+#ifdef FLATPEAK_CUDA_EMULATION
+  emu::launch(grid, block, smem_bytes, stream, [&] { kernel(args...); });
+#else
+  kernel<<<grid, block, static_cast<size_t>(smem_bytes), stream>>>(args...);
+#endif
 }
 
 __device__ inline int64_t global_thread() {
@@ -67,3 +86,15 @@ __device__ inline float block_max(float x, float* scratch) {
 }
 
 }  // namespace flatpeak::exec::cuda_detail
+
+// A template kernel with several arguments goes in parentheses: FLATPEAK_LAUNCH((k<A, B>), ...).
+#ifdef FLATPEAK_CUDA_EMULATION
+#define FLATPEAK_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::flatpeak::exec::cuda_detail::launch_kernel(kernel, grid, block, smem, stream, __VA_ARGS__)
+#else
+#define FLATPEAK_LAUNCH(kernel, grid, block, smem, stream, ...)                               \
+  do {                                                                                        \
+    ::flatpeak::exec::cuda_detail::launch_kernel(kernel, grid, block, smem, stream, __VA_ARGS__); \
+    FLATPEAK_CUDA_CHECK_LAUNCH();                                                             \
+  } while (0)
+#endif

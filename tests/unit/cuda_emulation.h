@@ -49,6 +49,16 @@ inline thread_local EmuDim3 threadIdx;
 inline thread_local EmuDim3 blockIdx;
 inline thread_local EmuDim3 blockDim;
 inline thread_local EmuDim3 gridDim;
+// A launch's grid and block, as the runtime's dim3 (unset dimensions are 1); implicit from any
+// integer as the launchers write it (kThreads is an int).
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(int64_t x_ = 1, int64_t y_ = 1, int64_t z_ = 1)  // NOLINT(google-explicit-constructor)
+      : x(static_cast<unsigned>(x_)), y(static_cast<unsigned>(y_)), z(static_cast<unsigned>(z_)) {}
+};
+// Streams order nothing here: every launch runs to its end before the call returns.
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
 
 struct uint4 {
   unsigned x, y, z, w;
@@ -109,6 +119,13 @@ inline std::atomic<int64_t>& violation_count() {
 }
 inline int64_t violations() { return violation_count().load(); }
 
+// A cap on grid_for's blocks (kernel_util.cuh): a test lowers it to run the grid-stride loops more
+// than once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
+inline unsigned& grid_cap() {
+  static unsigned cap = ~0u;
+  return cap;
+}
+
 inline unsigned char* shared_memory() {  // aligned to 128 bytes, as __align__(128) asks
   const uintptr_t p = reinterpret_cast<uintptr_t>(current->shared.data());
   return reinterpret_cast<unsigned char*>((p + 127) & ~uintptr_t{127});
@@ -134,6 +151,17 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
       for (std::thread& th : pool) th.join();
     }
   }
+}
+
+// A launch as the launchers write it (kernel_util.cuh's FLATPEAK_LAUNCH): only 1-D blocks and 2-D
+// grids are emulated; anything else counts as a violation and runs nothing.
+template <class Body>
+void launch(dim3 grid, dim3 block, int64_t shared_bytes, cudaStream_t, Body body) {
+  if (grid.z != 1 || block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024) {
+    ++violation_count();
+    return;
+  }
+  launch(grid.x, grid.y, block.x, shared_bytes, body);
 }
 
 }  // namespace emu

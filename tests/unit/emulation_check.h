@@ -27,17 +27,14 @@
 
 namespace flatpeak::exec::emu_check {
 
-// The launchers' grid_for, under a cap that a test lowers to run the grid-stride loops more than
-// once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
-inline unsigned g_block_cap = ~0u;
-inline unsigned grid_for(int64_t n, int threads = cuda_detail::kThreads) {
-  return std::min(cuda_detail::grid_for(n, threads), g_block_cap);
-}
+// grid_for (kernel_util.cuh) under a cap that a test lowers (emu::grid_cap) to run the grid-stride
+// loops more than once per thread, as grid_for's own cap (2^20 blocks) does past 2^28 elements.
+using cuda_detail::grid_for;
 struct BlockCap {
-  explicit BlockCap(unsigned cap) { g_block_cap = cap; }
-  ~BlockCap() { g_block_cap = ~0u; }
+  explicit BlockCap(unsigned cap) { emu::grid_cap() = cap; }
+  ~BlockCap() { emu::grid_cap() = ~0u; }
   BlockCap(const BlockCap&) = delete;
-  BlockCap& operator=(const BlockCap&) = delete;
+BlockCap& operator=(const BlockCap&) = delete;
 };
 
 // Elements past the end of every guarded buffer (>= any row in these tests).

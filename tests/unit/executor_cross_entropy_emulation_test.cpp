@@ -1,6 +1,6 @@
 // The cross-entropy kernels (executor/cuda/cross_entropy_kernels.cuh) run on the host through
-// cuda_emulation.h, launched as cross_entropy_cuda.cu launches them (the same grids, kThreads,
-// kernel order and workspace steps; gemm_cpu stands in for its cuBLAS GEMMs, with the same
+// cuda_emulation.h, by the launch sequences cross_entropy_cuda.cu itself runs (the header's: the
+// same grids, kThreads and kernel order; gemm_cpu stands in for its cuBLAS GEMMs, with the same
 // operands, shapes and accumulation), against the CPU op: the block-per-row reductions, the
 // online fold across vocab blocks, target columns at block edges, ignored targets, and tails in
 // T and V (a vocab block wider than the 256 threads and one narrower). Bounds as
@@ -60,7 +60,7 @@ std::vector<int32_t> make_targets(std::mt19937& rng, const Shape& s) {
   return y;
 }
 
-// ---- blocked: the launcher's run() (cross_entropy_cuda.cu), kernel by kernel ----
+// ---- blocked: the launcher's run() (cross_entropy_cuda.cu) ----
 
 enum class Pass { Forward, Backward, Fused };
 
@@ -83,69 +83,58 @@ struct BlockedIo {
   std::vector<float> d_w;               // [V, H] + sentinel, accumulated
 };
 
-// The launcher's cuBLAS logits GEMM: [tb, vb] fp32 = x[t0 : t0 + tb] · w[v0 : v0 + vb]ᵀ, then a
-// huge guard (the kernels take a max over it, which a NaN would pass unseen).
+// The launcher's cuBLAS logits GEMM into logits [tb, Vb] + guard: [tb, vb] fp32 = x[t0 : t0 + tb] ·
+// w[v0 : v0 + vb]ᵀ, the rest huge (the kernels take a max over it, which a NaN would pass unseen).
 template <class T>
-std::vector<float> logits_block(const BlockedIo<T>& io, int64_t t0, int64_t tb, int64_t v0,
-                                int64_t vb) {
+void logits_block(const BlockedIo<T>& io, std::vector<float>& logits, int64_t t0, int64_t tb,
+                  int64_t v0, int64_t vb) {
   const int64_t H = io.s.hidden;
-  std::vector<float> logits(static_cast<size_t>(tb * vb) + kGuard, huge_of<float>());  // [tb, vb]
+  std::fill(logits.begin() + tb * vb, logits.end(), huge_of<float>());
   gemm_cpu(false, true, tb, vb, H, 1.0f, io.x.data() + t0 * H, H, io.w.data() + v0 * H, H, false,
            logits.data(), vb);
-  return logits;
 }
 
+// The launcher's forward_block: the header's sequence, gemm_cpu for its GEMM.
 template <class T>
 void forward_block(BlockedIo<T>& io, int64_t t0, int64_t tb, const std::string& name) {
   const Shape& s = io.s;
   const float sentinel = sentinel_of<float>();
+  std::vector<float> logits(static_cast<size_t>(tb * s.vocab_block_rows) + kGuard);  // [tb, Vb]
   std::vector<float> row_max(static_cast<size_t>(tb) + kGuard, sentinel);       // [tb]
   std::vector<float> row_sum(row_max.size(), sentinel), target_logit(row_max.size(), sentinel);
-  emu::launch(cd::grid_for(tb), 1, cd::kThreads, 0, [&] {
-    cd::init_rows_kernel(row_max.data(), row_sum.data(), target_logit.data(), tb);
-  });
-  for (int64_t v0 = 0; v0 < s.vocab; v0 += s.vocab_block_rows) {
-    const int64_t vb = std::min(s.vocab_block_rows, s.vocab - v0);
-    const std::vector<float> logits = logits_block(io, t0, tb, v0, vb);  // [tb, vb] + NaN
-    emu::launch(static_cast<unsigned>(tb), 1, cd::kThreads, 0, [&] {
-      cd::fold_block_kernel(logits.data(), vb, v0, io.targets.data() + t0, row_max.data(),
-                            row_sum.data(), target_logit.data());
-    });
-  }
-  emu::launch(cd::grid_for(tb), 1, cd::kThreads, 0, [&] {
-    cd::finish_rows_kernel(row_max.data(), row_sum.data(), target_logit.data(),
-                           io.targets.data() + t0, io.lse.data() + t0, io.loss.data() + t0, tb);
-  });
+  cd::blocked_forward_block(logits.data(), row_max.data(), row_sum.data(), target_logit.data(),
+                            io.targets.data() + t0, io.lse.data() + t0, io.loss.data() + t0, tb,
+                            s.vocab, s.vocab_block_rows, nullptr, [&](int64_t v0, int64_t vb) {
+                              logits_block(io, logits, t0, tb, v0, vb);
+                            });
   expect_guard(name + " row_max", row_max, static_cast<size_t>(tb), sentinel);
   expect_guard(name + " row_sum", row_sum, static_cast<size_t>(tb), sentinel);
   expect_guard(name + " target_logit", target_logit, static_cast<size_t>(tb), sentinel);
 }
 
+// The launcher's backward_block: the header's sequence, gemm_cpu for its three GEMMs.
 template <class T>
 void backward_block(BlockedIo<T>& io, int64_t t0, int64_t tb, const std::string& name) {
   const Shape& s = io.s;
   const int64_t H = s.hidden;
   std::vector<float> dx_acc(static_cast<size_t>(tb * H) + kGuard, nan_of<float>());  // [tb, H]
   std::fill(dx_acc.begin(), dx_acc.begin() + tb * H, 0.0f);  // the launcher's cudaMemsetAsync
+  std::vector<float> logits(static_cast<size_t>(tb * s.vocab_block_rows) + kGuard);  // [tb, Vb]
+  std::vector<T> dz(logits.size(), sentinel_of<T>());                                  // [tb, Vb]
   const T* x_blk = io.x.data() + t0 * H;
-  for (int64_t v0 = 0; v0 < s.vocab; v0 += s.vocab_block_rows) {
-    const int64_t vb = std::min(s.vocab_block_rows, s.vocab - v0);
-    const T* w_blk = io.w.data() + v0 * H;
-    const std::vector<float> logits = logits_block(io, t0, tb, v0, vb);  // [tb, vb] + NaN
-    std::vector<T> dz(static_cast<size_t>(tb * vb) + kGuard, sentinel_of<T>());  // [tb, vb]
-    emu::launch(static_cast<unsigned>(tb), 1, cd::kThreads, 0, [&] {
-      cd::dlogits_kernel(logits.data(), dz.data(), vb, v0, io.targets.data() + t0,
-                         io.lse_in.data() + t0, io.grad_scale);
-    });
-    expect_guard(name + " dlogits", dz, static_cast<size_t>(tb * vb), sentinel_of<T>());
-    // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk, as the launcher's two GEMMs.
-    gemm_cpu(false, false, tb, H, vb, 1.0f, dz.data(), vb, w_blk, H, true, dx_acc.data(), H);
-    gemm_cpu(true, false, vb, H, tb, 1.0f, dz.data(), vb, x_blk, H, true, io.d_w.data() + v0 * H,
-             H);
-  }
-  emu::launch(cd::grid_for(tb * H), 1, cd::kThreads, 0, [&] {
-    cd::store_kernel(dx_acc.data(), io.d_x.data() + t0 * H, tb * H);
-  });
+  cd::blocked_backward_block(
+      logits.data(), dz.data(), dx_acc.data(), io.d_x.data() + t0 * H, io.targets.data() + t0,
+      io.lse_in.data() + t0, io.grad_scale, tb, H, s.vocab, s.vocab_block_rows, nullptr,
+      [&](int64_t v0, int64_t vb) { logits_block(io, logits, t0, tb, v0, vb); },
+      [&](int64_t v0, int64_t vb) {
+        expect_guard(name + " dlogits", dz, static_cast<size_t>(tb * vb), sentinel_of<T>());
+        // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk, as the launcher's two GEMMs.
+        const T* w_blk = io.w.data() + v0 * H;
+        gemm_cpu(false, false, tb, H, vb, 1.0f, dz.data(), vb, w_blk, H, true, dx_acc.data(), H);
+        gemm_cpu(true, false, vb, H, tb, 1.0f, dz.data(), vb, x_blk, H, true,
+                 io.d_w.data() + v0 * H, H);
+        std::fill(dz.begin(), dz.end(), sentinel_of<T>());  // a stale dz would hide a short write
+      });
 }
 
 template <class T>
@@ -281,10 +270,8 @@ void materialized_case(const Shape& s, DType dtype) {
   std::vector<T> e_logits(n_tv + kGuard, huge_of<T>());  // [T, V] + huge (a max is taken over it)
   gemm_cpu(false, true, T_, V, H, 1.0f, gx.data(), H, gw.data(), H, false, e_logits.data(), V);
   std::vector<float> e_log_probs(n_tv + kGuard, fs), e_lse(n_t + kGuard, fs), e_loss(e_lse);
-  emu::launch(static_cast<unsigned>(T_), 1, cd::kThreads, 0, [&] {
-    cd::log_softmax_rows_kernel(e_logits.data(), e_log_probs.data(), gy.data(), e_lse.data(),
-                                e_loss.data(), V);
-  });
+  cd::materialized_log_softmax(e_logits.data(), e_log_probs.data(), gy.data(), e_lse.data(),
+                               e_loss.data(), T_, V, nullptr);
   expect_within(name + " lse", widen(e_lse, n_t), lse, kF32Tol);
   expect_within(name + " loss", widen(e_loss, n_t), loss, kF32Tol);
   expect_within(name + " log_probs", widen(e_log_probs, n_tv), log_probs, kF32Tol);
@@ -296,10 +283,8 @@ void materialized_case(const Shape& s, DType dtype) {
   const std::vector<float> lp_in = with_guard(widen(e_log_probs, n_tv), nan_of<float>());
   std::fill(e_logits.begin() + static_cast<std::ptrdiff_t>(n_tv), e_logits.end(), sentinel_of<T>());
   std::vector<float> e_d_logits(n_tv + kGuard, fs);  // [T, V]
-  emu::launch(static_cast<unsigned>(T_), 1, cd::kThreads, 0, [&] {
-    cd::materialized_dlogits_kernel(lp_in.data(), e_d_logits.data(), e_logits.data(), gy.data(), V,
-                                    g);
-  });
+  cd::materialized_dlogits(lp_in.data(), e_d_logits.data(), e_logits.data(), gy.data(), T_, V, g,
+                           nullptr);
   expect_guard(name + " d_logits", e_d_logits, n_tv, fs);
   expect_guard(name + " dz", e_logits, n_tv, sentinel_of<T>());
   std::vector<T> e_dx(n_x + kGuard, sentinel_of<T>()), e_dw(n_w + kGuard, sentinel_of<T>());
