@@ -9,13 +9,14 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::combine_backward_kernel;
-using cuda_detail::combine_forward_kernel;
-using cuda_detail::gather_rows_kernel;
-using cuda_detail::grid_for;
-using cuda_detail::kThreads;
-using cuda_detail::moe_route_kernel;
-using cuda_detail::permute_backward_kernel;
+// The launch sequences (moe_kernels.cuh).
+using cuda_detail::launch_combine_backward;
+using cuda_detail::launch_combine_forward;
+using cuda_detail::launch_moe_route;
+using cuda_detail::launch_permute_backward;
+using cuda_detail::launch_permute_forward;
+using cuda_detail::launch_unpermute_backward;
+using cuda_detail::launch_unpermute_forward;
 
 void check_permute(const PermuteArgs& a) {
   require(a.tokens >= 0 && a.top_k > 0 && a.experts > 0 && a.hidden > 0, "permute",
@@ -34,9 +35,8 @@ void check_combine(const CombineArgs& a) {
 void moe_route_cuda(const PermuteArgs& a, cudaStream_t stream) {
   check_permute(a);
   require(a.topk_ids && a.expert_counts, "permute", "routing needs topk_ids and expert_counts");
-  moe_route_kernel<<<1, 1024, 0, stream>>>(a.topk_ids, a.tokens * a.top_k, a.experts,
-                                          a.expert_counts, a.slot_to_row, a.row_to_slot);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_moe_route(a.topk_ids, a.tokens * a.top_k, a.experts, a.expert_counts, a.slot_to_row,
+                   a.row_to_slot, stream);
 }
 
 void permute_forward_cuda(const PermuteArgs& a, cudaStream_t stream) {
@@ -46,11 +46,9 @@ void permute_forward_cuda(const PermuteArgs& a, cudaStream_t stream) {
   if (rows == 0) return;
   dispatch_compute(a.dtype, "permute", [&](auto tag) {
     using T = decltype(tag);
-    gather_rows_kernel<<<grid_for(rows * a.hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.x), a.row_to_slot, a.top_k, static_cast<T*>(a.x_perm), rows,
-        a.hidden);
+    launch_permute_forward(static_cast<const T*>(a.x), a.row_to_slot, static_cast<T*>(a.x_perm),
+                           a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void permute_backward_cuda(const PermuteArgs& a, cudaStream_t stream) {
@@ -59,11 +57,9 @@ void permute_backward_cuda(const PermuteArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "permute", [&](auto tag) {
     using T = decltype(tag);
-    permute_backward_kernel<<<grid_for(a.tokens * a.hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.d_x_perm), a.slot_to_row, static_cast<T*>(a.d_x), a.tokens,
-        a.top_k, a.hidden);
+    launch_permute_backward(static_cast<const T*>(a.d_x_perm), a.slot_to_row,
+                            static_cast<T*>(a.d_x), a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void unpermute_forward_cuda(const PermuteArgs& a, cudaStream_t stream) {
@@ -73,11 +69,9 @@ void unpermute_forward_cuda(const PermuteArgs& a, cudaStream_t stream) {
   if (rows == 0) return;
   dispatch_compute(a.dtype, "permute", [&](auto tag) {
     using T = decltype(tag);
-    gather_rows_kernel<<<grid_for(rows * a.hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.y_perm), a.slot_to_row, 1, static_cast<T*>(a.y_slots), rows,
-        a.hidden);
+    launch_unpermute_forward(static_cast<const T*>(a.y_perm), a.slot_to_row,
+                             static_cast<T*>(a.y_slots), a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void unpermute_backward_cuda(const PermuteArgs& a, cudaStream_t stream) {
@@ -87,11 +81,9 @@ void unpermute_backward_cuda(const PermuteArgs& a, cudaStream_t stream) {
   if (rows == 0) return;
   dispatch_compute(a.dtype, "permute", [&](auto tag) {
     using T = decltype(tag);
-    gather_rows_kernel<<<grid_for(rows * a.hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.d_y_slots), a.row_to_slot, 1, static_cast<T*>(a.d_y_perm), rows,
-        a.hidden);
+    launch_unpermute_backward(static_cast<const T*>(a.d_y_slots), a.row_to_slot,
+                              static_cast<T*>(a.d_y_perm), a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void combine_forward_cuda(const CombineArgs& a, cudaStream_t stream) {
@@ -100,11 +92,9 @@ void combine_forward_cuda(const CombineArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "combine", [&](auto tag) {
     using T = decltype(tag);
-    combine_forward_kernel<<<grid_for(a.tokens * a.hidden), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.y), a.weights, a.slot_to_row, static_cast<T*>(a.out), a.tokens,
-        a.top_k, a.hidden);
+    launch_combine_forward(static_cast<const T*>(a.y), a.weights, a.slot_to_row,
+                           static_cast<T*>(a.out), a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void combine_backward_cuda(const CombineArgs& a, cudaStream_t stream) {
@@ -115,11 +105,10 @@ void combine_backward_cuda(const CombineArgs& a, cudaStream_t stream) {
   if (slots == 0) return;
   dispatch_compute(a.dtype, "combine", [&](auto tag) {
     using T = decltype(tag);
-    combine_backward_kernel<<<static_cast<unsigned>(slots), 128, 0, stream>>>(
-        static_cast<const T*>(a.y), a.weights, a.slot_to_row, static_cast<const T*>(a.d_out),
-        static_cast<T*>(a.d_y), a.d_weights, a.top_k, a.hidden);
+    launch_combine_backward(static_cast<const T*>(a.y), a.weights, a.slot_to_row,
+                            static_cast<const T*>(a.d_out), static_cast<T*>(a.d_y), a.d_weights,
+                            a.tokens, a.top_k, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void linear_forward_cuda(const LinearArgs& a, const cuda::CublasContext& blas) {

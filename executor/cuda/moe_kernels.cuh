@@ -1,11 +1,11 @@
 // The kernels of the MoE data movement (internal to executor/cuda): the routing plan (one block,
 // a stable counting sort by expert), the row gathers of permute / unpermute, the k-slot sum of
 // permute backward, and combine forward / backward (optionally through slot_to_row, the fused
-// unpermute). moe_cuda.cu launches them; tests/unit/executor_moe_emulation_test.cpp runs
-// the same source on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the
-// CPU ops (executor/cpu/{permute,combine}_cpu.cpp), without a GPU.
+// unpermute). moe_cuda.cu runs the launch sequences at the end; tests/unit/executor_moe_emulation_test.cpp
+// runs the same ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against
+// the CPU ops (executor/cpu/{permute,combine}_cpu.cpp), without a GPU.
 //   #include "executor/cuda/moe_kernels.cuh"
-//   gather_rows_kernel<<<grid_for(rows * hidden), kThreads, 0, stream>>>(x, row_to_slot, k, x_perm, rows, hidden);
+//   launch_permute_forward(x, row_to_slot, x_perm, tokens, top_k, hidden, stream);
 #pragma once
 
 #include <cstdint>
@@ -122,6 +122,65 @@ __global__ void combine_backward_kernel(const T* y, const float* weights, const 
   }
   const float dot = block_sum(partial, scratch);
   if (threadIdx.x == 0) d_weights[slot] = dot;
+}
+
+// ---- launch sequences (moe_cuda.cu's, after its argument checks) ---------------------------
+
+inline void launch_moe_route(const int32_t* topk_ids, int64_t copies, int64_t experts,
+                             int64_t* expert_counts, int32_t* slot_to_row, int32_t* row_to_slot,
+                             cudaStream_t stream) {
+  FLATPEAK_LAUNCH(moe_route_kernel, 1, 1024, 0, stream, topk_ids, copies, experts, expert_counts,
+                  slot_to_row, row_to_slot);
+}
+
+// x_perm [T·k, H] from x [T, H]: the row of copy row_to_slot[r] is token row_to_slot[r] / k.
+template <class T>
+void launch_permute_forward(const T* x, const int32_t* row_to_slot, T* x_perm, int64_t tokens,
+                            int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  const int64_t rows = tokens * top_k;
+  FLATPEAK_LAUNCH(gather_rows_kernel<T>, grid_for(rows * hidden), kThreads, 0, stream, x,
+                  row_to_slot, top_k, x_perm, rows, hidden);
+}
+
+template <class T>
+void launch_permute_backward(const T* d_x_perm, const int32_t* slot_to_row, T* d_x, int64_t tokens,
+                             int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(permute_backward_kernel<T>, grid_for(tokens * hidden), kThreads, 0, stream,
+                  d_x_perm, slot_to_row, d_x, tokens, top_k, hidden);
+}
+
+// y_slots [T·k, H] in slot order from y_perm [T·k, H] in expert order.
+template <class T>
+void launch_unpermute_forward(const T* y_perm, const int32_t* slot_to_row, T* y_slots,
+                              int64_t tokens, int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  const int64_t rows = tokens * top_k;
+  FLATPEAK_LAUNCH(gather_rows_kernel<T>, grid_for(rows * hidden), kThreads, 0, stream, y_perm,
+                  slot_to_row, int64_t{1}, y_slots, rows, hidden);
+}
+
+template <class T>
+void launch_unpermute_backward(const T* d_y_slots, const int32_t* row_to_slot, T* d_y_perm,
+                               int64_t tokens, int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  const int64_t rows = tokens * top_k;
+  FLATPEAK_LAUNCH(gather_rows_kernel<T>, grid_for(rows * hidden), kThreads, 0, stream, d_y_slots,
+                  row_to_slot, int64_t{1}, d_y_perm, rows, hidden);
+}
+
+template <class T>
+void launch_combine_forward(const T* y, const float* weights, const int32_t* slot_to_row, T* out,
+                            int64_t tokens, int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(combine_forward_kernel<T>, grid_for(tokens * hidden), kThreads, 0, stream, y,
+                  weights, slot_to_row, out, tokens, top_k, hidden);
+}
+
+// One block of 128 per slot (tokens · top_k < 2^31, checked by the caller).
+template <class T>
+void launch_combine_backward(const T* y, const float* weights, const int32_t* slot_to_row,
+                             const T* d_out, T* d_y, float* d_weights, int64_t tokens,
+                             int64_t top_k, int64_t hidden, cudaStream_t stream) {
+  const int64_t slots = tokens * top_k;
+  FLATPEAK_LAUNCH(combine_backward_kernel<T>, static_cast<unsigned>(slots), 128, 0, stream, y,
+                  weights, slot_to_row, d_out, d_y, d_weights, top_k, hidden);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, with
-// the launches of moe_cuda.cu (same grids, blocks and order), against the CPU ops
+// The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, by
+// the launch sequences moe_cuda.cu itself runs (the header's), against the CPU ops
 // (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the
 // route kernel's two barriers and combine backward's block reduction, without a GPU (the device
 // itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
@@ -28,10 +28,6 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
-constexpr unsigned kRouteThreads = 1024;   // moe_route_cuda: one block of 1024
-constexpr unsigned kCombineThreads = 128;  // combine_backward_cuda: one block of 128 per slot
-
 // ---- MoE ---------------------------------------------------------------------------------
 
 // k distinct experts per token, every third token's sorted so the low ids get more copies.
@@ -57,9 +53,7 @@ void check_route(const MoeShape& s, const std::vector<int32_t>& ids, const Permu
   Guarded<int64_t> counts = output_of<int64_t>(s.experts);  // [E]
   Guarded<int32_t> s2r = output_of<int32_t>(rows);         // [T·k]
   Guarded<int32_t> r2s = output_of<int32_t>(rows);         // [T·k]
-  emu::launch(1, 1, kRouteThreads, 0, [&] {
-    cd::moe_route_kernel(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr());
-  });
+  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr);
   expect_same("route/expert_counts", counts,
               std::vector<int64_t>(cpu.expert_counts, cpu.expert_counts + s.experts));
   expect_same("route/slot_to_row", s2r, std::vector<int32_t>(cpu.slot_to_row, cpu.slot_to_row + rows));
@@ -122,18 +116,10 @@ void moe_case(const MoeShape& s, uint32_t seed) {
   const Guarded<T> g_dys = guarded(d_y_slots, nan_of<T>());
   Guarded<T> e_xp = output_of<T>(rows * H), e_dx = output_of<T>(tokens * H);
   Guarded<T> e_ys = output_of<T>(rows * H), e_dyp = output_of<T>(rows * H);
-  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
-    cd::gather_rows_kernel(g_x.ptr(), g_r2s.ptr(), k, e_xp.ptr(), rows, H);
-  });
-  emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
-    cd::permute_backward_kernel(g_dxp.ptr(), g_s2r.ptr(), e_dx.ptr(), tokens, k, H);
-  });
-  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
-    cd::gather_rows_kernel(g_yp.ptr(), g_s2r.ptr(), int64_t{1}, e_ys.ptr(), rows, H);
-  });
-  emu::launch(grid_for(rows * H), 1, kBlock, 0, [&] {
-    cd::gather_rows_kernel(g_dys.ptr(), g_r2s.ptr(), int64_t{1}, e_dyp.ptr(), rows, H);
-  });
+  cd::launch_permute_forward(g_x.ptr(), g_r2s.ptr(), e_xp.ptr(), tokens, k, H, nullptr);
+  cd::launch_permute_backward(g_dxp.ptr(), g_s2r.ptr(), e_dx.ptr(), tokens, k, H, nullptr);
+  cd::launch_unpermute_forward(g_yp.ptr(), g_s2r.ptr(), e_ys.ptr(), tokens, k, H, nullptr);
+  cd::launch_unpermute_backward(g_dys.ptr(), g_r2s.ptr(), e_dyp.ptr(), tokens, k, H, nullptr);
   expect_same(tag<T>("permute/x_perm"), e_xp, x_perm);
   expect_within(tag<T>("permute/d_x"), widen(e_dx), widen(d_x), tol_of(dtype_of<T>()));
   expect_same(tag<T>("unpermute/y_slots"), e_ys, y_slots);
@@ -169,13 +155,10 @@ void moe_case(const MoeShape& s, uint32_t seed) {
     const int32_t* slot_to_row = fused ? g_s2r.ptr() : nullptr;
     Guarded<T> e_out = output_of<T>(tokens * H), e_dy = output_of<T>(rows * H);
     Guarded<float> e_dw = output_of<float>(rows);
-    emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
-      cd::combine_forward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, e_out.ptr(), tokens, k, H);
-    });
-    emu::launch(static_cast<unsigned>(rows), 1, kCombineThreads, 0, [&] {
-      cd::combine_backward_kernel(g_y.ptr(), g_w.ptr(), slot_to_row, g_dout.ptr(), e_dy.ptr(),
-                                  e_dw.ptr(), k, H);
-    });
+    cd::launch_combine_forward(g_y.ptr(), g_w.ptr(), slot_to_row, e_out.ptr(), tokens, k, H,
+                               nullptr);
+    cd::launch_combine_backward(g_y.ptr(), g_w.ptr(), slot_to_row, g_dout.ptr(), e_dy.ptr(),
+                                e_dw.ptr(), tokens, k, H, nullptr);
     expect_within(name + "/out", widen(e_out), widen(out), tol_of(dtype_of<T>()));
     expect_within(name + "/d_y", widen(e_dy), widen(d_y), tol_of(dtype_of<T>()));
     expect_within(name + "/d_weights", e_dw.head(), d_weights, kF32Tol);
