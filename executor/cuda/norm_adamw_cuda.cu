@@ -11,16 +11,14 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::adamw_kernel;
-using cuda_detail::embedding_backward_kernel;
-using cuda_detail::embedding_forward_kernel;
-using cuda_detail::grid_for;
-using cuda_detail::kThreads;
-using cuda_detail::rmsnorm_backward_dw_kernel;
-using cuda_detail::rmsnorm_backward_dx_kernel;
-using cuda_detail::rmsnorm_forward_kernel;
-using cuda_detail::router_backward_kernel;
-using cuda_detail::router_forward_kernel;
+// The launch sequences (norm_adamw_kernels.cuh).
+using cuda_detail::launch_adamw;
+using cuda_detail::launch_embedding_backward;
+using cuda_detail::launch_embedding_forward;
+using cuda_detail::launch_rmsnorm_backward;
+using cuda_detail::launch_rmsnorm_forward;
+using cuda_detail::launch_router_backward;
+using cuda_detail::launch_router_forward;
 
 }  // namespace
 
@@ -31,15 +29,14 @@ void adamw_step_cuda(const AdamWArgs& a, cudaStream_t stream) {
   if (a.elems == 0) return;
   const AdamWScalars s = adamw_scalars(a);
   if (a.grad_dtype == DType::F32) {
-    adamw_kernel<<<grid_for(a.elems), kThreads, 0, stream>>>(
-        a.master, static_cast<const float*>(a.grad), a.m, a.v, a.param_out, a.elems, s);
+    launch_adamw(a.master, static_cast<const float*>(a.grad), a.m, a.v, a.param_out, a.elems, s,
+                 stream);
   } else if (a.grad_dtype == DType::BF16) {
-    adamw_kernel<<<grid_for(a.elems), kThreads, 0, stream>>>(
-        a.master, static_cast<const Bf16*>(a.grad), a.m, a.v, a.param_out, a.elems, s);
+    launch_adamw(a.master, static_cast<const Bf16*>(a.grad), a.m, a.v, a.param_out, a.elems, s,
+                 stream);
   } else {
     fail("adamw", "grad_dtype must be f32 or bf16");
   }
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void embedding_forward_cuda(const EmbeddingArgs& a, cudaStream_t stream) {
@@ -49,10 +46,9 @@ void embedding_forward_cuda(const EmbeddingArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "embedding", [&](auto tag) {
     using T = decltype(tag);
-    embedding_forward_kernel<<<grid_for(a.tokens * a.hidden), kThreads, 0, stream>>>(
-        a.token_ids, static_cast<const T*>(a.table), static_cast<T*>(a.out), a.tokens, a.hidden);
+    launch_embedding_forward(a.token_ids, static_cast<const T*>(a.table), static_cast<T*>(a.out),
+                             a.tokens, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void embedding_backward_cuda(const EmbeddingArgs& a, cudaStream_t stream) {
@@ -63,11 +59,9 @@ void embedding_backward_cuda(const EmbeddingArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "embedding", [&](auto tag) {
     using T = decltype(tag);
-    embedding_backward_kernel<<<grid_for(a.hidden), kThreads, 0, stream>>>(
-        a.token_ids, static_cast<const T*>(a.d_out), static_cast<T*>(a.d_table), a.tokens,
-        a.hidden);
+    launch_embedding_backward(a.token_ids, static_cast<const T*>(a.d_out),
+                              static_cast<T*>(a.d_table), a.tokens, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_forward_cuda(const RmsNormArgs& a, cudaStream_t stream) {
@@ -77,11 +71,9 @@ void rmsnorm_forward_cuda(const RmsNormArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "rmsnorm", [&](auto tag) {
     using T = decltype(tag);
-    rmsnorm_forward_kernel<<<static_cast<unsigned>(a.tokens), kThreads, 0, stream>>>(
-        static_cast<const T*>(a.x), static_cast<const T*>(a.weight), static_cast<T*>(a.out),
-        a.rstd, a.hidden, a.eps);
+    launch_rmsnorm_forward(static_cast<const T*>(a.x), static_cast<const T*>(a.weight),
+                           static_cast<T*>(a.out), a.rstd, a.tokens, a.hidden, a.eps, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_backward_cuda(const RmsNormArgs& a, cudaStream_t stream) {
@@ -92,15 +84,10 @@ void rmsnorm_backward_cuda(const RmsNormArgs& a, cudaStream_t stream) {
   if (a.tokens == 0) return;
   dispatch_compute(a.dtype, "rmsnorm", [&](auto tag) {
     using T = decltype(tag);
-    const T* x = static_cast<const T*>(a.x);
-    const T* dy = static_cast<const T*>(a.d_out);
-    rmsnorm_backward_dx_kernel<<<static_cast<unsigned>(a.tokens), kThreads, 0, stream>>>(
-        x, static_cast<const T*>(a.weight), dy, a.rstd, static_cast<T*>(a.d_x), a.hidden);
-    FLATPEAK_CUDA_CHECK_LAUNCH();
-    rmsnorm_backward_dw_kernel<<<grid_for(a.hidden), kThreads, 0, stream>>>(
-        x, dy, a.rstd, static_cast<T*>(a.d_weight), a.tokens, a.hidden);
+    launch_rmsnorm_backward(static_cast<const T*>(a.x), static_cast<const T*>(a.weight),
+                            static_cast<const T*>(a.d_out), a.rstd, static_cast<T*>(a.d_x),
+                            static_cast<T*>(a.d_weight), a.tokens, a.hidden, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 void router_forward_cuda(const RouterArgs& a, cudaStream_t stream) {
@@ -109,9 +96,7 @@ void router_forward_cuda(const RouterArgs& a, cudaStream_t stream) {
   require(a.logits && a.topk_ids && a.topk_weights, "router",
           "needs logits, topk_ids and topk_weights");
   if (a.tokens == 0) return;
-  router_forward_kernel<<<grid_for(a.tokens, 128), 128, 0, stream>>>(
-      a.logits, a.topk_ids, a.topk_weights, a.tokens, a.experts, a.top_k);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_router_forward(a.logits, a.topk_ids, a.topk_weights, a.tokens, a.experts, a.top_k, stream);
 }
 
 void router_backward_cuda(const RouterArgs& a, cudaStream_t stream) {
@@ -120,9 +105,8 @@ void router_backward_cuda(const RouterArgs& a, cudaStream_t stream) {
   require(a.topk_ids && a.topk_weights && a.d_topk_weights && a.d_logits, "router",
           "backward needs topk_ids, topk_weights, d_topk_weights and d_logits");
   if (a.tokens == 0) return;
-  router_backward_kernel<<<grid_for(a.tokens, 128), 128, 0, stream>>>(
-      a.topk_ids, a.topk_weights, a.d_topk_weights, a.d_logits, a.tokens, a.experts, a.top_k);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_router_backward(a.topk_ids, a.topk_weights, a.d_topk_weights, a.d_logits, a.tokens,
+                         a.experts, a.top_k, stream);
 }
 
 }  // namespace flatpeak::exec

@@ -1,10 +1,10 @@
 // The kernels of AdamW, embedding, RMSNorm and the router (internal to executor/cuda), with the
-// per-element formulas of the CPU ops (the same FLATPEAK_HD functions). norm_adamw_cuda.cu
-// launches them; tests/unit/executor_norm_adamw_emulation_test.cpp runs the same source on the
-// host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU ops
-// (executor/cpu/{adamw,embedding,rmsnorm,router}_cpu.cpp), without a GPU.
+// per-element formulas of the CPU ops (the same FLATPEAK_HD functions). norm_adamw_cuda.cu runs
+// the launch sequences at the end; tests/unit/executor_norm_adamw_emulation_test.cpp runs the
+// same ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU
+// ops (executor/cpu/{adamw,embedding,rmsnorm,router}_cpu.cpp), without a GPU.
 //   #include "executor/cuda/norm_adamw_kernels.cuh"
-//   rmsnorm_forward_kernel<<<tokens, kThreads, 0, stream>>>(x, w, out, rstd, hidden, eps);
+//   launch_rmsnorm_forward(x, w, out, rstd, tokens, hidden, eps, stream);
 #pragma once
 
 #include <cmath>
@@ -150,6 +150,63 @@ __global__ void router_backward_kernel(const int32_t* topk_ids, const float* top
     for (int64_t s = 0; s < top_k; ++s) weighted += w[s] * dw[s];
     for (int64_t s = 0; s < top_k; ++s) dz[ids[s]] = w[s] * (dw[s] - weighted);
   }
+}
+
+// ---- launch sequences (norm_adamw_cuda.cu's, after its argument checks) ----
+
+template <class G>
+void launch_adamw(float* master, const G* grad, float* m, float* v, Bf16* param_out, int64_t n,
+                  const AdamWScalars& s, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(adamw_kernel<G>, grid_for(n), kThreads, 0, stream, master, grad, m, v,
+                  param_out, n, s);
+}
+
+template <class T>
+void launch_embedding_forward(const int32_t* ids, const T* table, T* out, int64_t tokens,
+                              int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(embedding_forward_kernel<T>, grid_for(tokens * hidden), kThreads, 0, stream, ids,
+                  table, out, tokens, hidden);
+}
+
+// One thread per column h (grid-stride), each summing its tokens in order.
+template <class T>
+void launch_embedding_backward(const int32_t* ids, const T* d_out, T* d_table, int64_t tokens,
+                               int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(embedding_backward_kernel<T>, grid_for(hidden), kThreads, 0, stream, ids, d_out,
+                  d_table, tokens, hidden);
+}
+
+// One block per token (tokens < 2^31, checked by the caller).
+template <class T>
+void launch_rmsnorm_forward(const T* x, const T* w, T* out, float* rstd, int64_t tokens,
+                            int64_t hidden, float eps, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(rmsnorm_forward_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0, stream, x,
+                  w, out, rstd, hidden, eps);
+}
+
+// dx one block per token, then dw one thread per column.
+template <class T>
+void launch_rmsnorm_backward(const T* x, const T* w, const T* dy, const float* rstd, T* dx, T* dw,
+                             int64_t tokens, int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(rmsnorm_backward_dx_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0, stream,
+                  x, w, dy, rstd, dx, hidden);
+  FLATPEAK_LAUNCH(rmsnorm_backward_dw_kernel<T>, grid_for(hidden), kThreads, 0, stream, x, dy, rstd,
+                  dw, tokens, hidden);
+}
+
+// One thread per token, in blocks of 128.
+inline void launch_router_forward(const float* logits, int32_t* topk_ids, float* topk_weights,
+                                  int64_t tokens, int64_t experts, int64_t top_k,
+                                  cudaStream_t stream) {
+  FLATPEAK_LAUNCH(router_forward_kernel, grid_for(tokens, 128), 128, 0, stream, logits, topk_ids,
+                  topk_weights, tokens, experts, top_k);
+}
+
+inline void launch_router_backward(const int32_t* topk_ids, const float* topk_weights,
+                                   const float* d_topk_weights, float* d_logits, int64_t tokens,
+                                   int64_t experts, int64_t top_k, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(router_backward_kernel, grid_for(tokens, 128), 128, 0, stream, topk_ids,
+                  topk_weights, d_topk_weights, d_logits, tokens, experts, top_k);
 }
 
 }  // namespace

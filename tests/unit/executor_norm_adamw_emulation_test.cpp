@@ -1,6 +1,6 @@
 // The AdamW, embedding, RMSNorm and router kernels (executor/cuda/norm_adamw_kernels.cuh) run on
-// the host through cuda_emulation.h, with the launches of norm_adamw_cuda.cu (same grids, blocks
-// and order), against the CPU ops (executor/cpu/{adamw,embedding,rmsnorm,router}_cpu.cpp):
+// the host through cuda_emulation.h, by the launch sequences norm_adamw_cuda.cu itself runs (the
+// header's), against the CPU ops (executor/cpu/{adamw,embedding,rmsnorm,router}_cpu.cpp):
 // indexing, the grid- and block-stride loops, RMSNorm's block reductions and the router's top-k
 // tie rule, without a GPU (the device itself is checked by tests/cuda/ops_cuda_test.cu). Bounds
 // as there: router expert ids and the in-order embedding copies and scatter-add exactly; the
@@ -29,8 +29,6 @@ namespace {
 namespace cd = cuda_detail;
 using namespace emu_check;
 
-constexpr unsigned kBlock = static_cast<unsigned>(cd::kThreads);
-constexpr int kRouterThreads = 128;  // router_{forward,backward}_cuda
 
 // ---- AdamW -------------------------------------------------------------------------------
 
@@ -63,9 +61,7 @@ void adamw_case(int64_t n, int64_t steps, bool with_param_out) {
     adamw_step_cpu(a);
     const AdamWScalars scalars = adamw_scalars(a);
     Bf16* out = with_param_out ? e_out.ptr() : nullptr;
-    emu::launch(grid_for(n), 1, kBlock, 0, [&] {
-      cd::adamw_kernel(e_master.ptr(), g_grad.ptr(), e_m.ptr(), e_v.ptr(), out, n, scalars);
-    });
+    cd::launch_adamw(e_master.ptr(), g_grad.ptr(), e_m.ptr(), e_v.ptr(), out, n, scalars, nullptr);
   }
   expect_within("adamw/master", e_master.head(), master, kF32Tol);
   expect_within("adamw/m", e_m.head(), m, kF32Tol);
@@ -118,12 +114,8 @@ void embedding_case(int64_t tokens, int64_t vocab, int64_t H) {
   const Guarded<T> g_dout = guarded(d_out, nan_of<T>());
   Guarded<T> e_out = output_of<T>(tokens * H);
   Guarded<T> e_dtable = inout_of<T>(d_table_init);
-  emu::launch(grid_for(tokens * H), 1, kBlock, 0, [&] {
-    cd::embedding_forward_kernel(g_ids.ptr(), g_table.ptr(), e_out.ptr(), tokens, H);
-  });
-  emu::launch(grid_for(H), 1, kBlock, 0, [&] {
-    cd::embedding_backward_kernel(g_ids.ptr(), g_dout.ptr(), e_dtable.ptr(), tokens, H);
-  });
+  cd::launch_embedding_forward(g_ids.ptr(), g_table.ptr(), e_out.ptr(), tokens, H, nullptr);
+  cd::launch_embedding_backward(g_ids.ptr(), g_dout.ptr(), e_dtable.ptr(), tokens, H, nullptr);
   expect_same(tag<T>("embedding/out"), e_out, out);
   expect_same(tag<T>("embedding/d_table"), e_dtable, d_table);
   expect_guard_intact(tag<T>("embedding/out"), e_out);
@@ -170,17 +162,11 @@ void rmsnorm_case(int64_t tokens, int64_t H) {
   Guarded<T> e_out = output_of<T>(tokens * H), e_dx = output_of<T>(tokens * H);
   Guarded<T> e_dw = inout_of<T>(dw_init);
   Guarded<float> e_rstd = output_of<float>(tokens);
-  const unsigned blocks = static_cast<unsigned>(tokens);  // one block per token
-  emu::launch(blocks, 1, kBlock, 0, [&] {
-    cd::rmsnorm_forward_kernel(g_x.ptr(), g_w.ptr(), e_out.ptr(), e_rstd.ptr(), H, a.eps);
-  });
+  cd::launch_rmsnorm_forward(g_x.ptr(), g_w.ptr(), e_out.ptr(), e_rstd.ptr(), tokens, H, a.eps,
+                             nullptr);
   // Backward reads the emulated forward's rstd, as rmsnorm_backward_cuda reads the device's.
-  emu::launch(blocks, 1, kBlock, 0, [&] {
-    cd::rmsnorm_backward_dx_kernel(g_x.ptr(), g_w.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dx.ptr(), H);
-  });
-  emu::launch(grid_for(H), 1, kBlock, 0, [&] {
-    cd::rmsnorm_backward_dw_kernel(g_x.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dw.ptr(), tokens, H);
-  });
+  cd::launch_rmsnorm_backward(g_x.ptr(), g_w.ptr(), g_dy.ptr(), e_rstd.ptr(), e_dx.ptr(),
+                              e_dw.ptr(), tokens, H, nullptr);
   const Tol tol = tol_of(dtype_of<T>());
   expect_within(tag<T>("rmsnorm/rstd"), e_rstd.head(), rstd, kF32Tol);
   expect_within(tag<T>("rmsnorm/out"), widen(e_out), widen(out), tol);
@@ -223,13 +209,8 @@ void router_case(const std::string& name, const std::vector<float>& logits, int6
   const Guarded<float> g_dw = guarded(d_w, nan_of<float>());
   Guarded<int32_t> e_ids = output_of<int32_t>(tokens * k);
   Guarded<float> e_w = output_of<float>(tokens * k), e_dz = output_of<float>(tokens * E);
-  const unsigned blocks = grid_for(tokens, kRouterThreads);
-  emu::launch(blocks, 1, kRouterThreads, 0, [&] {
-    cd::router_forward_kernel(g_logits.ptr(), e_ids.ptr(), e_w.ptr(), tokens, E, k);
-  });
-  emu::launch(blocks, 1, kRouterThreads, 0, [&] {
-    cd::router_backward_kernel(e_ids.ptr(), e_w.ptr(), g_dw.ptr(), e_dz.ptr(), tokens, E, k);
-  });
+  cd::launch_router_forward(g_logits.ptr(), e_ids.ptr(), e_w.ptr(), tokens, E, k, nullptr);
+  cd::launch_router_backward(e_ids.ptr(), e_w.ptr(), g_dw.ptr(), e_dz.ptr(), tokens, E, k, nullptr);
   expect_same(name + "/topk_ids", e_ids, ids);
   expect_within(name + "/topk_weights", e_w.head(), w, kF32Tol);
   expect_within(name + "/d_logits", e_dz.head(), dz, kF32Tol);
