@@ -23,13 +23,12 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::add_kernel;
-using cuda_detail::grid_for;
-using cuda_detail::kThreads;
-using cuda_detail::store_kernel;
-using cuda_detail::swiglu_backward_kernel;
-using cuda_detail::swiglu_kernel;
-using cuda_detail::widen_kernel;
+// The launches (expert_ffn_kernels.cuh).
+using cuda_detail::launch_add;
+using cuda_detail::launch_store;
+using cuda_detail::launch_swiglu;
+using cuda_detail::launch_swiglu_backward;
+using cuda_detail::launch_widen;
 
 // fp32 workspace, n = the busiest expert's rows, each buffer reused once its value is dead:
 //   rows   [n, H]    dy, then x, widened (bf16 backward); the forward's out and the backward's dx
@@ -68,13 +67,6 @@ constexpr DType storage_of() {
   return std::is_same_v<T, float> ? DType::F32 : DType::BF16;
 }
 
-template <class K, class... Args>
-void launch(K kernel, int64_t n, cudaStream_t stream, Args... args) {
-  if (n == 0) return;
-  kernel<<<grid_for(n), kThreads, 0, stream>>>(args...);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
-}
-
 // fp32 C [M, N] = op(A) · op(B) on the workspace, never accumulating; A and B stored as `dtype`
 // (bf16 on tensor cores; f32 as `math` says), fp32 accumulation.
 void gemm_to_f32(const cuda::CublasContext& blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, DType dtype,
@@ -98,7 +90,7 @@ const float* as_f32(const T* src, float* scratch, int64_t count, cudaStream_t st
     (void)stream;
     return src;
   } else {
-    launch(widen_kernel<T>, count, stream, src, scratch, count);
+    launch_widen(src, scratch, count, stream);
     return scratch;
   }
 }
@@ -120,12 +112,12 @@ void forward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
     if (n > 0) {
       // gate_up = x · W_gate_upᵀ  [n, 2F]: both stored tensors
       gemm_to_f32(blas, false, true, n, 2 * F, H, kStorage, x + row0 * H, H, wgu + e * 2 * F * H, H, ws.gu, 2 * F);
-      launch(store_kernel<T>, n * 2 * F, s, static_cast<const float*>(ws.gu), gu + row0 * 2 * F, n * 2 * F);
-      launch(swiglu_kernel<T>, n * F, s, static_cast<const T*>(gu + row0 * 2 * F), ws.h, n, F);
+      launch_store(ws.gu, gu + row0 * 2 * F, n * 2 * F, s);
+      launch_swiglu(static_cast<const T*>(gu + row0 * 2 * F), ws.h, n, F, s);
       // out = h · W_downᵀ  [n, H]: fp32 h
       const float* wd_e = as_f32(wd + e * H * F, ws.weight, H * F, s);
       gemm_to_f32(blas, false, true, n, H, F, DType::F32, ws.h, F, wd_e, F, ws.rows, H, mixed_math<T>());
-      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), out + row0 * H, n * H);
+      launch_store(ws.rows, out + row0 * H, n * H, s);
     }
     row0 += n;
   }
@@ -150,24 +142,24 @@ void backward(const ExpertFfnArgs& a, const cuda::CublasContext& blas) {
     const int64_t n = a.expert_counts[e];
     if (n > 0) {
       const T* gu_e = gu + row0 * 2 * F;
-      launch(swiglu_kernel<T>, n * F, s, gu_e, ws.h, n, F);
+      launch_swiglu(gu_e, ws.h, n, F, s);
       // dh = dy · W_down [n, F] into the gate half of gu (stride 2F): both stored tensors
       gemm_to_f32(blas, false, false, n, F, H, kStorage, dy + row0 * H, H, wd + e * H * F, F, ws.gu, 2 * F);
       // dW_down += dyᵀ · h  [H, F]: fp32 h
       const float* dy_e = as_f32(dy + row0 * H, ws.rows, n * H, s);
       gemm_to_f32(blas, true, false, H, F, n, DType::F32, dy_e, H, ws.h, F, ws.weight, F, mixed_math<T>());
-      launch(add_kernel<T>, H * F, s, static_cast<const float*>(ws.weight), dwd + e * H * F, H * F);
-      launch(swiglu_backward_kernel<T>, n * F, s, gu_e, ws.gu, n, F);
+      launch_add(ws.weight, dwd + e * H * F, H * F, s);
+      launch_swiglu_backward(gu_e, ws.gu, n, F, s);
       // dx = d[gate | up] · W_gate_up [n, H]: fp32 d[gate | up]
       const float* wgu_e = as_f32(wgu + e * 2 * F * H, ws.weight, 2 * F * H, s);
       gemm_to_f32(blas, false, false, n, H, 2 * F, DType::F32, ws.gu, 2 * F, wgu_e, H, ws.rows, H,
                   mixed_math<T>());
-      launch(store_kernel<T>, n * H, s, static_cast<const float*>(ws.rows), dx + row0 * H, n * H);
+      launch_store(ws.rows, dx + row0 * H, n * H, s);
       // dW_gate_up += d[gate | up]ᵀ · x  [2F, H]: fp32 d[gate | up]
       const float* x_e = as_f32(x + row0 * H, ws.rows, n * H, s);
       gemm_to_f32(blas, true, false, 2 * F, H, n, DType::F32, ws.gu, 2 * F, x_e, H, ws.weight, H,
                   mixed_math<T>());
-      launch(add_kernel<T>, 2 * F * H, s, static_cast<const float*>(ws.weight), dwgu + e * 2 * F * H, 2 * F * H);
+      launch_add(ws.weight, dwgu + e * 2 * F * H, 2 * F * H, s);
     }
     row0 += n;
   }

@@ -1,6 +1,6 @@
 // The expert FFN's elementwise kernels (executor/cuda/expert_ffn_kernels.cuh) run on the host
-// through cuda_emulation.h, launched as expert_ffn_cuda.cu's launch() does (grid_for(count)
-// blocks of kThreads), in bf16 and f32 storage: widen, store and add equal the CPU's to_f32 /
+// through cuda_emulation.h, by the launch functions expert_ffn_cuda.cu itself calls (the header's:
+// grid_for(count) blocks of kThreads), in bf16 and f32 storage: widen, store and add equal the CPU's to_f32 /
 // store_f32 / "stored value + fp32 sum, rounded once" bitwise; swiglu and swiglu_backward equal
 // expert_ffn_cpu.cpp's per-element expressions (silu_f32, silu_grad_f32, the same operand order)
 // bitwise, and those expressions are checked against silu and its derivative in double (rel 1e-5
@@ -59,14 +59,12 @@ void run_elementwise(int64_t n, uint32_t seed) {
   const std::vector<float> f32 = with_guard(uniform(rng, n), nan_of<float>());         // [n] fp32 + NaN
 
   std::vector<float> widened(z(n) + kGuard, sentinel_of<float>());  // [n] fp32
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-              [&] { cd::widen_kernel<T>(src.data(), widened.data(), n); });
+  cd::launch_widen(src.data(), widened.data(), n, nullptr);
   expect_guard("widen", widened, z(n), sentinel_of<float>());
   EXPECT_TRUE(same_bits(widened, widen(src, z(n)), z(n))) << "widen";
 
   std::vector<T> stored(z(n) + kGuard, sentinel_of<T>());  // [n] storage
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-              [&] { cd::store_kernel<T>(f32.data(), stored.data(), n); });
+  cd::launch_store(f32.data(), stored.data(), n, nullptr);
   expect_guard("store", stored, z(n), sentinel_of<T>());
   std::vector<T> want(z(n));
   for (int64_t i = 0; i < n; ++i) store_f32(&want[z(i)], f32[z(i)]);
@@ -74,7 +72,7 @@ void run_elementwise(int64_t n, uint32_t seed) {
 
   std::vector<T> acc = src;  // [n] storage +=, its NaN guard replaced by sentinels
   for (size_t i = z(n); i < acc.size(); ++i) acc[i] = sentinel_of<T>();
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0, [&] { cd::add_kernel<T>(f32.data(), acc.data(), n); });
+  cd::launch_add(f32.data(), acc.data(), n, nullptr);
   expect_guard("add", acc, z(n), sentinel_of<T>());
   for (int64_t i = 0; i < n; ++i) store_f32(&want[z(i)], to_f32(src[z(i)]) + f32[z(i)]);
   EXPECT_TRUE(same_bits(acc, want, z(n))) << "add";
@@ -107,8 +105,7 @@ void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
 
   // Forward: h [n, F] fp32.
   std::vector<float> h(z(n * F) + kGuard, sentinel_of<float>());
-  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0,
-              [&] { cd::swiglu_kernel<T>(gate_up.data(), h.data(), n, F); });
+  cd::launch_swiglu(gate_up.data(), h.data(), n, F, nullptr);
   expect_guard("h", h, z(n * F), sentinel_of<float>());
   std::vector<float> want_h(z(n * F));  // expert_ffn_cpu.cpp's swiglu
   std::vector<double> exact_h(z(n * F));
@@ -132,8 +129,7 @@ void run_swiglu(int64_t n, int64_t F, uint32_t seed) {
       dgu[z(r * 2 * F + F + f)] = std::numeric_limits<float>::quiet_NaN();
     }
   }
-  emu::launch(cd::grid_for(n * F), 1, cd::kThreads, 0,
-              [&] { cd::swiglu_backward_kernel<T>(gate_up.data(), dgu.data(), n, F); });
+  cd::launch_swiglu_backward(gate_up.data(), dgu.data(), n, F, nullptr);
   expect_guard("dgu", dgu, z(n * 2 * F), sentinel_of<float>());
   std::vector<float> want_dgu(z(n * 2 * F));
   std::vector<float> exact_dgu(z(n * 2 * F));
