@@ -8,7 +8,7 @@
 // attention_forward_cuda / attention_backward_cuda pick the tensor-core kernels
 // (attention_tc_cuda.cu) where they apply (bf16, head_dim a multiple of 16 up to 128), else these;
 // both paths share the argument checks, the delta kernel and the workspace. The kernels' source
-// is in attention_ref_kernels.cuh; this file holds the checks and the launches.
+// is in attention_ref_kernels.cuh with its launch functions; this file holds the checks.
 #include <string>
 
 #include "executor/cpu/op_util.h"
@@ -21,10 +21,6 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::attention_delta_kernel;
-using cuda_detail::attention_dkv_kernel;
-using cuda_detail::attention_dq_kernel;
-using cuda_detail::attention_forward_kernel;
 using cuda_detail::kAttentionThreads;
 using cuda_detail::kDimsPerThread;
 
@@ -87,15 +83,12 @@ void attention_forward_cuda(const AttentionArgs& a, cudaStream_t stream, Attenti
     cuda_detail::attention_forward_tc(a, scale, stream);
     return;
   }
-  const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.q_heads));
-  const size_t shared_bytes = cuda_detail::attention_forward_shared_bytes(a.head_dim);
   dispatch_compute(a.dtype, "attention", [&](auto tag) {
     using T = decltype(tag);
-    attention_forward_kernel<<<grid, kAttentionThreads, shared_bytes, stream>>>(
+    cuda_detail::launch_attention_ref_forward(
         static_cast<const T*>(a.q), static_cast<const T*>(a.k), static_cast<const T*>(a.v),
-        static_cast<T*>(a.out), a.lse, a.tokens, a.q_heads, a.kv_heads, a.head_dim, scale);
+        static_cast<T*>(a.out), a.lse, a.tokens, a.q_heads, a.kv_heads, a.head_dim, scale, stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 int64_t attention_backward_workspace_bytes_cuda(const AttentionArgs& a) {
@@ -124,27 +117,17 @@ void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream, Attent
     const T* k = static_cast<const T*>(a.k);
     const T* v = static_cast<const T*>(a.v);
     const T* d_out = static_cast<const T*>(a.d_out);
-    attention_delta_kernel<<<cuda_detail::grid_for(a.tokens * a.q_heads), cuda_detail::kThreads, 0,
-                             stream>>>(static_cast<const T*>(a.out), d_out, delta, a.tokens,
-                                       a.q_heads, a.head_dim);
-    FLATPEAK_CUDA_CHECK_LAUNCH();
+    cuda_detail::launch_attention_delta(static_cast<const T*>(a.out), d_out, delta, a.tokens,
+                                        a.q_heads, a.head_dim, stream);
     if (tensor_cores) {
       cuda_detail::attention_backward_tc(a, delta, scale, stream);
       return;
     }
-    const size_t dq_shared = cuda_detail::attention_dq_shared_bytes(a.head_dim);
-    attention_dq_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.q_heads)),
-                          kAttentionThreads, dq_shared, stream>>>(
-        q, k, v, d_out, a.lse, delta, static_cast<T*>(a.d_q), a.tokens, a.q_heads, a.kv_heads,
-        a.head_dim, scale);
-    FLATPEAK_CUDA_CHECK_LAUNCH();
-    const size_t dkv_shared = cuda_detail::attention_dkv_shared_bytes(a.head_dim);
-    attention_dkv_kernel<<<dim3(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.kv_heads)),
-                           kAttentionThreads, dkv_shared, stream>>>(
-        q, k, v, d_out, a.lse, delta, static_cast<T*>(a.d_k), static_cast<T*>(a.d_v), a.tokens,
-        a.q_heads, a.kv_heads, a.head_dim, scale);
+    cuda_detail::launch_attention_ref_backward(q, k, v, d_out, a.lse, delta, static_cast<T*>(a.d_q),
+                                               static_cast<T*>(a.d_k), static_cast<T*>(a.d_v),
+                                               a.tokens, a.q_heads, a.kv_heads, a.head_dim, scale,
+                                               stream);
   });
-  FLATPEAK_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace flatpeak::exec

@@ -3,11 +3,12 @@
 // per (key row, kv head) for dK/dV, walking the other side in tiles of blockDim.x rows with the
 // CPU twin's online_softmax_rescale; plus the delta kernel D = rowsum(dO ⊙ O), which the
 // tensor-core backward shares. fp32 arithmetic over f32 or bf16 storage; head_dim <= 512.
-// attention_cuda.cu launches them; tests/unit/executor_attention_ref_emulation_test.cpp runs the
-// same source on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU
-// op, so indexing, masks, tiling and barriers are checked without a GPU.
+// attention_cuda.cu runs the launch functions at the end; tests/unit/executor_attention_ref_emulation_test.cpp
+// runs the same ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against
+// the CPU op, so grids, shared-memory sizes, indexing, masks, tiling and barriers are checked
+// without a GPU.
 //   #include "executor/cuda/attention_ref_kernels.cuh"
-//   attention_forward_kernel<<<dim3(T, a), kAttentionThreads, attention_forward_shared_bytes(d), s>>>(...);
+//   launch_attention_ref_forward(q, k, v, out, lse, T, a, g, d, scale, stream);
 #pragma once
 
 #include <cmath>
@@ -226,6 +227,45 @@ __global__ void attention_dkv_kernel(const T* q, const T* k, const T* v, const T
       store_f32(&d_v[(j * kv_heads + kh) * d + c], dv[s]);
     }
   }
+}
+
+// ---- launches (attention_cuda.cu's, after its checks: T < 2^31, heads <= 65535, d <= 512) ----
+
+// Grid (T, a): one block per (query row, head).
+template <class T>
+void launch_attention_ref_forward(const T* q, const T* k, const T* v, T* out, float* lse,
+                                  int64_t tokens, int64_t q_heads, int64_t kv_heads,
+                                  int64_t head_dim, float scale, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(q_heads));
+  const size_t shared_bytes = attention_forward_shared_bytes(head_dim);
+  FLATPEAK_LAUNCH(attention_forward_kernel<T>, grid, kAttentionThreads, shared_bytes, stream, q, k,
+                  v, out, lse, tokens, q_heads, kv_heads, head_dim, scale);
+}
+
+// D [a, T] = rowsum(dO ⊙ O), one thread per (row, head); the tensor-core backward's too.
+template <class T>
+void launch_attention_delta(const T* out, const T* d_out, float* delta, int64_t tokens,
+                            int64_t q_heads, int64_t head_dim, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(attention_delta_kernel<T>, grid_for(tokens * q_heads), kThreads, 0, stream, out,
+                  d_out, delta, tokens, q_heads, head_dim);
+}
+
+// After the delta: dQ on grid (T, a), then dK/dV on grid (T, g).
+template <class T>
+void launch_attention_ref_backward(const T* q, const T* k, const T* v, const T* d_out,
+                                   const float* lse, const float* delta, T* d_q, T* d_k, T* d_v,
+                                   int64_t tokens, int64_t q_heads, int64_t kv_heads,
+                                   int64_t head_dim, float scale, cudaStream_t stream) {
+  const size_t dq_shared = attention_dq_shared_bytes(head_dim);
+  FLATPEAK_LAUNCH(attention_dq_kernel<T>,
+                  dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(q_heads)),
+                  kAttentionThreads, dq_shared, stream, q, k, v, d_out, lse, delta, d_q, tokens,
+                  q_heads, kv_heads, head_dim, scale);
+  const size_t dkv_shared = attention_dkv_shared_bytes(head_dim);
+  FLATPEAK_LAUNCH(attention_dkv_kernel<T>,
+                  dim3(static_cast<unsigned>(tokens), static_cast<unsigned>(kv_heads)),
+                  kAttentionThreads, dkv_shared, stream, q, k, v, d_out, lse, delta, d_k, d_v,
+                  tokens, q_heads, kv_heads, head_dim, scale);
 }
 
 }  // namespace

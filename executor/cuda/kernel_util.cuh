@@ -14,6 +14,7 @@
 #endif
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "executor/ops/dtype.h"
@@ -36,12 +37,12 @@ inline unsigned grid_for(int64_t n, int threads = kThreads) {
 // at once by emu::launch: the launch sequences in the *_kernels.cuh headers are one code for the
 // device and for the emulation tests. Through FLATPEAK_LAUNCH, which checks the launch on a device.
 template <class... Params, class... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int64_t smem_bytes,
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
                    cudaStream_t stream, Args&&... args) {
 #ifdef FLATPEAK_CUDA_EMULATION
   emu::launch(grid, block, smem_bytes, stream, [&] { kernel(args...); });
 #else
-  kernel<<<grid, block, static_cast<size_t>(smem_bytes), stream>>>(args...);
+  kernel<<<grid, block, smem_bytes, stream>>>(args...);
 #endif
 }
 

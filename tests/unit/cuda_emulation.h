@@ -10,8 +10,11 @@
 // the whole 16x16 tile and only lane 0 of a warp loads, multiplies and stores them: a lane that
 // reads a tile another lane stored without a __syncwarp between may see stale data, as on a
 // device. Shared memory starts filled with 0xCD bytes (reads of unwritten shared memory give large
-// garbage, not zeros). Misaligned fragment pointers (WMMA needs 32 bytes) and leading dimensions
-// that are not a multiple of 8 (16-bit) or 4 (fp32) are counted in emu::violations(). Not
+// garbage, not zeros); a write past the launch's dynamic shared bytes makes launch() throw. A
+// launcher's FLATPEAK_LAUNCH (kernel_util.cuh) comes here with its grid, block and shared bytes,
+// and grid_for honours a test's cap (grid_cap). Misaligned fragment pointers (WMMA needs 32
+// bytes) and leading dimensions that are not a multiple of 8 (16-bit) or 4 (fp32) are counted in
+// emu::violations(). Not
 // emulated: timing, bank conflicts, registers, the real fragment layouts and the tensor cores' own
 // rounding of fp32 sums.
 #pragma once
@@ -26,6 +29,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -101,16 +105,29 @@ class Barrier {
   int64_t generation_ = 0;
 };
 
+// Bytes of 0xCD past a block's dynamic shared memory: a kernel launched with fewer shared bytes
+// than it uses writes there, which launch() reports (a device would corrupt or fault).
+constexpr size_t kSharedGuard = 64 * 1024;
+
 struct Block {
   explicit Block(int threads, int64_t shared_bytes)
       : block(threads), shuffle(static_cast<size_t>(threads)),
-        shared(static_cast<size_t>(shared_bytes) + 128, static_cast<unsigned char>(0xCD)) {
+        shared(static_cast<size_t>(shared_bytes) + 128 + kSharedGuard, static_cast<unsigned char>(0xCD)),
+        shared_bytes_(static_cast<size_t>(shared_bytes)) {
     for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<Barrier>(32));
   }
   Barrier block;
   std::vector<std::unique_ptr<Barrier>> warps;
   std::vector<float> shuffle;
   std::vector<unsigned char> shared;
+  size_t shared_bytes_;
+  bool guard_intact() const {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(shared.data());
+    const size_t start = static_cast<size_t>(((p + 127) & ~uintptr_t{127}) - p) + shared_bytes_;
+    for (size_t i = start; i < start + kSharedGuard; ++i)
+      if (shared[i] != 0xCD) return false;
+    return true;
+  }
 };
 inline thread_local Block* current = nullptr;
 inline std::atomic<int64_t>& violation_count() {
@@ -131,11 +148,22 @@ inline unsigned char* shared_memory() {  // aligned to 128 bytes, as __align__(1
   return reinterpret_cast<unsigned char*>((p + 127) & ~uintptr_t{127});
 }
 
+// Where a test sets it, launches run only the blocks whose x is listed (blockIdx and gridDim as
+// in the whole grid): a few rows of a large grid of independent blocks.
+inline const std::vector<unsigned>*& block_x_subset() {
+  static const std::vector<unsigned>* xs = nullptr;
+  return xs;
+}
+
 // Runs body() as every thread of every block of a (grid_x, grid_y) grid, one block at a time.
 template <class Body>
 void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_bytes, Body body) {
+  const std::vector<unsigned>* xs = block_x_subset();
+  const size_t runs = xs != nullptr ? xs->size() : grid_x;
   for (unsigned by = 0; by < grid_y; ++by) {
-    for (unsigned bx = 0; bx < grid_x; ++bx) {
+    for (size_t i = 0; i < runs; ++i) {
+      const unsigned bx = xs != nullptr ? (*xs)[i] : static_cast<unsigned>(i);
+      if (bx >= grid_x) continue;
       Block block(static_cast<int>(threads), shared_bytes);
       std::vector<std::thread> pool;
       for (unsigned t = 0; t < threads; ++t) {
@@ -149,6 +177,7 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
         });
       }
       for (std::thread& th : pool) th.join();
+      if (!block.guard_intact()) throw std::runtime_error("emu::launch: shared memory written past the launch's bytes");
     }
   }
 }
@@ -156,12 +185,12 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
 // A launch as the launchers write it (kernel_util.cuh's FLATPEAK_LAUNCH): only 1-D blocks and 2-D
 // grids are emulated; anything else counts as a violation and runs nothing.
 template <class Body>
-void launch(dim3 grid, dim3 block, int64_t shared_bytes, cudaStream_t, Body body) {
+void launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, Body body) {
   if (grid.z != 1 || block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024) {
     ++violation_count();
     return;
   }
-  launch(grid.x, grid.y, block.x, shared_bytes, body);
+  launch(grid.x, grid.y, block.x, static_cast<int64_t>(shared_bytes), body);
 }
 
 }  // namespace emu

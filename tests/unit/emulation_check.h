@@ -34,7 +34,14 @@ struct BlockCap {
   explicit BlockCap(unsigned cap) { emu::grid_cap() = cap; }
   ~BlockCap() { emu::grid_cap() = ~0u; }
   BlockCap(const BlockCap&) = delete;
-BlockCap& operator=(const BlockCap&) = delete;
+  BlockCap& operator=(const BlockCap&) = delete;
+};
+// While it lives, launches run only the blocks whose x is in xs (emu::block_x_subset).
+struct BlockRows {
+  explicit BlockRows(const std::vector<unsigned>& xs) { emu::block_x_subset() = &xs; }
+  ~BlockRows() { emu::block_x_subset() = nullptr; }
+  BlockRows(const BlockRows&) = delete;
+  BlockRows& operator=(const BlockRows&) = delete;
 };
 
 // Elements past the end of every guarded buffer (>= any row in these tests).

@@ -1,8 +1,8 @@
 // The reference attention kernels (executor/cuda/attention_ref_kernels.cuh) run on the host
-// through cuda_emulation.h, launched as attention_cuda.cu launches them (grids (T, a) and (T, g)
-// of kAttentionThreads, its shared-memory sizes, forward then delta, dQ, dK/dV), against the CPU
-// op: the key and query tiles (a second tile past 128 rows), the causal mask, the online softmax
-// across tiles, the GQA head mapping (4 query heads over 2), head_dim past 128 (a thread's second
+// through cuda_emulation.h, by the launch functions attention_cuda.cu itself calls (grids (T, a)
+// and (T, g) of kAttentionThreads, their shared-memory sizes, forward then delta, dQ, dK/dV),
+// against the CPU op: the key and query tiles (a second tile past 128 rows), the causal mask, the
+// online softmax across tiles, the GQA head mapping (4 query heads over 2), head_dim past 128 (a thread's second
 // dimension), T = 1, f32 and bf16 storage. Bounds as tests/cuda/attention_cuda_test.cu for these
 // kernels: out, d_q, d_k, d_v within rel 1e-5 (+ 1e-5 of the largest magnitude) in f32 and rel
 // 1e-2 (+ 1e-3) in bf16; lse within rel 1e-5 (+ 1e-5); at T = 1, d_q and d_k (zero exactly)
@@ -39,18 +39,6 @@ struct Shape {
   // (head 0) is its own key: in a second key tile, the running max changes there.
   int64_t boost_key = -1;
 };
-
-// Runs the blocks (x, y) of a (grid_x, grid_y) grid with x in xs: blockIdx and gridDim as in the
-// full grid (the reference kernels' blocks are independent).
-template <class Kernel>
-void launch_rows(const std::vector<unsigned>& xs, unsigned grid_x, unsigned grid_y,
-                 unsigned threads, int64_t shared_bytes, Kernel kernel) {
-  emu::launch(static_cast<unsigned>(xs.size()), grid_y, threads, shared_bytes, [&] {
-    blockIdx.x = xs[blockIdx.x];
-    gridDim.x = grid_x;
-    kernel();
-  });
-}
 
 // Rows `rows` of a [T, heads, d] tensor (row_elems = heads · d), widened.
 template <class T>
@@ -131,15 +119,13 @@ void run_case(const Shape& s, DType dtype) {
   std::vector<float> e_lse(static_cast<size_t>(a * T_) + kGuard, fs);    // [a, T] + sentinel
   std::vector<float> delta(static_cast<size_t>(a * T_) + kGuard, fs);    // [a, T] D + sentinel
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));  // softmax_scale 0, as the launcher
-  const unsigned grid_t = static_cast<unsigned>(T_);
-  const unsigned threads = static_cast<unsigned>(cd::kAttentionThreads);
 
-  // attention_forward_cuda: grid (T, a).
-  launch_rows(rows, grid_t, static_cast<unsigned>(a), threads,
-              static_cast<int64_t>(cd::attention_forward_shared_bytes(d)), [&] {
-                cd::attention_forward_kernel(gq.data(), gk.data(), gv.data(), e_out.data(),
-                                             e_lse.data(), T_, a, g, d, scale);
-              });
+  // attention_forward_cuda: the blocks of the rows `rows` (each block writes only its own row).
+  {
+    const BlockRows only(rows);
+    cd::launch_attention_ref_forward(gq.data(), gk.data(), gv.data(), e_out.data(), e_lse.data(),
+                                     T_, a, g, d, scale, nullptr);
+  }
   // attention_backward_cuda: delta over T·a, then dQ (T, a) and dK/dV (T, g). Its out and lse are
   // the forward's (the CPU's where the forward ran only some rows), NaN past T.
   std::vector<T> b_out = all_rows ? e_out : out;  // [T + kGuard, a, d]
@@ -148,20 +134,13 @@ void run_case(const Shape& s, DType dtype) {
   std::vector<float> b_lse = all_rows ? e_lse : lse;  // [a, T] + NaN
   b_lse.resize(static_cast<size_t>(a * T_));
   b_lse = with_guard(b_lse, nan_of<float>());
-  emu::launch(cd::grid_for(T_ * a, cd::kThreads), 1, static_cast<unsigned>(cd::kThreads), 0, [&] {
-    cd::attention_delta_kernel(b_out.data(), gdo.data(), delta.data(), T_, a, d);
-  });
-  launch_rows(rows, grid_t, static_cast<unsigned>(a), threads,
-              static_cast<int64_t>(cd::attention_dq_shared_bytes(d)), [&] {
-                cd::attention_dq_kernel(gq.data(), gk.data(), gv.data(), gdo.data(), b_lse.data(),
-                                        delta.data(), e_dq.data(), T_, a, g, d, scale);
-              });
-  launch_rows(rows, grid_t, static_cast<unsigned>(g), threads,
-              static_cast<int64_t>(cd::attention_dkv_shared_bytes(d)), [&] {
-                cd::attention_dkv_kernel(gq.data(), gk.data(), gv.data(), gdo.data(), b_lse.data(),
-                                         delta.data(), e_dk.data(), e_dv.data(), T_, a, g, d,
-                                         scale);
-              });
+  cd::launch_attention_delta(b_out.data(), gdo.data(), delta.data(), T_, a, d, nullptr);
+  {
+    const BlockRows only(rows);
+    cd::launch_attention_ref_backward(gq.data(), gk.data(), gv.data(), gdo.data(), b_lse.data(),
+                                      delta.data(), e_dq.data(), e_dk.data(), e_dv.data(), T_, a, g,
+                                      d, scale, nullptr);
+  }
 
   const Tol tol = tol_of(dtype);
   expect_within(name + " out", rows_of(e_out, rows, a * d), rows_of(out, rows, a * d), tol);
