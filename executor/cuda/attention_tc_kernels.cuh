@@ -10,12 +10,13 @@
 //   dK, dV:  block (key tile, kv head), every head of the group, query tiles from the diagonal.
 //   dQ:      block (query tile, head), key tiles up to the diagonal. No atomics, no extra memory.
 // Rows past T load as zeros and are never written; offsets are 64-bit.
-// This header holds the kernels and their shared-memory layouts (internal to executor/cuda):
-// attention_tc_cuda.cu launches them; tests/unit/executor_attention_tc_emulation_test.cpp runs
-// the same source on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h), so the
-// tiling, masking and barrier logic is checked against the CPU op without a GPU.
+// This header holds the kernels, their shared-memory layouts and their launches (internal to
+// executor/cuda): attention_tc_cuda.cu calls the launch functions at the end;
+// tests/unit/executor_attention_tc_emulation_test.cpp runs the same ones on the host
+// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h), so the grids, shared-memory sizes,
+// tiling, masking and barrier logic are checked against the CPU op without a GPU.
 //   #include "executor/cuda/attention_tc_kernels.cuh"
-//   attention_forward_tc_kernel<<<grid, kTcThreads, ForwardSmem(d).bytes, stream>>>(...);
+//   launch_attention_forward_tc(q, k, v, out, lse, T, a, g, d, scale, vec16, stream);
 #pragma once
 
 #ifndef FLATPEAK_CUDA_EMULATION
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "executor/cuda/kernel_util.cuh"
 #include "executor/ops/attention.h"
 
 // One translation unit per binary includes this header (the kernels have internal linkage).
@@ -415,6 +417,56 @@ __global__ void __launch_bounds__(kTcThreads)
     Bf16* dst = d_q + (i * q_heads + h) * d;
     for (int64_t c = lr.half; c < d; c += 2) store_f32(&dst[c], scale * dq_row[c]);
   }
+}
+
+// ---- launches (attention_tc_cuda.cu's: T < 2^31, heads <= 65535 checked by the caller) ----
+
+template <class Kernel>
+void allow_tc_shared(Kernel kernel, int64_t bytes) {
+#ifdef FLATPEAK_CUDA_EMULATION
+  (void)kernel;
+  (void)bytes;
+#else
+  if (bytes > 48 * 1024) {  // above the default limit a kernel must opt in (H200: 227 KiB)
+    FLATPEAK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(bytes)));
+  }
+#endif
+}
+
+inline dim3 tile_grid(int64_t tokens, int64_t heads) {
+  // tiles in x (up to 2^31 − 1; T < 2^31 is checked by the caller), heads in y (<= 65535)
+  return dim3(static_cast<unsigned>((tokens + kTile - 1) / kTile), static_cast<unsigned>(heads));
+}
+
+// Grid (query tiles, a). vec16: every input 16-byte aligned (the 16-byte load path).
+inline void launch_attention_forward_tc(const Bf16* q, const Bf16* k, const Bf16* v, Bf16* out,
+                                        float* lse, int64_t tokens, int64_t q_heads,
+                                        int64_t kv_heads, int64_t head_dim, float scale,
+                                        bool vec16, cudaStream_t stream) {
+  const int64_t bytes = ForwardSmem(head_dim).bytes;
+  allow_tc_shared(attention_forward_tc_kernel, bytes);
+  FLATPEAK_LAUNCH(attention_forward_tc_kernel, tile_grid(tokens, q_heads), kTcThreads,
+                  static_cast<size_t>(bytes), stream, q, k, v, out, lse, tokens, q_heads,
+                  kv_heads, head_dim, scale, vec16);
+}
+
+// After the delta D [a, T]: dK/dV on grid (key tiles, g), then dQ on grid (query tiles, a).
+inline void launch_attention_backward_tc(const Bf16* q, const Bf16* k, const Bf16* v,
+                                         const Bf16* d_out, const float* lse, const float* delta,
+                                         Bf16* d_q, Bf16* d_k, Bf16* d_v, int64_t tokens,
+                                         int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                         float scale, bool vec16, cudaStream_t stream) {
+  const int64_t dkv_bytes = DkvSmem(head_dim).bytes;
+  allow_tc_shared(attention_dkv_tc_kernel, dkv_bytes);
+  FLATPEAK_LAUNCH(attention_dkv_tc_kernel, tile_grid(tokens, kv_heads), kTcThreads,
+                  static_cast<size_t>(dkv_bytes), stream, q, k, v, d_out, lse, delta, d_k, d_v,
+                  tokens, q_heads, kv_heads, head_dim, scale, vec16);
+  const int64_t dq_bytes = DqSmem(head_dim).bytes;
+  allow_tc_shared(attention_dq_tc_kernel, dq_bytes);
+  FLATPEAK_LAUNCH(attention_dq_tc_kernel, tile_grid(tokens, q_heads), kTcThreads,
+                  static_cast<size_t>(dq_bytes), stream, q, k, v, d_out, lse, delta, d_q, tokens,
+                  q_heads, kv_heads, head_dim, scale, vec16);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The tensor-core attention kernels (executor/cuda/attention_tc_kernels.cuh) run on the host
-// through cuda_emulation.h, against the CPU op: the tiling, the causal and tail masks, the online
+// through cuda_emulation.h, by the launch functions attention_tc_cuda.cu itself calls (its grids
+// and shared-memory sizes), against the CPU op: the tiling, the causal and tail masks, the online
 // softmax, the GQA head mapping, the shared-memory carving and the barriers, without a GPU (the
 // device itself is checked by tests/cuda/attention_cuda_test.cu). Bounds as there: out, d_q, d_k,
 // d_v within rel 1e-2 + 5e-3 of the largest magnitude (P and dS are rounded to bf16 as GEMM
@@ -87,13 +88,9 @@ void run_case(const Shape& s) {
   std::vector<float> e_lse(static_cast<size_t>(a * T), std::numeric_limits<float>::quiet_NaN());
   std::vector<float> delta(static_cast<size_t>(a * T));  // [a, T] D = rowsum(dO ⊙ O), as the delta kernel
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const unsigned tiles = static_cast<unsigned>((T + tc::kTile - 1) / tc::kTile);
-  const unsigned threads = static_cast<unsigned>(tc::kTcThreads);
   const int64_t violations_before = emu::violations();
-  emu::launch(tiles, static_cast<unsigned>(a), threads, tc::ForwardSmem(d).bytes, [&] {
-    tc::attention_forward_tc_kernel(q.data(), k.data(), v.data(), e_out.data(), e_lse.data(), T, a,
-                                    g, d, scale, s.vec16);
-  });
+  tc::launch_attention_forward_tc(q.data(), k.data(), v.data(), e_out.data(), e_lse.data(), T, a, g,
+                                  d, scale, s.vec16, nullptr);
   for (int64_t i = 0; i < T; ++i) {
     for (int64_t h = 0; h < a; ++h) {
       float dot = 0.0f;
@@ -104,14 +101,9 @@ void run_case(const Shape& s) {
       delta[static_cast<size_t>(h * T + i)] = dot;
     }
   }
-  emu::launch(tiles, static_cast<unsigned>(g), threads, tc::DkvSmem(d).bytes, [&] {
-    tc::attention_dkv_tc_kernel(q.data(), k.data(), v.data(), d_out.data(), e_lse.data(),
-                                delta.data(), e_dk.data(), e_dv.data(), T, a, g, d, scale, s.vec16);
-  });
-  emu::launch(tiles, static_cast<unsigned>(a), threads, tc::DqSmem(d).bytes, [&] {
-    tc::attention_dq_tc_kernel(q.data(), k.data(), v.data(), d_out.data(), e_lse.data(),
-                               delta.data(), e_dq.data(), T, a, g, d, scale, s.vec16);
-  });
+  tc::launch_attention_backward_tc(q.data(), k.data(), v.data(), d_out.data(), e_lse.data(),
+                                   delta.data(), e_dq.data(), e_dk.data(), e_dv.data(), T, a, g, d,
+                                   scale, s.vec16, nullptr);
   EXPECT_EQ(emu::violations(), violations_before) << "misaligned WMMA pointer or leading dimension";
 
   const std::string name = "T" + std::to_string(T) + " a" + std::to_string(a) + " g" +
