@@ -29,22 +29,19 @@ namespace {
 using exec::Bf16;
 using exec::Category;
 using exec::DType;
-using exec::cuda_detail::add2_kernel;
-using exec::cuda_detail::add3_kernel;
-using exec::cuda_detail::fill_norm_kernel;
-using exec::cuda_detail::grid_for;
 using exec::cuda_detail::kLossBlocks;
-using exec::cuda_detail::kThreads;
-using exec::cuda_detail::loss_gradient_kernel;
-using exec::cuda_detail::squared_error_kernel;
+// The launches (checkpoint_schedule_kernels.cuh).
+using exec::cuda_detail::launch_add2;
+using exec::cuda_detail::launch_add3;
+using exec::cuda_detail::launch_fill_norm;
+using exec::cuda_detail::launch_loss_gradient;
+using exec::cuda_detail::launch_squared_error;
 using exec::cuda_detail::ScopedEvent;
 using exec::cuda_detail::ScopedStream;
 
 struct Dims {
   int64_t T = 0, H = 0, F = 0, heads = 0;
 };
-
-void launch_check() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
 
 // ---- buffers ---------------------------------------------------------------------------------
 
@@ -81,8 +78,7 @@ LayerWeights make_weights(DeviceAllocator& alloc, const Dims& d, Category catego
     if (category == Category::Grads) {
       FLATPEAK_CUDA_CHECK(cudaMemsetAsync(t->raw(), 0, static_cast<size_t>(t->bytes()), stream));  // bf16 zero is all-zero bits
     } else if (n == d.H) {
-      fill_norm_kernel<<<grid_for(n), kThreads, 0, stream>>>(t->as<Bf16>(), n, seed, index * 1000003);
-      launch_check();
+      launch_fill_norm(t->as<Bf16>(), n, seed, index * 1000003, stream);
     } else {
       exec::cuda_detail::fill_bf16_cuda(t->as<Bf16>(), n, seed * 31 + index, 1.0f / std::sqrt(static_cast<float>(fan_in[index])), stream);
     }
@@ -141,8 +137,7 @@ class Stack {
   }
   void add2(const DeviceBuffer& a, const DeviceBuffer& b, DeviceBuffer& c) {
     const int64_t n = d_.T * d_.H;
-    add2_kernel<<<grid_for(n), kThreads, 0, s_>>>(a.as<Bf16>(), b.as<Bf16>(), c.as<Bf16>(), n);
-    launch_check();
+    launch_add2(a.as<Bf16>(), b.as<Bf16>(), c.as<Bf16>(), n, s_);
   }
 
   exec::ExpertFfnArgs ffn_args(const FfnSaved& s, const LayerWeights& w) const {
@@ -251,8 +246,7 @@ class Stack {
     linear_bwd(s.n1, w.wv, d_v, from_v, g.wv);
     d_q.reset(), d_k.reset(), d_v.reset();
     DeviceBuffer d_n1 = act(T * H);
-    add3_kernel<<<grid_for(T * H), kThreads, 0, s_>>>(from_q.as<Bf16>(), from_k.as<Bf16>(), from_v.as<Bf16>(), d_n1.as<Bf16>(), T * H);
-    launch_check();
+    launch_add3(from_q.as<Bf16>(), from_k.as<Bf16>(), from_v.as<Bf16>(), d_n1.as<Bf16>(), T * H, s_);
     from_q.reset(), from_k.reset(), from_v.reset();
     DeviceBuffer d_xn = act(T * H);
     exec::RmsNormArgs n = norm_args(x, w.norm1, s.rstd1, T, H);
@@ -412,8 +406,7 @@ CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc
   }
   DeviceBuffer final_norm = bf16(alloc, H, Category::Params, s);
   DeviceBuffer d_final_norm = bf16(alloc, H, Category::Grads, s);
-  fill_norm_kernel<<<grid_for(H), kThreads, 0, s>>>(final_norm.as<Bf16>(), H, c.seed * 7 + 5, 0);
-  launch_check();
+  launch_fill_norm(final_norm.as<Bf16>(), H, c.seed * 7 + 5, 0, s);
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(d_final_norm.raw(), 0, static_cast<size_t>(H * 2), s));
   DeviceBuffer target = bf16(alloc, T * H, Category::Workspace, s);
   exec::cuda_detail::fill_bf16_cuda(target.as<Bf16>(), T * H, c.seed * 7 + 3, 1.0f, s);
@@ -462,16 +455,14 @@ CheckpointScheduleCudaResult run_checkpoint_schedule_cuda(DeviceAllocator& alloc
   exec::RmsNormArgs fn = norm_args(b.device(L), final_norm, rstd, T, H);
   fn.out = x_final.raw();
   exec::rmsnorm_forward_cuda(fn, s);
-  squared_error_kernel<<<kLossBlocks, kThreads, 0, s>>>(x_final.as<Bf16>(), target.as<Bf16>(), loss_partials.as<double>(), T * H);
-  launch_check();
+  launch_squared_error(x_final.as<Bf16>(), target.as<Bf16>(), loss_partials.as<double>(), T * H, s);
   forward_done.record(s);
   alloc.set_phase("loss/bwd");
   DeviceBuffer dy;
   {
     DeviceBuffer d_final = bf16(alloc, T * H, Category::Vocab, s);
-    loss_gradient_kernel<<<grid_for(T * H), kThreads, 0, s>>>(x_final.as<Bf16>(), target.as<Bf16>(), d_final.as<Bf16>(), T * H,
-                                                             static_cast<float>(T));
-    launch_check();
+    launch_loss_gradient(x_final.as<Bf16>(), target.as<Bf16>(), d_final.as<Bf16>(), T * H,
+                         static_cast<float>(T), s);
     dy = stack.act(T * H);
     fn.d_out = d_final.raw();
     fn.d_x = dy.raw();

@@ -1,10 +1,10 @@
 // The kernels of the checkpoint schedule on the GPU (internal to executor/cuda): the CPU
 // schedule's element-wise loops (residual and gradient sums, norm weights from the seed, the
 // loss's gradient) and the loss's squared error, summed per block in fp64 for the host to add in
-// block order. checkpoint_schedule_cuda.cu launches them;
-// tests/unit/executor_checkpoint_schedule_emulation_test.cpp runs the same source on the host
+// block order. checkpoint_schedule_cuda.cu calls the launch functions at the end;
+// tests/unit/executor_checkpoint_schedule_emulation_test.cpp runs the same ones on the host
 // (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU schedule's loops.
-//   squared_error_kernel<<<kLossBlocks, kThreads, 0, s>>>(x_final, target, loss_partials, T * H);
+//   launch_squared_error(x_final, target, loss_partials, T * H, stream);  // [kLossBlocks] fp64
 #pragma once
 
 #include <cstdint>
@@ -56,6 +56,28 @@ __global__ void squared_error_kernel(const Bf16* x, const Bf16* target, double* 
 __global__ void loss_gradient_kernel(const Bf16* x, const Bf16* target, Bf16* d, int64_t n, float tokens) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
     d[i] = exec::f32_to_bf16((exec::to_f32(x[i]) - exec::to_f32(target[i])) / tokens);
+}
+
+// ---- launches (checkpoint_schedule_cuda.cu's) ----
+
+inline void launch_add2(const Bf16* a, const Bf16* b, Bf16* c, int64_t n, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(add2_kernel, grid_for(n), kThreads, 0, stream, a, b, c, n);
+}
+inline void launch_add3(const Bf16* a, const Bf16* b, const Bf16* c, Bf16* out, int64_t n,
+                        cudaStream_t stream) {
+  FLATPEAK_LAUNCH(add3_kernel, grid_for(n), kThreads, 0, stream, a, b, c, out, n);
+}
+inline void launch_fill_norm(Bf16* p, int64_t n, uint64_t seed, uint64_t base, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(fill_norm_kernel, grid_for(n), kThreads, 0, stream, p, n, seed, base);
+}
+// partials [kLossBlocks] fp64, one per block, for the host to add in block order.
+inline void launch_squared_error(const Bf16* x, const Bf16* target, double* partials, int64_t n,
+                                 cudaStream_t stream) {
+  FLATPEAK_LAUNCH(squared_error_kernel, kLossBlocks, kThreads, 0, stream, x, target, partials, n);
+}
+inline void launch_loss_gradient(const Bf16* x, const Bf16* target, Bf16* d, int64_t n,
+                                 float tokens, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(loss_gradient_kernel, grid_for(n), kThreads, 0, stream, x, target, d, n, tokens);
 }
 
 }  // namespace

@@ -4,12 +4,13 @@
 // (residual and gradient sums), add3 ((a + b) + c, rounded once: inputs spread over 2^±12, and
 // every fourth element a + b = 0 with c far smaller, so that another order rounds differently),
 // fill_norm (1 + 0.1·uniform(seed, base + i), product and sum rounded separately) and
-// loss_gradient ((x − target) / T). squared_error's per-block fp64 partials bitwise against the
-// same grid-stride sums and shared-memory tree replayed on the host, and their block-order sum
-// against the CPU's Σ (x − target)² within 1e-12. The launcher runs squared_error on kLossBlocks
-// = 256 blocks; here the grid is 1, 2 and 3 blocks (65 536 host threads would take seconds),
-// which runs the same code: a block's threads stride by the grid, the idle ones add 0. NaN past
-// every input, a sentinel past every output.
+// loss_gradient ((x − target) / T), through the launch functions checkpoint_schedule_cuda.cu
+// itself calls. squared_error's per-block fp64 partials bitwise against the same grid-stride sums
+// and shared-memory tree replayed on the host, and their block-order sum against the CPU's
+// Σ (x − target)² within 1e-12: on the launcher's kLossBlocks = 256 blocks (only the blocks that
+// hold data and the last: 65 536 host threads would take seconds), and on grids of 2 and 3
+// blocks, where a thread strides more than once. NaN past every input, a sentinel past every
+// output.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
 #include "executor/cuda/checkpoint_schedule_kernels.cuh"
@@ -60,15 +61,13 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
     std::vector<Bf16> want(z(n));
 
     std::vector<Bf16> sum2 = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-                [&] { cd::add2_kernel(a.data(), b.data(), sum2.data(), n); });
+    cd::launch_add2(a.data(), b.data(), sum2.data(), n, nullptr);
     expect_guard("add2", sum2, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]));
     EXPECT_TRUE(same_bits(sum2, want, z(n))) << "add2";
 
     std::vector<Bf16> sum3 = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-                [&] { cd::add3_kernel(a.data(), b.data(), c.data(), sum3.data(), n); });
+    cd::launch_add3(a.data(), b.data(), c.data(), sum3.data(), n, nullptr);
     expect_guard("add3", sum3, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i)
       want[z(i)] = f32_to_bf16(to_f32(a[z(i)]) + to_f32(b[z(i)]) + to_f32(c[z(i)]));
@@ -76,8 +75,7 @@ TEST(CheckpointScheduleEmulation, AddsAndLossGradient) {
 
     const float tokens = 7.0f;
     std::vector<Bf16> d = output(n);
-    emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-                [&] { cd::loss_gradient_kernel(a.data(), b.data(), d.data(), n, tokens); });
+    cd::launch_loss_gradient(a.data(), b.data(), d.data(), n, tokens, nullptr);
     expect_guard("loss_gradient", d, z(n), sentinel_of<Bf16>());
     for (int64_t i = 0; i < n; ++i) want[z(i)] = f32_to_bf16((to_f32(a[z(i)]) - to_f32(b[z(i)])) / tokens);
     EXPECT_TRUE(same_bits(d, want, z(n))) << "loss_gradient";
@@ -95,8 +93,7 @@ TEST(CheckpointScheduleEmulation, FillNormMatchesCpu) {
     SCOPED_TRACE("n " + std::to_string(c.n) + " seed " + std::to_string(c.seed) + " base " +
                  std::to_string(c.base));
     std::vector<Bf16> got = output(c.n);
-    emu::launch(cd::grid_for(c.n), 1, cd::kThreads, 0,
-                [&] { cd::fill_norm_kernel(got.data(), c.n, c.seed, c.base); });
+    cd::launch_fill_norm(got.data(), c.n, c.seed, c.base, nullptr);
     expect_guard("norm", got, z(c.n), sentinel_of<Bf16>());
     std::vector<Bf16> want(z(c.n));
     for (int64_t i = 0; i < c.n; ++i)
@@ -116,14 +113,25 @@ TEST(CheckpointScheduleEmulation, SquaredErrorPartials) {
   double cpu_sum = 0.0;  // checkpoint_schedule.cpp's loss loop
   for (int64_t i = 0; i < n; ++i) cpu_sum += diff2(i);
   const double cpu_loss = 0.5 * cpu_sum / static_cast<double>(T);
-  for (unsigned grid : {1u, 2u, 3u}) {
+  // The launcher's kLossBlocks grid (only its first 4 blocks, which hold all n = 600 elements,
+  // and its last), then grids of 2 and 3 blocks, where threads stride more than once.
+  const std::vector<unsigned> launcher_blocks{0, 1, 2, 3, cd::kLossBlocks - 1};
+  for (unsigned grid : {static_cast<unsigned>(cd::kLossBlocks), 2u, 3u}) {
     SCOPED_TRACE("grid " + std::to_string(grid));
+    const bool launcher = grid == static_cast<unsigned>(cd::kLossBlocks);
+    const std::vector<unsigned> blocks = launcher ? launcher_blocks : std::vector<unsigned>{0, 1, 2};
     std::vector<double> partials(grid + kGuard, sentinel_of<float>());
-    emu::launch(grid, 1, cd::kThreads, 0,
-                [&] { cd::squared_error_kernel(x.data(), target.data(), partials.data(), n); });
+    if (launcher) {
+      const BlockRows only(launcher_blocks);
+      cd::launch_squared_error(x.data(), target.data(), partials.data(), n, nullptr);
+    } else {
+      emu::launch(grid, 1, cd::kThreads, 0,
+                  [&] { cd::squared_error_kernel(x.data(), target.data(), partials.data(), n); });
+    }
     expect_guard("partials", partials, grid, static_cast<double>(sentinel_of<float>()));
     double sum = 0.0;
-    for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned b : blocks) {
+      if (b >= grid) continue;
       std::vector<double> local(z(cd::kThreads), 0.0);
       for (int64_t t = 0; t < cd::kThreads; ++t)
         for (int64_t i = b * cd::kThreads + t; i < n; i += grid * cd::kThreads) local[z(t)] += diff2(i);
