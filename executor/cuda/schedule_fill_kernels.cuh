@@ -1,7 +1,8 @@
-// The device fill kernels of schedule_util_cuda.cuh (internal): the same (seed, index) → value
-// functions as executor/schedules/schedule_util.h. Kept apart from the launchers so that their
-// source also runs on the host through tests/unit/cuda_emulation.h (FLATPEAK_CUDA_EMULATION).
-//   fill_bf16_kernel<Bf16><<<grid_for(n), kThreads, 0, stream>>>(p, n, seed, scale, first_index);
+// The device fill kernels of schedule_util_cuda.cuh and their launches (internal): the same
+// (seed, index) → value functions as executor/schedules/schedule_util.h. Kept apart from the
+// CUDA-only helpers so that the same launches also run on the host through
+// tests/unit/cuda_emulation.h (FLATPEAK_CUDA_EMULATION).
+//   fill_bf16_cuda(x, n, seed, 1.0f, stream);   fill_targets_cuda(y, T, V, seed, stream);
 #pragma once
 
 #include <cstdint>
@@ -34,6 +35,19 @@ template <class I>
 __global__ void fill_targets_kernel(I* p, int64_t n, int64_t vocab, uint64_t seed, uint64_t first_index) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
     p[i] = static_cast<I>(mix64_device(seed, first_index + static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
+}
+
+// Element i of p [n] bf16 = scale · uniform_pm1(seed, first_index + i).
+inline void fill_bf16_cuda(Bf16* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream, uint64_t first_index = 0) {
+  if (n <= 0) return;
+  FLATPEAK_LAUNCH(fill_bf16_kernel<Bf16>, grid_for(n), kThreads, 0, stream, p, n, seed, scale, first_index);
+}
+
+// Element i of p [n] i32 = mix64(seed, first_index + i) % vocab.
+inline void fill_targets_cuda(int32_t* p, int64_t n, int64_t vocab, uint64_t seed, cudaStream_t stream,
+                              uint64_t first_index = 0) {
+  if (n <= 0) return;
+  FLATPEAK_LAUNCH(fill_targets_kernel<int32_t>, grid_for(n), kThreads, 0, stream, p, n, vocab, seed, first_index);
 }
 
 }  // namespace flatpeak::exec::cuda_detail

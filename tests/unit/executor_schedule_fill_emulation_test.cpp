@@ -1,6 +1,6 @@
 // The device fill kernels (executor/cuda/schedule_fill_kernels.cuh) run on the host through
-// cuda_emulation.h, launched as schedule_util_cuda.cuh's fill_bf16_cuda and fill_targets_cuda
-// launch them (grid_for(n) blocks of kThreads), and also on a single block so that the
+// cuda_emulation.h through the launchers fill_bf16_cuda and fill_targets_cuda themselves
+// (grid_for(n) blocks of kThreads), and also with the grid capped to one block so that the
 // grid-stride loop wraps. They must equal executor/schedules/schedule_util.h bit for bit: the
 // CUDA schedules generate on the device the X, W and targets their CPU twins generate on the
 // host. Cases: several seeds (0, small, all ones), first_index 0, small and past 2^32 (a rank's
@@ -35,15 +35,13 @@ struct Case {
   uint64_t first_index;
 };
 
-std::string name_of(const Case& c, unsigned grid) {
+std::string name_of(const Case& c, unsigned cap) {
   return "n " + std::to_string(c.n) + " seed " + std::to_string(c.seed) + " first " +
-         std::to_string(c.first_index) + " grid " + std::to_string(grid);
+         std::to_string(c.first_index) + " block cap " + std::to_string(cap);
 }
 
-// The grids to run: the launcher's, then one block (each thread covers several elements).
-std::vector<unsigned> grids_of(int64_t n) {
-  return {cd::grid_for(n), 1u};
-}
+// The launcher's grid uncapped, then capped to one block (each thread covers several elements).
+constexpr unsigned kCaps[] = {~0u, 1u};
 
 const Case kCases[] = {
     {1, 0, 0},
@@ -61,11 +59,11 @@ TEST(ScheduleFillEmulation, Bf16MatchesCpuBitForBit) {
     const float scale = scales[scale_at++ % 3];
     std::vector<Bf16> want(static_cast<size_t>(c.n));  // [n] bf16
     fill_bf16(want.data(), c.n, c.seed, scale, static_cast<int64_t>(c.first_index));
-    for (unsigned grid : grids_of(c.n)) {
-      SCOPED_TRACE(name_of(c, grid) + " scale " + std::to_string(scale));
+    for (unsigned cap : kCaps) {
+      SCOPED_TRACE(name_of(c, cap) + " scale " + std::to_string(scale));
       std::vector<Bf16> got(static_cast<size_t>(c.n) + kGuard, sentinel_of<Bf16>());  // [n] bf16 + guard
-      emu::launch(grid, 1, cd::kThreads, 0,
-                  [&] { cd::fill_bf16_kernel<Bf16>(got.data(), c.n, c.seed, scale, c.first_index); });
+      const BlockCap capped(cap);
+      cd::fill_bf16_cuda(got.data(), c.n, c.seed, scale, nullptr, c.first_index);
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(Bf16)), 0);
       expect_guard("p", got, static_cast<size_t>(c.n), sentinel_of<Bf16>());
     }
@@ -78,10 +76,8 @@ TEST(ScheduleFillEmulation, Bf16SliceIsPartOfTheWhole) {
   const int64_t whole = 600, first = 333, n = whole - first;
   std::vector<Bf16> all(static_cast<size_t>(whole) + kGuard, sentinel_of<Bf16>());  // [whole] bf16
   std::vector<Bf16> part(static_cast<size_t>(n) + kGuard, sentinel_of<Bf16>());     // [n] bf16
-  emu::launch(cd::grid_for(whole), 1, cd::kThreads, 0,
-              [&] { cd::fill_bf16_kernel<Bf16>(all.data(), whole, 9, 1.0f, 0); });
-  emu::launch(cd::grid_for(n), 1, cd::kThreads, 0,
-              [&] { cd::fill_bf16_kernel<Bf16>(part.data(), n, 9, 1.0f, static_cast<uint64_t>(first)); });
+  cd::fill_bf16_cuda(all.data(), whole, 9, 1.0f, nullptr);
+  cd::fill_bf16_cuda(part.data(), n, 9, 1.0f, nullptr, static_cast<uint64_t>(first));
   EXPECT_EQ(std::memcmp(part.data(), all.data() + first, static_cast<size_t>(n) * sizeof(Bf16)), 0);
   int64_t distinct_from_first = 0;
   for (int64_t i = 0; i < whole; ++i) {
@@ -109,11 +105,11 @@ TEST(ScheduleFillEmulation, TargetsMatchCpuBitForBit) {
         want[static_cast<size_t>(i)] = static_cast<int32_t>(
             mix64(c.seed, c.first_index + static_cast<uint64_t>(i)) % static_cast<uint64_t>(vocab));
     }
-    for (unsigned grid : grids_of(c.n)) {
-      SCOPED_TRACE(name_of(c, grid) + " vocab " + std::to_string(vocab));
+    for (unsigned cap : kCaps) {
+      SCOPED_TRACE(name_of(c, cap) + " vocab " + std::to_string(vocab));
       std::vector<int32_t> got(static_cast<size_t>(c.n) + kGuard, kTargetSentinel);  // [n] i32 + guard
-      emu::launch(grid, 1, cd::kThreads, 0,
-                  [&] { cd::fill_targets_kernel<int32_t>(got.data(), c.n, vocab, c.seed, c.first_index); });
+      const BlockCap capped(cap);
+      cd::fill_targets_cuda(got.data(), c.n, vocab, c.seed, nullptr, c.first_index);
       EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(int32_t)), 0);
       expect_guard("p", got, static_cast<size_t>(c.n), kTargetSentinel);
       for (int64_t i = 0; i < c.n; ++i) {
