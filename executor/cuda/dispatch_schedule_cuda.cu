@@ -23,15 +23,14 @@ using exec::Category;
 using exec::DType;
 using exec::DispatchScheduleConfig;
 using exec::cuda_detail::ScopedEvent;
-using exec::cuda_detail::combine_backward_round_kernel;
-using exec::cuda_detail::combine_round_kernel;
 using exec::cuda_detail::event_seconds;
-using exec::cuda_detail::f32_to_bf16_kernel;
-using exec::cuda_detail::gather_round_kernel;
-using exec::cuda_detail::grid_for;
-using exec::cuda_detail::kept_softmax_kernel;
-using exec::cuda_detail::scatter_add_round_kernel;
-using exec::cuda_detail::kThreads;
+// The launches (dispatch_schedule_kernels.cuh).
+using exec::cuda_detail::launch_combine_backward_round;
+using exec::cuda_detail::launch_combine_round;
+using exec::cuda_detail::launch_f32_to_bf16;
+using exec::cuda_detail::launch_gather_round;
+using exec::cuda_detail::launch_kept_softmax;
+using exec::cuda_detail::launch_scatter_add_round;
 
 constexpr Category kDsp = Category::Dispatch;
 
@@ -50,7 +49,6 @@ Dims dims_of(const DispatchScheduleConfig& c) {
 
 int64_t aligned(int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; }
 
-void check_launch() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
 
 // The layer input and upstream gradient (activations); gathered weights and their gradient
 // accumulators (fsdp), filled from the seed like the CPU schedule's.
@@ -97,9 +95,8 @@ Routing route(DeviceAllocator& a, const CublasContext& blas, const Dims& d, cons
     DeviceBuffer logits(a, d.T * d.E * 4, kDsp, s);  // [T, E] fp32 router logits
     gemm_cuda(blas, false, true, d.T, d.E, d.H, 1.0f, DType::BF16, L.x.raw(), d.H, DType::BF16,
               L.w_router.raw(), d.H, false, DType::F32, logits.raw(), d.E);
-    kept_softmax_kernel<<<grid_for(d.T), kThreads, 0, s>>>(logits.as<float>(), r.ids.as<int32_t>(),
-                                                           r.topk_w.as<float>(), d.T, d.E, d.k);
-    check_launch();
+    launch_kept_softmax(logits.as<float>(), r.ids.as<int32_t>(), r.topk_w.as<float>(), d.T, d.E,
+                        d.k, s);
   }
   exec::PermuteArgs p;
   p.dtype = DType::BF16;
@@ -178,9 +175,8 @@ struct RoundBuffers {
 exec::ExpertFfnArgs forward_round(const CublasContext& blas, const Dims& d, const LayerData& L, const Routing& r,
                                   RoundBuffers& b, int64_t r0, int64_t n, const std::vector<int64_t>& counts,
                                   cudaStream_t s) {
-  gather_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(L.x.as<Bf16>(), r.topk_w.as<float>(),
-      r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, b.in.as<Bf16>(), b.prob.as<float>());
-  check_launch();
+  launch_gather_round(L.x.as<Bf16>(), r.topk_w.as<float>(), r.row_to_slot.as<int32_t>(), r0, n,
+                      d.H, d.k, b.in.as<Bf16>(), b.prob.as<float>(), s);
   exec::ExpertFfnArgs f = ffn_args(d, L, counts, n);
   f.x = b.in.raw();
   f.gate_up = b.gate_up.raw();
@@ -269,13 +265,11 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
       const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);
       forward_round(blas, d, L, r, b, r0, n, counts, s);
-      combine_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(b.y.as<Bf16>(), b.prob.as<float>(),
-          r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, acc.as<float>());
-      check_launch();
+      launch_combine_round(b.y.as<Bf16>(), b.prob.as<float>(), r.row_to_slot.as<int32_t>(), r0, n,
+                           d.H, d.k, acc.as<float>(), s);
     }
     out = DeviceBuffer(alloc, d.T * d.H * 2, kDsp, s);
-    f32_to_bf16_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(acc.as<float>(), out.as<Bf16>(), d.T * d.H);
-    check_launch();
+    launch_f32_to_bf16(acc.as<float>(), out.as<Bf16>(), d.T * d.H, s);
   }
   mid.record(s);
 
@@ -294,20 +288,16 @@ DispatchScheduleCudaResult run_dispatch_schedule_cuda(DeviceAllocator& alloc, co
       const int64_t r0 = j * C, n = std::min(C, d.N - r0);
       const std::vector<int64_t> counts = round_counts(r.host_counts, r0, n);  // read by the backward too
       exec::ExpertFfnArgs f = forward_round(blas, d, L, r, b, r0, n, counts, s);  // recompute: gate_up and y of this round
-      if (n > 0) {
-        combine_backward_round_kernel<<<static_cast<unsigned>(n), kThreads, 0, s>>>(
-            L.d_out.as<Bf16>(), b.y.as<Bf16>(), b.prob.as<float>(), r.row_to_slot.as<int32_t>(), r0, d.H, d.k,
-            d_y.as<Bf16>(), d_topk_w.as<float>());
-        check_launch();
-      }
+      launch_combine_backward_round(L.d_out.as<Bf16>(), b.y.as<Bf16>(), b.prob.as<float>(),
+                                    r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k, d_y.as<Bf16>(),
+                                    d_topk_w.as<float>(), s);
       f.d_out = d_y.raw();
       f.d_x = d_in.raw();
       f.d_w_gate_up = L.dw_gate_up.raw();
       f.d_w_down = L.dw_down.raw();
       exec::expert_ffn_backward_cuda(f, blas);
-      scatter_add_round_kernel<<<grid_for(n * d.H), kThreads, 0, s>>>(d_in.as<Bf16>(), r.row_to_slot.as<int32_t>(),
-          r0, n, d.H, d.k, d_x.as<float>());
-      check_launch();
+      launch_scatter_add_round(d_in.as<Bf16>(), r.row_to_slot.as<int32_t>(), r0, n, d.H, d.k,
+                               d_x.as<float>(), s);
     }
   }
   stop.record(s);

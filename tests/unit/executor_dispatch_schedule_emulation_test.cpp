@@ -1,6 +1,6 @@
 // The dispatch schedule's kernels (executor/cuda/dispatch_schedule_kernels.cuh) run on the host
-// through cuda_emulation.h, launched as dispatch_schedule_cuda.cu launches them (the same grids,
-// kThreads, one block per round row for the combine backward, and the same sequence: kept softmax;
+// through cuda_emulation.h, by the launch functions dispatch_schedule_cuda.cu itself calls (its
+// grids, kThreads, one block per round row for the combine backward), in its sequence (kept softmax;
 // per round gather, then combine into an fp32 accumulator; fp32 → bf16; per round the combine
 // backward and the scatter-add, the forward's gathered prob standing in for the recompute's),
 // against the CPU ops over all T·k copies: the router's renormalised weights (router_forward_cpu,
@@ -95,8 +95,7 @@ void run_case(const Shape& s, uint32_t seed) {
   const std::vector<int32_t> ids_in =
       with_guard(ids, static_cast<int32_t>(E));                    // [T, k] + an id past the row
   std::vector<float> topk_w(z(N) + kGuard, sentinel_of<float>());  // [T, k] fp32 + sentinel
-  emu::launch(cd::grid_for(T), 1, cd::kThreads, 0,
-              [&] { cd::kept_softmax_kernel(logits_in.data(), ids_in.data(), topk_w.data(), T, E, k); });
+  cd::launch_kept_softmax(logits_in.data(), ids_in.data(), topk_w.data(), T, E, k, nullptr);
   expect_guard("topk_w", topk_w, z(N), sentinel_of<float>());
   expect_within("topk_w", widen(topk_w, z(N)), want_w, kF32Tol);
 
@@ -143,10 +142,8 @@ void run_case(const Shape& s, uint32_t seed) {
   auto gather = [&](int64_t r0, int64_t n, std::vector<Bf16>& in, std::vector<float>& prob) {
     in.assign(z(n * H) + kGuard, sentinel_of<Bf16>());
     prob.assign(z(n) + kGuard, sentinel_of<float>());
-    emu::launch(cd::grid_for(n * H), 1, cd::kThreads, 0, [&] {
-      cd::gather_round_kernel(x.data(), topk_w_in.data(), row_to_slot_in.data(), r0, n, H, k, in.data(),
-                              prob.data());
-    });
+    cd::launch_gather_round(x.data(), topk_w_in.data(), row_to_slot_in.data(), r0, n, H, k, in.data(),
+                            prob.data(), nullptr);
     expect_guard("in", in, z(n * H), sentinel_of<Bf16>());
     expect_guard("prob", prob, z(n), sentinel_of<float>());
     EXPECT_TRUE(same_bits(in.data(), want_x_perm.data() + r0 * H, z(n * H))) << "in of rows " << r0;
@@ -163,13 +160,11 @@ void run_case(const Shape& s, uint32_t seed) {
     std::vector<float>& prob = probs[z(j)];
     gather(r0, n, in, prob);
     const std::vector<Bf16> y = rows_of(y_perm, r0, n, H);  // [n, H] bf16 + NaN
-    emu::launch(cd::grid_for(n * H), 1, cd::kThreads, 0, [&] {
-      cd::combine_round_kernel(y.data(), prob.data(), row_to_slot_in.data(), r0, n, H, k, acc.data());
-    });
+    cd::launch_combine_round(y.data(), prob.data(), row_to_slot_in.data(), r0, n, H, k, acc.data(),
+                             nullptr);
   }
   std::vector<Bf16> out(z(T * H) + kGuard, sentinel_of<Bf16>());  // [T, H] bf16
-  emu::launch(cd::grid_for(T * H), 1, cd::kThreads, 0,
-              [&] { cd::f32_to_bf16_kernel(acc.data(), out.data(), T * H); });
+  cd::launch_f32_to_bf16(acc.data(), out.data(), T * H, nullptr);
   expect_guard("acc", acc, z(T * H), sentinel_of<float>());
   expect_guard("out", out, z(T * H), sentinel_of<Bf16>());
   for (int64_t i = 0; i < T * H; ++i) ASSERT_EQ(out[z(i)].bits, f32_to_bf16(acc[z(i)]).bits) << "out " << i;
@@ -213,16 +208,12 @@ void run_case(const Shape& s, uint32_t seed) {
     const std::vector<float>& prob = probs[z(j)];
     const std::vector<Bf16> y = rows_of(y_perm, r0, n, H);          // the recompute's y
     std::vector<Bf16> d_y(z(n * H) + kGuard, sentinel_of<Bf16>());  // [n, H] bf16
-    emu::launch(static_cast<unsigned>(n), 1, cd::kThreads, 0, [&] {
-      cd::combine_backward_round_kernel(d_out.data(), y.data(), prob.data(), row_to_slot_in.data(), r0, H, k,
-                                        d_y.data(), d_topk_w.data());
-    });
+    cd::launch_combine_backward_round(d_out.data(), y.data(), prob.data(), row_to_slot_in.data(), r0, n,
+                                      H, k, d_y.data(), d_topk_w.data(), nullptr);
     expect_guard("d_y", d_y, z(n * H), sentinel_of<Bf16>());
     EXPECT_TRUE(same_bits(d_y.data(), want_d_y.data() + r0 * H, z(n * H))) << "d_y of rows " << r0;
     const std::vector<Bf16> d_in = rows_of(d_in_perm, r0, n, H);  // [n, H] bf16 + NaN
-    emu::launch(cd::grid_for(n * H), 1, cd::kThreads, 0, [&] {
-      cd::scatter_add_round_kernel(d_in.data(), row_to_slot_in.data(), r0, n, H, k, d_x.data());
-    });
+    cd::launch_scatter_add_round(d_in.data(), row_to_slot_in.data(), r0, n, H, k, d_x.data(), nullptr);
   }
   expect_guard("d_topk_w", d_topk_w, z(N), sentinel_of<float>());
   expect_within("d_topk_w", widen(d_topk_w, z(N)), want_d_w, kF32Tol);
