@@ -12,10 +12,7 @@ namespace flatpeak::cuda {
 
 namespace {
 
-using exec::cuda_detail::grid_for;
-using exec::cuda_detail::kThreads;
-using exec::cuda_detail::reduce_rank_order_bf16_kernel;
-using exec::cuda_detail::reduce_rank_order_kernel;
+using exec::cuda_detail::launch_reduce_rank_order;  // device_threads_comm_kernels.cuh
 
 const char* byte_ptr(const void* p, int64_t elems, exec::DType dtype) {
   return static_cast<const char*>(p) + elems * exec::dtype_bytes(dtype);
@@ -72,28 +69,7 @@ void DeviceThreadsCommunicator::read_then_release(const std::string& op, Read&& 
 
 void DeviceThreadsCommunicator::reduce_staged(const void* staged, void* out, int64_t count, exec::DType dtype,
                                               exec::ReduceOp op) {
-  if (count <= 0) return;
-  const bool sum = op == exec::ReduceOp::Sum;
-  const int n = size();
-  switch (dtype) {
-    case exec::DType::F32:
-      reduce_rank_order_kernel<float, float><<<grid_for(count), kThreads, 0, stream_>>>(
-          static_cast<const float*>(staged), static_cast<float*>(out), count, n, sum);
-      break;
-    case exec::DType::BF16:
-      reduce_rank_order_bf16_kernel<<<grid_for(count), kThreads, 0, stream_>>>(
-          static_cast<const exec::Bf16*>(staged), static_cast<exec::Bf16*>(out), count, n, sum);
-      break;
-    case exec::DType::I32:
-      reduce_rank_order_kernel<int32_t, int64_t><<<grid_for(count), kThreads, 0, stream_>>>(
-          static_cast<const int32_t*>(staged), static_cast<int32_t*>(out), count, n, sum);
-      break;
-    case exec::DType::I64:
-      reduce_rank_order_kernel<int64_t, int64_t><<<grid_for(count), kThreads, 0, stream_>>>(
-          static_cast<const int64_t*>(staged), static_cast<int64_t*>(out), count, n, sum);
-      break;
-  }
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_reduce_rank_order(staged, out, count, dtype, size(), op == exec::ReduceOp::Sum, stream_);
 }
 
 void DeviceThreadsCommunicator::all_to_allv(const void* send, const int64_t* send_counts,

@@ -1,9 +1,10 @@
 // The reduction kernels of DeviceThreadsCommunicator (internal to executor/cuda): n ranks'
 // contributions staged one after another, reduced element by element in rank order as the CPU's
-// reduce_in_rank_order (executor/comm/communicator.h). device_threads_comm.cu launches them;
-// tests/unit/executor_device_threads_comm_emulation_test.cpp runs the same source on the host
-// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against reduce_in_rank_order.
-//   reduce_rank_order_kernel<float, float><<<grid_for(count), kThreads, 0, s>>>(staged, out, count, n, sum);
+// reduce_in_rank_order (executor/comm/communicator.h). device_threads_comm.cu calls the launch
+// function at the end; tests/unit/executor_device_threads_comm_emulation_test.cpp runs the same
+// one on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against
+// reduce_in_rank_order.
+//   launch_reduce_rank_order(staged, out, count, DType::F32, n, sum, stream);
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,30 @@ __global__ void reduce_rank_order_bf16_kernel(const exec::Bf16* staged, exec::Bf
       acc = sum ? __fadd_rn(acc, v) : (acc < v ? v : acc);
     }
     out[i] = exec::f32_to_bf16(acc);
+  }
+}
+
+// staged [n, count] in `dtype` → out [count]: the kernel and accumulator type of the dtype.
+inline void launch_reduce_rank_order(const void* staged, void* out, int64_t count, exec::DType dtype,
+                                     int n, bool sum, cudaStream_t stream) {
+  if (count <= 0) return;
+  switch (dtype) {
+    case exec::DType::F32:
+      FLATPEAK_LAUNCH((reduce_rank_order_kernel<float, float>), grid_for(count), kThreads, 0, stream,
+                      static_cast<const float*>(staged), static_cast<float*>(out), count, n, sum);
+      break;
+    case exec::DType::BF16:
+      FLATPEAK_LAUNCH(reduce_rank_order_bf16_kernel, grid_for(count), kThreads, 0, stream,
+                      static_cast<const exec::Bf16*>(staged), static_cast<exec::Bf16*>(out), count, n, sum);
+      break;
+    case exec::DType::I32:
+      FLATPEAK_LAUNCH((reduce_rank_order_kernel<int32_t, int64_t>), grid_for(count), kThreads, 0, stream,
+                      static_cast<const int32_t*>(staged), static_cast<int32_t*>(out), count, n, sum);
+      break;
+    case exec::DType::I64:
+      FLATPEAK_LAUNCH((reduce_rank_order_kernel<int64_t, int64_t>), grid_for(count), kThreads, 0, stream,
+                      static_cast<const int64_t*>(staged), static_cast<int64_t*>(out), count, n, sum);
+      break;
   }
 }
 

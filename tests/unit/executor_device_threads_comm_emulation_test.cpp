@@ -1,5 +1,5 @@
 // DeviceThreadsCommunicator's reduction kernels (executor/cuda/device_threads_comm_kernels.cuh)
-// run on the host through cuda_emulation.h, launched as reduce_staged launches them
+// run on the host through cuda_emulation.h, by the launch function reduce_staged itself calls
 // (grid_for(count) blocks of kThreads, the kernel and accumulator type per dtype), against the
 // CPU's reduce_in_rank_order (executor/comm/communicator.h) bitwise: f32, bf16 (fp32 accumulator,
 // rounded once), i32 (int64 accumulator: sums past 2^31 wrap once, at the store) and i64; sum and
@@ -53,20 +53,6 @@ T input_guard() {
 }
 
 template <class T>
-void launch_reduce(const T* staged, T* out, int64_t count, int n, bool sum) {
-  emu::launch(cd::grid_for(count), 1, cd::kThreads, 0, [&] {
-    if constexpr (std::is_same_v<T, float>)
-      cd::reduce_rank_order_kernel<float, float>(staged, out, count, n, sum);
-    else if constexpr (std::is_same_v<T, Bf16>)
-      cd::reduce_rank_order_bf16_kernel(staged, out, count, n, sum);
-    else if constexpr (std::is_same_v<T, int32_t>)
-      cd::reduce_rank_order_kernel<int32_t, int64_t>(staged, out, count, n, sum);
-    else
-      cd::reduce_rank_order_kernel<int64_t, int64_t>(staged, out, count, n, sum);
-  });
-}
-
-template <class T>
 void run_case(DType dtype) {
   const int64_t count = 300;
   for (int ranks : {1, 2, 3}) {
@@ -76,7 +62,7 @@ void run_case(DType dtype) {
       std::mt19937 rng(static_cast<uint32_t>(ranks * 2 + sum));
       const std::vector<T> staged = with_guard(staged_values<T>(rng, ranks, count), input_guard<T>());
       std::vector<T> out(z(count) + kGuard, sentinel_of<T>());  // [count]
-      launch_reduce<T>(staged.data(), out.data(), count, ranks, sum);
+      cd::launch_reduce_rank_order(staged.data(), out.data(), count, dtype, ranks, sum, nullptr);
       expect_guard("out", out, z(count), sentinel_of<T>());
       std::vector<const void*> parts;
       for (int p = 0; p < ranks; ++p) parts.push_back(staged.data() + p * count);
