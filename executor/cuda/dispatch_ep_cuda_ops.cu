@@ -2,7 +2,8 @@
 // (dispatch_ep_kernels.cuh) are each the device form of a loop of the CPU schedule
 // (executor/schedules/dispatch_*.cpp), in the same order of fp32 operations where a sum's order is
 // the CPU's (a token's rows; the router's kept experts).
-// Every launch is on the rank's stream; grid-stride loops over 64-bit element counts.
+// Every launch is on the rank's stream; grid-stride loops over 64-bit element counts. The launches
+// themselves (grids, order, a check after each) are dispatch_ep_kernels.cuh's launch functions.
 #include "executor/cuda/dispatch_ep_cuda_internal.cuh"
 #include "executor/cuda/dispatch_ep_kernels.cuh"
 
@@ -18,12 +19,8 @@ namespace flatpeak::cuda::dispatch_ep_detail {
 
 namespace {
 
-using exec::cuda_detail::grid_for;
-using exec::cuda_detail::kThreads;
 using exec::f32_to_bf16;
 using exec::to_f32;
-
-void check_launch() { FLATPEAK_CUDA_CHECK_LAUNCH(); }
 
 // Calls fn(l, i0, m) for every local expert with m > 0 rows from expert-order row i0.
 template <class Fn>
@@ -77,9 +74,8 @@ void compute_routing(const CublasContext& blas, const Dims& d, const LayerDev& L
   gemm_cuda(blas, false, true, d.T, d.E, d.H, 1.0f, DType::BF16, L.x.raw(), d.H, DType::BF16, L.w_router.raw(), d.H, false,
             DType::F32, r.logits.raw(), d.E);
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(r.map.raw(), 0, static_cast<size_t>(d.T * d.E), s));
-  routing_kernel<<<grid_for(d.T), kThreads, 0, s>>>(r.logits.as<float>(), r.topk_ids.as<int64_t>(), r.scores.as<float>(),
-                                                    r.scattered.as<float>(), r.map.as<uint8_t>(), r.topk_w.as<float>(), d.T, d.E, d.k);
-  check_launch();
+  launch_routing(r.logits.as<float>(), r.topk_ids.as<int64_t>(), r.scores.as<float>(), r.scattered.as<float>(),
+                 r.map.as<uint8_t>(), r.topk_w.as<float>(), d.T, d.E, d.k, s);
 }
 
 std::vector<ExpertSlotDev> expert_slots(const Dims& d, const RowPlan& p, LayerDev& L, const DeviceBuffer* foreign_w,
@@ -129,8 +125,7 @@ void experts_forward(const CublasContext& blas, const Dims& d, const std::vector
               DType::BF16, fc1 + i0 * 2 * d.F, 2 * d.F);
   });
   for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
-    act_kernel<<<grid_for(n * d.F), kThreads, 0, s>>>(fc1, pr.p, act, i0, j0, n, d.F);
-    check_launch();
+    launch_act(fc1, pr.p, act, i0, j0, n, d.F, s);
   });
   if (fc2) experts_fc2(blas, d, w, g, act, fc2);
 }
@@ -146,8 +141,7 @@ void experts_backward_fc(const CublasContext& blas, const Dims& d, const std::ve
               DType::F32, w[l].ddown, d.F);
   });
   for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
-    act_backward_kernel<<<row_blocks(n), kThreads, 0, s>>>(fc1, d_act, pr.p, d_fc1, i0, j0, n, d.F);
-    check_launch();
+    launch_act_backward(fc1, d_act, pr.p, d_fc1, i0, j0, n, d.F, s);
   });
 }
 
@@ -164,38 +158,29 @@ void experts_backward_in(const CublasContext& blas, const Dims& d, const std::ve
 void router_backward(cudaStream_t s, const Dims& d, LayerDev& L, RoutingDev& r, float* d_x) {
   float* dz = r.logits.as<float>();
   const int64_t* ids = r.topk_ids.as<int64_t>();
-  router_dz_kernel<<<grid_for(d.T), kThreads, 0, s>>>(r.scores.as<float>(), r.topk_w.as<float>(), ids, dz, d.T, d.E, d.k);
-  check_launch();
-  router_dx_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(dz, L.w_router.as<Bf16>(), ids, d_x, d.T, d.H, d.E, d.k);
-  check_launch();
-  router_dw_kernel<<<grid_for(d.E * d.H), kThreads, 0, s>>>(dz, L.x.as<Bf16>(), L.dw_router.as<float>(), d.T, d.H, d.E);
-  check_launch();
+  launch_router_backward(r.scores.as<float>(), r.topk_w.as<float>(), ids, dz, L.w_router.as<Bf16>(), L.x.as<Bf16>(), d_x,
+                         L.dw_router.as<float>(), d.T, d.H, d.E, d.k, s);
 }
 
 void gather_probs(cudaStream_t s, const Dims& d, const int32_t* sort32, const float* topk_w, float* pprobs) {
-  gather_probs_kernel<<<grid_for(d.N), kThreads, 0, s>>>(sort32, topk_w, pprobs, d.N);
-  check_launch();
+  launch_gather_probs(sort32, topk_w, pprobs, d.N, s);
 }
 
 void gather_send_rows(cudaStream_t s, const Dims& d, const int32_t* sort32, const Bf16* src, bool per_copy, Bf16* rows) {
-  gather_rows_kernel<<<grid_for(d.N * d.H), kThreads, 0, s>>>(sort32, src, per_copy, rows, d.N, d.H, d.k);
-  check_launch();
+  launch_gather_rows(sort32, src, per_copy, rows, d.N, d.H, d.k, s);
 }
 
 void repeat_tokens(cudaStream_t s, const Dims& d, const Bf16* x, Bf16* repeated) {
-  repeat_kernel<<<grid_for(d.N * d.H), kThreads, 0, s>>>(x, repeated, d.N, d.H, d.k);
-  check_launch();
+  launch_repeat(x, repeated, d.N, d.H, d.k, s);
 }
 
 void sum_token_rows(cudaStream_t s, const Dims& d, const int64_t* ids, const int32_t* unsort32, const Bf16* rows, Bf16* out,
                     float* acc) {
-  sum_token_rows_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(ids, unsort32, rows, out, acc, d.T, d.H, d.k);
-  check_launch();
+  launch_sum_token_rows(ids, unsort32, rows, out, acc, d.T, d.H, d.k, s);
 }
 
 void scatter_dprobs(cudaStream_t s, const Dims& d, const int32_t* sort32, const int64_t* ids, const float* pprobs, float* scores) {
-  scatter_dprobs_kernel<<<grid_for(d.N), kThreads, 0, s>>>(sort32, ids, pprobs, scores, d.N, d.E, d.k);
-  check_launch();
+  launch_scatter_dprobs(sort32, ids, pprobs, scores, d.N, d.E, d.k, s);
 }
 
 RoundRanges round_ranges(const RowPlan& p, const Round& rd) {
@@ -211,33 +196,23 @@ RoundRanges round_ranges(const RowPlan& p, const Round& rd) {
 
 void pack_round(cudaStream_t s, const Dims& d, const RoundRanges& rr, const int64_t* sort, const float* topk_w,
                 const int64_t* topk_ids, const Bf16* src, Bf16* rows, float* p_send, int64_t* i_send, int64_t* i_home) {
-  for (int t = 0; t < rr.ep; ++t) {
-    if (rr.n[t] <= 0) continue;
-    pack_round_kernel<<<grid_for(rr.n[t] * d.H), kThreads, 0, s>>>(sort, topk_w, topk_ids, src, rows, p_send, i_send, i_home, rr.lo[t],
-                                                                   rr.q0[t], rr.n[t], d.H, d.k);
-    check_launch();
-  }
+  launch_pack_round(rr, sort, topk_w, topk_ids, src, rows, p_send, i_send, i_home, d.H, d.k, s);
 }
 
 void add_round_rows(cudaStream_t s, const Dims& d, const RoundRanges& rr, const int64_t* dest, const int64_t* unsort,
                     const Bf16* rows, float* acc) {
-  add_round_rows_kernel<<<grid_for(d.T * d.H), kThreads, 0, s>>>(rr, dest, unsort, rows, acc, d.T, d.H, d.k);
-  check_launch();
+  launch_add_round_rows(rr, dest, unsort, rows, acc, d.T, d.H, d.k, s);
 }
 
 void scatter_round_dprobs(cudaStream_t s, const Dims& d, int64_t sent, const int64_t* i_home, const int64_t* ids, const float* dprob,
                           float* scores) {
-  if (sent <= 0) return;
-  scatter_round_dprobs_kernel<<<grid_for(sent), kThreads, 0, s>>>(i_home, ids, dprob, scores, sent, d.E, d.k);
-  check_launch();
+  launch_scatter_round_dprobs(i_home, ids, dprob, scores, sent, d.E, d.k, s);
 }
 
 void add_returned_grads(cudaStream_t s, const Dims& d, LayerDev& L, int64_t e, const float* g) {
   const int64_t l = e - d.me * d.L, gu = 2 * d.F * d.H, dn = d.H * d.F;
-  add_f32_kernel<<<grid_for(gu), kThreads, 0, s>>>(g, L.dw_gate_up.as<float>() + l * gu, gu);
-  check_launch();
-  add_f32_kernel<<<grid_for(dn), kThreads, 0, s>>>(g + gu, L.dw_down.as<float>() + l * dn, dn);
-  check_launch();
+  launch_add_f32(g, L.dw_gate_up.as<float>() + l * gu, gu, s);
+  launch_add_f32(g + gu, L.dw_down.as<float>() + l * dn, dn, s);
 }
 
 void zero(DeviceBuffer& b, cudaStream_t s) {

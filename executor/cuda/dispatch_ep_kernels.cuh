@@ -1,11 +1,12 @@
 // The kernels of the CUDA dispatch at EP >= 1 (internal to executor/cuda): routing, the experts'
 // activation and its backward, the router's backward, the uncapped pass's gathers, per-token sums
 // and scatters, and the capped rounds' packing and per-token adds; each the device form of a loop
-// of the CPU schedule (executor/schedules/dispatch_*.cpp). dispatch_ep_cuda_ops.cu launches them;
-// tests/unit/executor_dispatch_ep_emulation_test.cpp runs the same source on the host
-// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against those loops, without a GPU.
+// of the CPU schedule (executor/schedules/dispatch_*.cpp). dispatch_ep_cuda_ops.cu calls the
+// launch functions at the end; tests/unit/executor_dispatch_ep_emulation_test.cpp runs the same
+// ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against those loops,
+// without a GPU.
 //   #include "executor/cuda/dispatch_ep_kernels.cuh"
-//   act_backward_kernel<<<row_blocks(n), kThreads, 0, stream>>>(fc1, d_act, prob, d_fc1, i0, j0, n, F);
+//   launch_act_backward(fc1, d_act, prob, d_fc1, i0, j0, n, F, stream);  // row_blocks(n) blocks
 #pragma once
 
 #include <algorithm>
@@ -23,7 +24,9 @@ namespace {
 using exec::Bf16;
 using exec::cuda_detail::block_sum;
 using exec::cuda_detail::global_thread;
+using exec::cuda_detail::grid_for;
 using exec::cuda_detail::grid_threads;
+using exec::cuda_detail::kThreads;
 using exec::f32_to_bf16;
 using exec::to_f32;
 
@@ -243,6 +246,69 @@ __global__ void scatter_round_dprobs_kernel(const int64_t* i_home, const int64_t
 
 __global__ void add_f32_kernel(const float* src, float* dst, int64_t n) {
   for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] += src[i];
+}
+
+// ---- launches (dispatch_ep_cuda_ops.cu's) ----
+
+inline void launch_routing(const float* logits, const int64_t* ids, float* scores, float* scattered, uint8_t* map, float* w,
+                           int64_t T, int64_t E, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(routing_kernel, grid_for(T), kThreads, 0, s, logits, ids, scores, scattered, map, w, T, E, k);
+}
+inline void launch_act(const Bf16* fc1, const float* prob, Bf16* act, int64_t i0, int64_t j0, int64_t n, int64_t F,
+                       cudaStream_t s) {
+  FLATPEAK_LAUNCH(act_kernel, grid_for(n * F), kThreads, 0, s, fc1, prob, act, i0, j0, n, F);
+}
+inline void launch_act_backward(const Bf16* fc1, const Bf16* d_act, float* prob, Bf16* d_fc1, int64_t i0, int64_t j0,
+                                int64_t n, int64_t F, cudaStream_t s) {
+  FLATPEAK_LAUNCH(act_backward_kernel, row_blocks(n), kThreads, 0, s, fc1, d_act, prob, d_fc1, i0, j0, n, F);
+}
+// dz [T, E] (over scores), then d_x [T, H] and dW_router [E, H] from it.
+inline void launch_router_backward(const float* scores, const float* topk_w, const int64_t* ids, float* dz,
+                                   const Bf16* w_router, const Bf16* x, float* d_x, float* dw_router, int64_t T,
+                                   int64_t H, int64_t E, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(router_dz_kernel, grid_for(T), kThreads, 0, s, scores, topk_w, ids, dz, T, E, k);
+  FLATPEAK_LAUNCH(router_dx_kernel, grid_for(T * H), kThreads, 0, s, dz, w_router, ids, d_x, T, H, E, k);
+  FLATPEAK_LAUNCH(router_dw_kernel, grid_for(E * H), kThreads, 0, s, dz, x, dw_router, T, H, E);
+}
+inline void launch_gather_probs(const int32_t* sort32, const float* topk_w, float* pprobs, int64_t N, cudaStream_t s) {
+  FLATPEAK_LAUNCH(gather_probs_kernel, grid_for(N), kThreads, 0, s, sort32, topk_w, pprobs, N);
+}
+inline void launch_gather_rows(const int32_t* sort32, const Bf16* src, bool per_copy, Bf16* rows, int64_t N, int64_t H,
+                               int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(gather_rows_kernel, grid_for(N * H), kThreads, 0, s, sort32, src, per_copy, rows, N, H, k);
+}
+inline void launch_repeat(const Bf16* x, Bf16* repeated, int64_t N, int64_t H, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(repeat_kernel, grid_for(N * H), kThreads, 0, s, x, repeated, N, H, k);
+}
+inline void launch_sum_token_rows(const int64_t* ids, const int32_t* unsort32, const Bf16* rows, Bf16* out, float* acc,
+                                  int64_t T, int64_t H, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(sum_token_rows_kernel, grid_for(T * H), kThreads, 0, s, ids, unsort32, rows, out, acc, T, H, k);
+}
+inline void launch_scatter_dprobs(const int32_t* sort32, const int64_t* ids, const float* pprobs, float* scores, int64_t N,
+                                  int64_t E, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(scatter_dprobs_kernel, grid_for(N), kThreads, 0, s, sort32, ids, pprobs, scores, N, E, k);
+}
+// One launch per destination with rows in the round.
+inline void launch_pack_round(const RoundRanges& rr, const int64_t* sort, const float* topk_w, const int64_t* topk_ids,
+                              const Bf16* src, Bf16* rows, float* p_send, int64_t* i_send, int64_t* i_home, int64_t H,
+                              int64_t k, cudaStream_t s) {
+  for (int t = 0; t < rr.ep; ++t) {
+    if (rr.n[t] <= 0) continue;
+    FLATPEAK_LAUNCH(pack_round_kernel, grid_for(rr.n[t] * H), kThreads, 0, s, sort, topk_w, topk_ids, src, rows, p_send,
+                    i_send, i_home, rr.lo[t], rr.q0[t], rr.n[t], H, k);
+  }
+}
+inline void launch_add_round_rows(const RoundRanges& rr, const int64_t* dest, const int64_t* unsort, const Bf16* rows,
+                                  float* acc, int64_t T, int64_t H, int64_t k, cudaStream_t s) {
+  FLATPEAK_LAUNCH(add_round_rows_kernel, grid_for(T * H), kThreads, 0, s, rr, dest, unsort, rows, acc, T, H, k);
+}
+inline void launch_scatter_round_dprobs(const int64_t* i_home, const int64_t* ids, const float* dprob, float* scores,
+                                        int64_t sent, int64_t E, int64_t k, cudaStream_t s) {
+  if (sent <= 0) return;
+  FLATPEAK_LAUNCH(scatter_round_dprobs_kernel, grid_for(sent), kThreads, 0, s, i_home, ids, dprob, scores, sent, E, k);
+}
+inline void launch_add_f32(const float* src, float* dst, int64_t n, cudaStream_t s) {
+  FLATPEAK_LAUNCH(add_f32_kernel, grid_for(n), kThreads, 0, s, src, dst, n);
 }
 
 }  // namespace

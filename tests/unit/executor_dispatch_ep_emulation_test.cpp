@@ -1,6 +1,6 @@
 // The kernels of the CUDA dispatch at EP >= 1 (executor/cuda/dispatch_ep_kernels.cuh) run on the
-// host through cuda_emulation.h, with the launches of dispatch_ep_cuda_ops.cu (same grids, blocks,
-// per-chunk and per-destination launch loops), against the loops of the CPU schedule they mirror
+// host through cuda_emulation.h, by the launch functions dispatch_ep_cuda_ops.cu itself calls (its
+// grids, blocks and per-destination launch loop; the per-run loops replayed), against the loops of the CPU schedule they mirror
 // (executor/schedules/dispatch_experts.cpp: compute_routing, experts_forward's act,
 // experts_backward_fc's d fc1 and d prob, router_backward; dispatch_uncapped.cpp and
 // dispatch_rounds.cpp: the gathers, per-token sums and scatters, pack_round and the per-token
@@ -30,10 +30,7 @@ namespace flatpeak::exec {
 namespace {
 
 namespace de = cuda::dispatch_ep_detail;
-using cuda_detail::grid_for;
 using namespace emu_check;
-
-constexpr unsigned kBlock = static_cast<unsigned>(cuda_detail::kThreads);
 
 // T tokens with k distinct experts of E each; N = T·k copies (slot t·k + s).
 struct Routed {
@@ -105,9 +102,8 @@ TEST(DispatchEpEmulation, Routing) {
   Guarded<float> e_w = output_of<float>(s.N);
   // compute_routing zeroes the map (cudaMemsetAsync) before the kernel.
   Guarded<uint8_t> e_map = guarded(std::vector<uint8_t>(map.size(), 0), sentinel_of<uint8_t>());
-  emu::launch(grid_for(s.T), 1, kBlock, 0, [&] {
-    de::routing_kernel(g_logits.ptr(), g_ids.ptr(), e_scores.ptr(), e_scat.ptr(), e_map.ptr(), e_w.ptr(), s.T, s.E, s.k);
-  });
+  de::launch_routing(g_logits.ptr(), g_ids.ptr(), e_scores.ptr(), e_scat.ptr(), e_map.ptr(), e_w.ptr(), s.T, s.E, s.k,
+                     nullptr);
   expect_within("routing/scores", e_scores.head(), scores, kF32Tol);
   expect_within("routing/scattered", e_scat.head(), scattered, kF32Tol);
   expect_within("routing/topk_w", e_w.head(), w, kF32Tol);
@@ -155,14 +151,10 @@ TEST(DispatchEpEmulation, ActivationAndBackward) {
   Guarded<Bf16> e_act = output_of<Bf16>(R * F), e_dfc1 = output_of<Bf16>(R * 2 * F);
   Guarded<float> e_prob = inout_of<float>(prob);
   for (const Run& r : runs) {
-    emu::launch(grid_for(r.n * F), 1, kBlock, 0, [&] {
-      de::act_kernel(g_fc1.ptr(), g_prob.ptr(), e_act.ptr(), r.i0, r.j0, r.n, F);
-    });
+    de::launch_act(g_fc1.ptr(), g_prob.ptr(), e_act.ptr(), r.i0, r.j0, r.n, F, nullptr);
   }
   for (const Run& r : runs) {
-    emu::launch(de::row_blocks(r.n), 1, kBlock, 0, [&] {
-      de::act_backward_kernel(g_fc1.ptr(), g_dact.ptr(), e_prob.ptr(), e_dfc1.ptr(), r.i0, r.j0, r.n, F);
-    });
+    de::launch_act_backward(g_fc1.ptr(), g_dact.ptr(), e_prob.ptr(), e_dfc1.ptr(), r.i0, r.j0, r.n, F, nullptr);
   }
   expect_within("act", widen(e_act), widen(act), kBf16Tol);
   expect_within("act_backward/d_fc1", widen(e_dfc1), widen(d_fc1), kBf16Tol);
@@ -210,13 +202,9 @@ TEST(DispatchEpEmulation, RouterBackward) {
   const Guarded<int64_t> g_ids = index_guarded(s.ids, E);
   const Guarded<Bf16> g_wr = guarded(w_router, nan_of<Bf16>()), g_x = guarded(x, nan_of<Bf16>());
   Guarded<float> e_dz = output_of<float>(T * E), e_dx = inout_of<float>(d_x0), e_dwr = inout_of<float>(dw_router0);
-  emu::launch(grid_for(T), 1, kBlock, 0, [&] { de::router_dz_kernel(g_dw.ptr(), g_w.ptr(), g_ids.ptr(), e_dz.ptr(), T, E, k); });
-  // dx and dW read the kernel's dz, as router_backward does (NaN past its end).
-  const Guarded<float> g_dz = guarded(e_dz.head(), nan_of<float>());
-  emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
-    de::router_dx_kernel(g_dz.ptr(), g_wr.ptr(), g_ids.ptr(), e_dx.ptr(), T, H, E, k);
-  });
-  emu::launch(grid_for(E * H), 1, kBlock, 0, [&] { de::router_dw_kernel(g_dz.ptr(), g_x.ptr(), e_dwr.ptr(), T, H, E); });
+  // dx and dW read the dz kernel's output (a sentinel past its end, far above any dz).
+  de::launch_router_backward(g_dw.ptr(), g_w.ptr(), g_ids.ptr(), e_dz.ptr(), g_wr.ptr(), g_x.ptr(), e_dx.ptr(), e_dwr.ptr(), T,
+                             H, E, k, nullptr);
   expect_within("router/dz", e_dz.head(), dz, kF32Tol);
   expect_within("router/d_x", e_dx.head(), d_x, kF32Tol);
   expect_within("router/dw_router", e_dwr.head(), dw_router, kF32Tol);
@@ -283,19 +271,13 @@ TEST(DispatchEpEmulation, UncappedGathersAndSums) {
   Guarded<float> e_p = output_of<float>(N), e_acc = inout_of<float>(acc0), e_scores = inout_of<float>(scores0);
   Guarded<Bf16> e_gx = output_of<Bf16>(N * H), e_gc = output_of<Bf16>(N * H), e_rep = output_of<Bf16>(N * H);
   Guarded<Bf16> e_sum = output_of<Bf16>(T * H);
-  emu::launch(grid_for(N), 1, kBlock, 0, [&] { de::gather_probs_kernel(g_sort.ptr(), g_topk_w.ptr(), e_p.ptr(), N); });
-  emu::launch(grid_for(N * H), 1, kBlock, 0, [&] { de::gather_rows_kernel(g_sort.ptr(), g_x.ptr(), false, e_gx.ptr(), N, H, k); });
-  emu::launch(grid_for(N * H), 1, kBlock, 0, [&] { de::gather_rows_kernel(g_sort.ptr(), g_pc.ptr(), true, e_gc.ptr(), N, H, k); });
-  emu::launch(grid_for(N * H), 1, kBlock, 0, [&] { de::repeat_kernel(g_x.ptr(), e_rep.ptr(), N, H, k); });
-  emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
-    de::sum_token_rows_kernel(g_ids.ptr(), g_unsort.ptr(), g_rows.ptr(), e_sum.ptr(), nullptr, T, H, k);
-  });
-  emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
-    de::sum_token_rows_kernel(g_ids.ptr(), g_unsort.ptr(), g_rows.ptr(), nullptr, e_acc.ptr(), T, H, k);
-  });
-  emu::launch(grid_for(N), 1, kBlock, 0, [&] {
-    de::scatter_dprobs_kernel(g_sort.ptr(), g_ids.ptr(), g_pprobs.ptr(), e_scores.ptr(), N, E, k);
-  });
+  de::launch_gather_probs(g_sort.ptr(), g_topk_w.ptr(), e_p.ptr(), N, nullptr);
+  de::launch_gather_rows(g_sort.ptr(), g_x.ptr(), false, e_gx.ptr(), N, H, k, nullptr);
+  de::launch_gather_rows(g_sort.ptr(), g_pc.ptr(), true, e_gc.ptr(), N, H, k, nullptr);
+  de::launch_repeat(g_x.ptr(), e_rep.ptr(), N, H, k, nullptr);
+  de::launch_sum_token_rows(g_ids.ptr(), g_unsort.ptr(), g_rows.ptr(), e_sum.ptr(), nullptr, T, H, k, nullptr);
+  de::launch_sum_token_rows(g_ids.ptr(), g_unsort.ptr(), g_rows.ptr(), nullptr, e_acc.ptr(), T, H, k, nullptr);
+  de::launch_scatter_dprobs(g_sort.ptr(), g_ids.ptr(), g_pprobs.ptr(), e_scores.ptr(), N, E, k, nullptr);
   expect_same("gather_probs", e_p, gathered_p);
   expect_same("gather_rows", e_gx, gathered_x);
   expect_same("gather_rows/per_copy", e_gc, gathered_c);
@@ -387,19 +369,10 @@ TEST(DispatchEpEmulation, CappedRound) {
   Guarded<Bf16> e_rows = output_of<Bf16>(sent * H);
   Guarded<float> e_p = output_of<float>(sent), e_acc = inout_of<float>(acc0), e_scores = inout_of<float>(scores0);
   Guarded<int64_t> e_isend = output_of<int64_t>(sent), e_ihome = output_of<int64_t>(sent);
-  for (int t = 0; t < rr.ep; ++t) {  // pack_round's loop
-    if (rr.n[t] <= 0) continue;
-    emu::launch(grid_for(rr.n[t] * H), 1, kBlock, 0, [&] {
-      de::pack_round_kernel(g_sort.ptr(), g_topk_w.ptr(), g_ids.ptr(), g_src.ptr(), e_rows.ptr(), e_p.ptr(), e_isend.ptr(),
-                            e_ihome.ptr(), rr.lo[t], rr.q0[t], rr.n[t], H, k);
-    });
-  }
-  emu::launch(grid_for(T * H), 1, kBlock, 0, [&] {
-    de::add_round_rows_kernel(rr, g_dest.ptr(), g_unsort.ptr(), g_ret.ptr(), e_acc.ptr(), T, H, k);
-  });
-  emu::launch(grid_for(sent), 1, kBlock, 0, [&] {
-    de::scatter_round_dprobs_kernel(g_home.ptr(), g_ids.ptr(), g_dprob.ptr(), e_scores.ptr(), sent, E, k);
-  });
+  de::launch_pack_round(rr, g_sort.ptr(), g_topk_w.ptr(), g_ids.ptr(), g_src.ptr(), e_rows.ptr(), e_p.ptr(), e_isend.ptr(),
+                        e_ihome.ptr(), H, k, nullptr);
+  de::launch_add_round_rows(rr, g_dest.ptr(), g_unsort.ptr(), g_ret.ptr(), e_acc.ptr(), T, H, k, nullptr);
+  de::launch_scatter_round_dprobs(g_home.ptr(), g_ids.ptr(), g_dprob.ptr(), e_scores.ptr(), sent, E, k, nullptr);
   expect_same("pack_round/rows", e_rows, rows);
   expect_same("pack_round/p_send", e_p, p_send);
   expect_same("pack_round/i_send", e_isend, i_send);
@@ -423,7 +396,7 @@ TEST(DispatchEpEmulation, AddF32) {
   for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] += src[static_cast<size_t>(i)];
   const Guarded<float> g_src = guarded(src, nan_of<float>());
   Guarded<float> e_dst = inout_of<float>(dst0);
-  emu::launch(grid_for(n), 1, kBlock, 0, [&] { de::add_f32_kernel(g_src.ptr(), e_dst.ptr(), n); });
+  de::launch_add_f32(g_src.ptr(), e_dst.ptr(), n, nullptr);
   expect_same("add_f32", e_dst, want);
   expect_guard_intact("add_f32", e_dst);
 }
