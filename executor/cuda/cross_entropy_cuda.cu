@@ -17,13 +17,6 @@
 namespace flatpeak::exec {
 namespace {
 
-using cuda_detail::grid_for;
-using cuda_detail::kThreads;
-// The kernels (cross_entropy_kernels.cuh).
-using cuda_detail::dlogits_kernel;
-using cuda_detail::finish_rows_kernel;
-using cuda_detail::fold_block_kernel;
-using cuda_detail::init_rows_kernel;
 
 // Workspace: the CPU's layout (cross_entropy_cpu.cpp): fp32 logits block [T_blk, V_blk], fp32
 // running max, running sum, target logit [T_blk] each, fp32 dX accumulator [T_blk, H], then the
@@ -175,33 +168,27 @@ void check_block_rows(int64_t rows) {
 
 void init_online_rows_cuda(float* row_max, float* row_sum, float* target_logit, int64_t rows, cudaStream_t stream) {
   if (rows <= 0) return;
-  init_rows_kernel<<<grid_for(rows), kThreads, 0, stream>>>(row_max, row_sum, target_logit, rows);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_init_rows(row_max, row_sum, target_logit, rows, stream);
 }
 
 void fold_logits_block_cuda(const float* logits, int64_t rows, int64_t cols, int64_t first_col, const int32_t* targets,
                             float* row_max, float* row_sum, float* target_logit, cudaStream_t stream) {
   check_block_rows(rows);
   if (rows == 0 || cols <= 0) return;
-  fold_block_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, cols, first_col, targets, row_max,
-                                                                          row_sum, target_logit);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_fold_block(logits, rows, cols, first_col, targets, row_max, row_sum, target_logit, stream);
 }
 
 void finish_online_rows_cuda(const float* row_max, const float* row_sum, const float* target_logit, const int32_t* targets,
                              float* lse, float* loss, int64_t rows, cudaStream_t stream) {
   if (rows <= 0) return;
-  finish_rows_kernel<<<grid_for(rows), kThreads, 0, stream>>>(row_max, row_sum, target_logit, targets, lse, loss, rows);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_finish_rows(row_max, row_sum, target_logit, targets, lse, loss, rows, stream);
 }
 
 void dlogits_block_bf16_cuda(const float* logits, Bf16* dz, int64_t rows, int64_t cols, int64_t first_col,
                              const int32_t* targets, const float* lse, float grad_scale, cudaStream_t stream) {
   check_block_rows(rows);
   if (rows == 0 || cols <= 0) return;
-  dlogits_kernel<Bf16><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, dz, cols, first_col, targets, lse,
-                                                                             grad_scale);
-  FLATPEAK_CUDA_CHECK_LAUNCH();
+  launch_dlogits(logits, dz, rows, cols, first_col, targets, lse, grad_scale, stream);
 }
 
 }  // namespace cuda_detail

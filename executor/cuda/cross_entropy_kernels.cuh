@@ -121,7 +121,35 @@ __global__ void materialized_dlogits_kernel(const float* log_probs, float* d_log
   }
 }
 
-// ---- launch sequences ----
+// ---- launches ----
+
+// The online steps one launch each (also cross_entropy_blocks_cuda.h's, for the vocab schedules).
+inline void launch_init_rows(float* row_max, float* row_sum, float* target_logit, int64_t rows,
+                             cudaStream_t stream) {
+  FLATPEAK_LAUNCH(init_rows_kernel, grid_for(rows), kThreads, 0, stream, row_max, row_sum,
+                  target_logit, rows);
+}
+// One block per row of logits [rows, vb] (rows < 2^31).
+inline void launch_fold_block(const float* logits, int64_t rows, int64_t vb, int64_t v0,
+                              const int32_t* targets, float* row_max, float* row_sum,
+                              float* target_logit, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(fold_block_kernel, static_cast<unsigned>(rows), kThreads, 0, stream, logits, vb,
+                  v0, targets, row_max, row_sum, target_logit);
+}
+inline void launch_finish_rows(const float* row_max, const float* row_sum,
+                               const float* target_logit, const int32_t* targets, float* lse,
+                               float* loss, int64_t rows, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(finish_rows_kernel, grid_for(rows), kThreads, 0, stream, row_max, row_sum,
+                  target_logit, targets, lse, loss, rows);
+}
+// One block per row of logits [rows, vb] → dz [rows, vb] (T).
+template <class T>
+void launch_dlogits(const float* logits, T* dz, int64_t rows, int64_t vb, int64_t v0,
+                    const int32_t* targets, const float* lse, float grad_scale,
+                    cudaStream_t stream) {
+  FLATPEAK_LAUNCH(dlogits_kernel<T>, static_cast<unsigned>(rows), kThreads, 0, stream, logits, dz,
+                  vb, v0, targets, lse, grad_scale);
+}
 
 // The blocked forward of one token block of tb rows: the running (max, sum) initialised, then per
 // vocab block logits_gemm(v0, vb) fills logits [tb, vb] fp32 and fold_block folds it in; then lse
@@ -131,16 +159,13 @@ void blocked_forward_block(const float* logits, float* row_max, float* row_sum, 
                            const int32_t* targets, float* lse, float* loss, int64_t tb,
                            int64_t vocab, int64_t vocab_block_rows, cudaStream_t stream,
                            LogitsGemm logits_gemm) {
-  FLATPEAK_LAUNCH(init_rows_kernel, grid_for(tb), kThreads, 0, stream, row_max, row_sum,
-                  target_logit, tb);
+  launch_init_rows(row_max, row_sum, target_logit, tb, stream);
   for (int64_t v0 = 0; v0 < vocab; v0 += vocab_block_rows) {
     const int64_t vb = std::min(vocab_block_rows, vocab - v0);
     logits_gemm(v0, vb);
-    FLATPEAK_LAUNCH(fold_block_kernel, static_cast<unsigned>(tb), kThreads, 0, stream, logits, vb,
-                    v0, targets, row_max, row_sum, target_logit);
+    launch_fold_block(logits, tb, vb, v0, targets, row_max, row_sum, target_logit, stream);
   }
-  FLATPEAK_LAUNCH(finish_rows_kernel, grid_for(tb), kThreads, 0, stream, row_max, row_sum,
-                  target_logit, targets, lse, loss, tb);
+  launch_finish_rows(row_max, row_sum, target_logit, targets, lse, loss, tb, stream);
 }
 
 // The blocked backward of one token block (dx_acc [tb, H] fp32 zeroed before): per vocab block
@@ -155,8 +180,7 @@ void blocked_backward_block(const float* logits, T* dz, const float* dx_acc, T* 
   for (int64_t v0 = 0; v0 < vocab; v0 += vocab_block_rows) {
     const int64_t vb = std::min(vocab_block_rows, vocab - v0);
     logits_gemm(v0, vb);
-    FLATPEAK_LAUNCH(dlogits_kernel<T>, static_cast<unsigned>(tb), kThreads, 0, stream, logits, dz,
-                    vb, v0, targets, lse, grad_scale);
+    launch_dlogits(logits, dz, tb, vb, v0, targets, lse, grad_scale, stream);
     grad_gemms(v0, vb);
   }
   FLATPEAK_LAUNCH(store_kernel<T>, grid_for(tb * hidden), kThreads, 0, stream, dx_acc, d_x,
