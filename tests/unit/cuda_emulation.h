@@ -182,14 +182,15 @@ void launch(unsigned grid_x, unsigned grid_y, unsigned threads, int64_t shared_b
   }
 }
 
-// A launch as the launchers write it (kernel_util.cuh's FLATPEAK_LAUNCH): only 1-D blocks and 2-D
-// grids are emulated; anything else counts as a violation and runs nothing.
+// A launch as the launchers write it (kernel_util.cuh's FLATPEAK_LAUNCH). A configuration a device
+// rejects (an empty grid or block, more than 1024 threads, grid y above 65535) throws, as the
+// launch check would; so do 3-D grids and 2-D blocks, which are not emulated.
 template <class Body>
 void launch(dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, Body body) {
-  if (grid.z != 1 || block.y != 1 || block.z != 1 || block.x == 0 || block.x > 1024) {
-    ++violation_count();
-    return;
-  }
+  if (grid.x == 0 || grid.y == 0 || grid.y > 65535 || block.x == 0 || block.x > 1024)
+    throw std::runtime_error("emu::launch: a configuration a device rejects");
+  if (grid.z != 1 || block.y != 1 || block.z != 1)
+    throw std::runtime_error("emu::launch: only 2-D grids of 1-D blocks are emulated");
   launch(grid.x, grid.y, block.x, static_cast<int64_t>(shared_bytes), body);
 }
 
