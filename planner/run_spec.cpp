@@ -52,7 +52,7 @@ const char* to_string(VocabBackward v) { return v == VocabBackward::InForward ? 
 
 const std::vector<FlagInfo>& run_flags() {
   static const std::vector<FlagInfo> flags = {
-      {"--gpus", "N, number of GPUs", "a positive integer"},
+      {"--gpus", "N, number of GPUs", "a positive integer up to 16777216 (2^24)"},
       {"--context", "S, context length in tokens (K/M/G = powers of 1024)", "a positive token count such as 131072, 128K or 1M"},
       {"--micro-batch", "b, sequences per micro-batch (default 1)", "a positive integer"},
       {"--global-batch", "sequences per step (default b x DP); accumulation steps = global / (b x DP)", "a positive multiple of b x DP"},
@@ -167,6 +167,10 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
     if (flag == "--gpus") {
       std::optional<int64_t> v;
       count(v, 1);
+      if (v && *v > kMaxGpus) {
+        bad(errs, flag, fmt::format("must be at most 2^24 = {}", kMaxGpus), "'" + text + "'");
+        v.reset();
+      }
       if (v) s.gpus = *v;
       have_gpus = true;
     } else if (flag == "--context") {
@@ -189,6 +193,10 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
       auto v = parse_bytes(text);
       if (!v || (flag == "--host-memory" && *v <= 0)) {
         bad(errs, flag, flag == "--host-memory" ? "must be a positive byte size" : "must be a byte size", "'" + text + "'");
+        continue;
+      }
+      if (flag == "--overhead" && *v > kMaxOverheadBytes) {
+        bad(errs, flag, "must be at most 1PiB (2^50 bytes)", "'" + text + "'");
         continue;
       }
       (flag == "--host-memory" ? s.host_memory_bytes_per_node : s.overhead_bytes) = *v;

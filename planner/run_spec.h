@@ -168,6 +168,10 @@ inline constexpr double kHostUsableFraction = 0.85;
 inline constexpr int64_t kHostFixedBytesPerNode = int64_t{16} << 30;  // 16 GiB
 inline constexpr int64_t kDefaultBucketParams = int64_t{64} << 20;    // 64 Mi params
 inline constexpr int64_t kDefaultTokenBlock = 8192;
+// Input bounds far above any real cluster, so that N x 64 (the diagnosis tries up to 64N GPUs),
+// N x tokens and peak + overhead stay inside 64 bits.
+inline constexpr int64_t kMaxGpus = int64_t{1} << 24;           // 16Mi GPUs
+inline constexpr int64_t kMaxOverheadBytes = int64_t{1} << 50;  // 1 PiB per GPU
 
 // Resolves the flags against a model and hardware card: defaults, schedule presets, and every
 // cross-field rule (EP divides N and E, CP divides N and S, ring size divides N, knob ranges,

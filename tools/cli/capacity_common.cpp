@@ -110,12 +110,14 @@ std::vector<int64_t> parse_contexts(const std::string& text, InputErrors& errs) 
   return out;
 }
 
-std::vector<int64_t> parse_counts(const std::string& text, const std::string& flag, InputErrors& errs) {
+std::vector<int64_t> parse_counts(const std::string& text, const std::string& flag, InputErrors& errs, int64_t max_value) {
   std::vector<int64_t> out;
   for (const std::string& item : split_list(text, flag, errs)) {
     auto v = parse_tokens(item);
     if (!v || item.find_first_not_of("0123456789") != std::string::npos)
       errs.add(Diagnostic{"", flag, fmt::format("must be positive integers (got '{}')", item), "valid: e.g. 8,16,32"});
+    else if (*v > max_value)
+      errs.add(Diagnostic{"", flag, fmt::format("must be at most {} (got '{}')", max_value, item), "valid: e.g. 8,16,32"});
     else out.push_back(*v);
   }
   return out;

@@ -45,8 +45,9 @@ class CapacityFlags {
 std::vector<std::string> split_list(const std::string& text, const std::string& flag, InputErrors& errs);
 // Contexts: "32K,64K", "32K:1M" (doubling from a to b) or both mixed; errors name --context.
 std::vector<int64_t> parse_contexts(const std::string& text, InputErrors& errs);
-// Positive integers: "8,16,32"; errors name `flag`.
-std::vector<int64_t> parse_counts(const std::string& text, const std::string& flag, InputErrors& errs);
+// Positive integers up to max_value: "8,16,32"; errors name `flag`.
+std::vector<int64_t> parse_counts(const std::string& text, const std::string& flag, InputErrors& errs,
+                                  int64_t max_value = planner::kMaxGpus);
 
 // "1M" / "1.5M"-free token spelling and byte sizes for tables.
 std::string tokens_text(int64_t tokens);

@@ -142,6 +142,8 @@ int run_reach(const CLI::App& sub, const ReachOptions& o) {
   if (sub.count("--max-gpus") > 0) {
     max_gpus = parse_tokens(o.max_gpus);
     if (!max_gpus) errs.add(Diagnostic{"", "--max-gpus", fmt::format("must be a positive integer (got '{}')", o.max_gpus), ""});
+    else if (*max_gpus > planner::kMaxGpus)
+      errs.add(Diagnostic{"", "--max-gpus", fmt::format("must be at most 2^24 = {} (got '{}')", planner::kMaxGpus, o.max_gpus), ""});
   }
   std::unique_ptr<ModelSpec> model;
   std::unique_ptr<HardwareSpec> hw;
