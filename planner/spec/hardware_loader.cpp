@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -26,11 +27,16 @@ class CardReader {
   CardReader(const nlohmann::json& card, std::string file, std::string parent = "")
       : card_(card), file_(std::move(file)), parent_(std::move(parent)) {}
 
-  int64_t positive_integer(const char* key) {
+  // `max_value`: a bound that keeps the planner's sums of bytes inside 64 bits.
+  int64_t positive_integer(const char* key, int64_t max_value = std::numeric_limits<int64_t>::max()) {
     const nlohmann::json* value = find(key, "a positive integer");
     if (value == nullptr) return 0;
     if (!value->is_number_integer() || value->get<int64_t>() <= 0) {
       problem(key, fmt::format("must be a positive integer (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    if (value->get<int64_t>() > max_value) {
+      problem(key, fmt::format("must be at most {} (got {})", max_value, describe_json_value(*value)));
       return 0;
     }
     return value->get<int64_t>();
@@ -56,11 +62,15 @@ class CardReader {
     return value->get<double>();
   }
 
-  int64_t nonnegative_integer(const char* key) {
+  int64_t nonnegative_integer(const char* key, int64_t max_value = std::numeric_limits<int64_t>::max()) {
     const nlohmann::json* value = find(key, "an integer >= 0");
     if (value == nullptr) return 0;
     if (!value->is_number_integer() || value->get<int64_t>() < 0) {
       problem(key, fmt::format("must be an integer >= 0 (got {})", describe_json_value(*value)));
+      return 0;
+    }
+    if (value->get<int64_t>() > max_value) {
+      problem(key, fmt::format("must be at most {} (got {})", max_value, describe_json_value(*value)));
       return 0;
     }
     return value->get<int64_t>();
@@ -106,8 +116,16 @@ class CardReader {
     return list;
   }
 
-  // Keys that are allowed but not read (free-form documentation).
-  void allow(const char* key) { known_.emplace_back(key); }
+  // Keys that are allowed but not read here; `kind` "string" or "object" (free-form
+  // documentation) is checked when given.
+  void allow(const char* key, const char* kind = nullptr) {
+    known_.emplace_back(key);
+    const auto it = card_.find(key);
+    if (kind == nullptr || it == card_.end()) return;
+    const bool object = std::string(kind) == "object";
+    if (object ? !it->is_object() : !it->is_string())
+      problem(key, fmt::format("must be {} (got {})", object ? "an object" : "a string", describe_json_value(*it)));
+  }
 
   void report_unknown_keys() {
     for (const auto& [key, value] : card_.items()) {
@@ -161,9 +179,12 @@ HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& 
   spec.source = file;
   spec.name = read.string("name");
   spec.aliases = read.string_list("aliases");
-  read.allow("description");
-  read.allow("notes");
-  spec.device_memory_bytes = read.positive_integer("device_memory_bytes");
+  read.allow("description", "string");
+  read.allow("notes", "object");
+  // 1 PiB of device memory and overhead, a 1 GiB alignment: far above any device, and the
+  // planner's peak + overhead stays inside 64 bits.
+  constexpr int64_t kMaxDeviceBytes = int64_t{1} << 50;
+  spec.device_memory_bytes = read.positive_integer("device_memory_bytes", kMaxDeviceBytes);
   spec.hbm_bandwidth_bytes_per_s = read.positive_number("hbm_bandwidth_bytes_per_s");
   spec.bf16_dense_flops = read.positive_number("bf16_dense_flops");
   spec.scale_up_bandwidth_bytes_per_s = read.positive_number("scale_up_bandwidth_bytes_per_s");
@@ -173,9 +194,9 @@ HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& 
   spec.host_memory_bytes_per_node = read.positive_integer("host_memory_bytes_per_node");
   spec.host_memory_bandwidth_bytes_per_s = read.positive_number("host_memory_bandwidth_bytes_per_s");
   spec.cpu_cores_per_node = read.positive_integer("cpu_cores_per_node");
-  spec.runtime_overhead_bytes = read.nonnegative_integer("runtime_overhead_bytes");
+  spec.runtime_overhead_bytes = read.nonnegative_integer("runtime_overhead_bytes", kMaxDeviceBytes);
   spec.fragmentation_fraction = read.fraction("fragmentation_fraction");
-  spec.allocation_alignment_bytes = read.positive_integer("allocation_alignment_bytes");
+  spec.allocation_alignment_bytes = read.positive_integer("allocation_alignment_bytes", int64_t{1} << 30);
   spec.overhead_calibrated = read.boolean("overhead_calibrated");
   // Optional: the calibrated overhead's parts (flatpeak_calibrate), which must add up to it.
   read.allow("runtime_overhead_terms");

@@ -27,7 +27,10 @@ using nlohmann::json;
 
 // Upper bounds that keep every derived size finite; far above any real model.
 constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();  // widths, heads, vocab, context
-constexpr int64_t kMaxLayers = 65536;                             // bounds the per-layer table
+// Layers and experts as in hf_import.cpp: the knob search grows with L^2 and the routing tables
+// with E (65536 layers took minutes; 2^31 experts ran out of host memory).
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxExperts = 65536;
 constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max();
 
 // Every key of the card schema, in the order of models/README.md (used for did-you-mean).
@@ -383,7 +386,7 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   }
 
   // Experts and FFNs.
-  const auto experts = int_key("n_routed_experts", 1, kMaxDim, true);
+  const auto experts = int_key("n_routed_experts", 1, kMaxExperts, true);
   int64_t top_k = 0;  // stays 0 (an error is recorded) unless valid
   if (present("num_experts_per_tok")) {
     const auto value = p.integer(card["num_experts_per_tok"], pointer("num_experts_per_tok"),

@@ -82,6 +82,31 @@ TEST(HardwareCards, EveryProblemInOnePass) {
   }
 }
 
+// Sizes that would overflow the planner's 64-bit sums are card errors naming the key (they were
+// reported as a --context overflow), and the documentation keys keep their types.
+TEST(HardwareCards, SizesAreBoundedAndDocumentationTyped) {
+  nlohmann::json card = nlohmann::json::parse(R"({
+    "name": "X", "aliases": [], "description": 7, "notes": "none", "device_memory_bytes": 9223372036854775807,
+    "hbm_bandwidth_bytes_per_s": 4.8e12, "bf16_dense_flops": 1e15, "scale_up_bandwidth_bytes_per_s": 1e11,
+    "host_link_bandwidth_bytes_per_s": 6e10, "inter_node_bandwidth_bytes_per_s": 5e10, "gpus_per_node": 8,
+    "host_memory_bytes_per_node": 1000, "host_memory_bandwidth_bytes_per_s": 1e11, "cpu_cores_per_node": 64,
+    "runtime_overhead_bytes": 1125899906842625, "fragmentation_fraction": 0.05,
+    "allocation_alignment_bytes": 2147483648, "overhead_calibrated": false })");
+  try {
+    parse_hardware_card(card, "x.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::vector<std::string> expected = {
+        "x.json: /description: must be a string (got 7)",
+        "x.json: /notes: must be an object (got \"none\")",
+        "x.json: /device_memory_bytes: must be at most 1125899906842624 (got 9223372036854775807)",
+        "x.json: /runtime_overhead_bytes: must be at most 1125899906842624 (got 1125899906842625)",
+        "x.json: /allocation_alignment_bytes: must be at most 1073741824 (got 2147483648)",
+    };
+    EXPECT_EQ(messages_of(e), expected);
+  }
+}
+
 // A card flatpeak_calibrate calibrated: the H200 card with its overhead's parts.
 nlohmann::json calibrated_card(int64_t nccl_bytes) {
   nlohmann::json card = nlohmann::json::parse(R"({

@@ -346,12 +346,27 @@ TEST_F(CardRules, HugeAndNonIntegerNumbers) {
   gqa["num_hidden_layers"] = 100000;
   gqa["max_position_embeddings"] = std::numeric_limits<int64_t>::min();
   EXPECT_EQ(problems(gqa), (std::vector<std::string>{
-                               "card.json: /num_hidden_layers: must be <= 65536 (got 100000)",
+                               "card.json: /num_hidden_layers: must be <= 4096 (got 100000)",
                                "card.json: /hidden_size: must be <= 2147483647 (got 9223372036854775808)",
                                "card.json: /vocab_size: must be an integer (got 1e+30)",
                                "card.json: /max_position_embeddings: must be > 0 (got -9223372036854775808)",
                                "card.json: /head_dim: must be an integer (got 128.0)",
                            }));
+}
+
+// Far above any real model, and what the planner can search in seconds: the same bounds as a
+// Hugging Face config (4097 layers made the knob search take minutes; 2^31 experts exhausted the
+// host memory of the routing tables).
+TEST_F(CardRules, LayerAndExpertCountsAreBounded) {
+  gqa["num_hidden_layers"] = 4097;
+  gqa["n_routed_experts"] = 65537;
+  EXPECT_EQ(problems(gqa), (std::vector<std::string>{
+                               "card.json: /num_hidden_layers: must be <= 4096 (got 4097)",
+                               "card.json: /n_routed_experts: must be <= 65536 (got 65537)",
+                           }));
+  gqa["num_hidden_layers"] = 4096;
+  gqa["n_routed_experts"] = 65536;
+  EXPECT_EQ(problems(gqa), std::vector<std::string>{});
 }
 
 TEST_F(CardRules, WrongTypes) {
@@ -559,9 +574,10 @@ TEST_F(CardRules, NotAnObject) {
 }
 
 TEST_F(CardRules, DimsWhoseCountsOverflowAreRejected) {
-  for (const char* key : {"hidden_size", "vocab_size", "moe_intermediate_size", "n_routed_experts"}) {
+  for (const char* key : {"hidden_size", "vocab_size", "moe_intermediate_size"}) {
     gqa[key] = std::numeric_limits<int32_t>::max();
   }
+  gqa["n_routed_experts"] = 65536;  // the most a card may have
   gqa["num_experts_per_tok"] = 1;
   EXPECT_EQ(problems(gqa), std::vector<std::string>{
                                "card.json: parameter count overflows a 64-bit integer: the model's dimensions are too "
