@@ -1,8 +1,8 @@
 #include "json_util.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include <fmt/format.h>
 
@@ -10,13 +10,28 @@
 
 namespace flatpeak {
 
+namespace {
+// The largest input file read; cards, configs, plans and routing files are far smaller.
+constexpr size_t kMaxTextFileBytes = size_t{256} << 20;
+}  // namespace
+
 std::string read_text_file(const std::string& path) {
+  std::error_code ignored;
+  if (std::filesystem::is_directory(path, ignored))
+    throw InputError(Diagnostic{path, "", "is a folder, not a file", ""});
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(Diagnostic{path, "", "cannot open file for reading", ""});
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
+  // Read in pieces up to a bound, so that an endless source such as /dev/zero ends in an error
+  // instead of a hang that exhausts memory (a pipe still works: it is read to its end).
+  std::string text;
+  char piece[65536];
+  while (in.read(piece, sizeof piece) || in.gcount() > 0) {
+    text.append(piece, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxTextFileBytes)
+      throw InputError(Diagnostic{path, "", fmt::format("is larger than {} MiB, too large for an input file", kMaxTextFileBytes >> 20), ""});
+  }
   if (in.bad()) throw InputError(Diagnostic{path, "", "error while reading file", ""});
-  return buffer.str();
+  return text;
 }
 
 namespace {

@@ -60,6 +60,25 @@ TEST(ReadTextFile, MissingFileNamesIt) {
   }
 }
 
+TEST(ReadTextFile, FolderIsNamedAsOne) {
+  try {
+    read_text_file(FLATPEAK_TEST_DATA_DIR);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.diagnostics()[0].to_string(), std::string(FLATPEAK_TEST_DATA_DIR) + ": is a folder, not a file");
+  }
+}
+
+// An endless file (it hung verify PLAN and --imbalance file=PATH) ends at the size bound.
+TEST(ReadTextFile, EndlessFileStopsAtTheBound) {
+  try {
+    read_text_file("/dev/zero");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.diagnostics()[0].to_string(), "/dev/zero: is larger than 256 MiB, too large for an input file");
+  }
+}
+
 TEST(ChildPointer, EscapesPerRfc6901) {
   EXPECT_EQ(child_pointer("", "a"), "/a");
   EXPECT_EQ(child_pointer("/x", "a/b~c"), "/x/a~1b~0c");

@@ -13,7 +13,6 @@
 #include <iostream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,17 +52,9 @@ struct VerifyOptions {
   OutputFormat format = OutputFormat::Table;
 };
 
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream file(path);
-  if (!file) throw InputError({Diagnostic{path, "", "cannot open the plan file", ""}});
-  std::stringstream text;
-  text << file.rdbuf();
-  try {
-    return nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::parse_error& e) {
-    throw InputError({Diagnostic{path, "", std::string("not valid JSON: ") + e.what(), ""}});
-  }
-}
+// The plan file, read and parsed like every other input (folders, endless files and syntax errors
+// are input errors naming the file, the latter with line:column).
+nlohmann::json read_json_file(const std::string& path) { return parse_json_text(read_text_file(path), path); }
 
 std::optional<double> parse_scale(const std::string& text) {
   if (text == "auto") return std::nullopt;
@@ -177,6 +168,13 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   }
   errs.throw_if_any();
 
+  // An unwritable --trace fails before the run rather than after it (under MPI only rank 0
+  // writes, so there it is checked after the run, the report printed first).
+  std::ofstream trace;
+  if (!o.trace_path.empty() && world == nullptr) {
+    trace.open(o.trace_path);
+    if (!trace) throw InputError({Diagnostic{o.trace_path, "", "cannot write the trace", ""}});
+  }
   const nlohmann::json plan = read_json_file(o.plan_path);
   const VerifyInputs in = read_plan_inputs(plan, o.plan_path);
   const ScaledConfig scaled = scale_config(in, factor, o.max_ranks);
@@ -184,16 +182,22 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   VerifyReport report = o.backend == "cuda" ? run_on_cuda(in, scaled, asked, tolerance)
                                             : run_verification(in, scaled, asked, tolerance, nullptr, world);
   if (world != nullptr && world->rank() != 0) return report.pass ? kExitOk : kExitVerifyMismatch;  // rank 0 prints
-  if (!o.trace_path.empty()) {
-    std::ofstream out(o.trace_path);
-    out << report.measured_trace.dump(2) << "\n";
-    if (!out) throw InputError({Diagnostic{o.trace_path, "", "cannot write the trace", ""}});
-  }
   if (o.format == OutputFormat::Json) std::cout << report_json(report, scaled).dump(2) << "\n";
   else print_table(report, scaled);
   // Out before MPI_Finalize (the communicator's destructor): what a process writes after it may
   // never reach mpirun's output forwarding, which made rank 0's report go missing now and then.
   std::cout.flush();
+  if (!o.trace_path.empty()) {
+    // After the report, so that a failing write (a full disk) loses only the trace; checked
+    // after close, since a full device fails at the flush.
+    if (!trace.is_open()) trace.open(o.trace_path);
+    trace << report.measured_trace.dump(2) << "\n";
+    trace.close();
+    if (!trace) {
+      std::cerr << "flatpeak: error: " << o.trace_path << ": cannot write the trace\n";
+      return kExitInput;
+    }
+  }
   return report.pass ? kExitOk : kExitVerifyMismatch;
 }
 
