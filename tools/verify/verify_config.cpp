@@ -14,6 +14,15 @@ using nlohmann::json;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Bounds of the plan's numbers: those of model cards (planner/spec/model_loader.cpp) and run
+// flags (planner/run_spec.h); every plan `flatpeak plan` writes lies within them.
+constexpr int64_t kMaxPlanValue = int64_t{1} << 50;
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxLayers = 4096;
+constexpr int64_t kMaxExperts = 65536;
+constexpr int64_t kMaxGpus = int64_t{1} << 24;
+constexpr int64_t kMaxTokensPerGpu = int64_t{1} << 32;
+
 struct Reader {
   const json& root;
   const std::string& file;
@@ -27,11 +36,14 @@ struct Reader {
     }
     return &root.at(p);
   }
-  int64_t integer(const std::string& pointer, int64_t min_value) {
+  // `max_value`: the bound the planner's inputs have (cards, run flags), so that a plan edited
+  // by hand cannot overflow the scaling or ask the executor for absurd buffers.
+  int64_t integer(const std::string& pointer, int64_t min_value, int64_t max_value = kMaxPlanValue) {
     const json* v = at(pointer);
     if (!v) return min_value;
-    if (!v->is_number_integer() || v->get<int64_t>() < min_value) {
-      errs.add(Diagnostic{file, pointer, "must be an integer >= " + std::to_string(min_value) + " (got " + v->dump() + ")", ""});
+    if (!v->is_number_integer() || v->get<int64_t>() < min_value || v->get<int64_t>() > max_value) {
+      errs.add(Diagnostic{file, pointer,
+                          "must be an integer in " + std::to_string(min_value) + ".." + std::to_string(max_value) + " (got " + v->dump() + ")", ""});
       return min_value;
     }
     return v->get<int64_t>();
@@ -63,23 +75,23 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
                           "re-create the plan with this flatpeak's 'plan --format json'"});
   in.model_name = r.text("/inputs/model/name");
   in.hardware_name = r.text("/inputs/hardware/name");
-  in.alignment_bytes = r.integer("/inputs/hardware/allocation_alignment_bytes", 1);
-  in.hidden = r.integer("/inputs/model/hidden_size", 1);
-  in.vocab = r.integer("/inputs/model/vocab_size", 1);
-  in.layers = r.integer("/inputs/model/num_layers", 1);
-  in.num_experts = r.integer("/inputs/model/num_experts", 0);
-  in.top_k = r.integer("/inputs/model/top_k", 0);
+  in.alignment_bytes = r.integer("/inputs/hardware/allocation_alignment_bytes", 1, int64_t{1} << 30);
+  in.hidden = r.integer("/inputs/model/hidden_size", 1, kMaxDim);
+  in.vocab = r.integer("/inputs/model/vocab_size", 1, kMaxDim);
+  in.layers = r.integer("/inputs/model/num_layers", 1, kMaxLayers);
+  in.num_experts = r.integer("/inputs/model/num_experts", 0, kMaxExperts);
+  in.top_k = r.integer("/inputs/model/top_k", 0, kMaxExperts);
   if (r.has("/inputs/model/attention")) in.attention = r.text("/inputs/model/attention");
-  if (r.has("/inputs/model/num_heads")) in.num_heads = r.integer("/inputs/model/num_heads", 1);
-  if (r.has("/inputs/model/num_kv_heads")) in.num_kv_heads = r.integer("/inputs/model/num_kv_heads", 1);
-  if (r.has("/inputs/model/head_dim")) in.head_dim = r.integer("/inputs/model/head_dim", 1);
-  if (r.has("/inputs/model/shared_expert_ffn_width")) in.shared_expert_ffn = r.integer("/inputs/model/shared_expert_ffn_width", 0);
-  in.expert_ffn_width = r.integer("/inputs/model/expert_ffn_width", 0);
-  in.gpus = r.integer("/inputs/run/gpus", 1);
-  in.ep = r.integer("/inputs/run/ep", 1);
-  in.cp = r.integer("/inputs/run/cp", 1);
+  if (r.has("/inputs/model/num_heads")) in.num_heads = r.integer("/inputs/model/num_heads", 1, kMaxDim);
+  if (r.has("/inputs/model/num_kv_heads")) in.num_kv_heads = r.integer("/inputs/model/num_kv_heads", 1, kMaxDim);
+  if (r.has("/inputs/model/head_dim")) in.head_dim = r.integer("/inputs/model/head_dim", 1, kMaxDim);
+  if (r.has("/inputs/model/shared_expert_ffn_width")) in.shared_expert_ffn = r.integer("/inputs/model/shared_expert_ffn_width", 0, kMaxDim);
+  in.expert_ffn_width = r.integer("/inputs/model/expert_ffn_width", 0, kMaxDim);
+  in.gpus = r.integer("/inputs/run/gpus", 1, kMaxGpus);
+  in.ep = r.integer("/inputs/run/ep", 1, kMaxGpus);
+  in.cp = r.integer("/inputs/run/cp", 1, kMaxGpus);
   in.micro_batch = r.integer("/inputs/run/micro_batch", 1);
-  in.tokens_per_gpu = r.integer("/inputs/run/tokens_per_gpu", 1);
+  in.tokens_per_gpu = r.integer("/inputs/run/tokens_per_gpu", 1, kMaxTokensPerGpu);
   in.schedule = r.text("/inputs/run/schedule");
   if (r.has("/inputs/run/mtp")) {
     const json& v = plan.at(json::json_pointer("/inputs/run/mtp"));
@@ -114,7 +126,7 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     if (in.vocab_backward != "recompute" && in.vocab_backward != "in-forward")
       r.errs.add(Diagnostic{file, "/knobs/vocab_backward/value", "must be recompute or in-forward (got '" + in.vocab_backward + "')", ""});
   }
-  if (in.vocab_mode == "ring-dtp") in.ring_size = r.integer("/knobs/ring_size/value", 1);
+  if (in.vocab_mode == "ring-dtp") in.ring_size = r.integer("/knobs/ring_size/value", 1, kMaxGpus);
   // Knobs against the inputs (the planner's own rules, re-checked on the file as written).
   if (r.errs.empty()) {
     if (in.gpus % in.ring_size != 0)
@@ -126,6 +138,9 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     if (in.vocab_block > ceil_div(in.vocab, in.ring_size))
       r.errs.add(Diagnostic{file, "/knobs/vocab_block/value",
                             "must lie in 1..V/R = " + std::to_string(ceil_div(in.vocab, in.ring_size)) + " (got " + std::to_string(in.vocab_block) + ")", ""});
+    if (in.top_k > in.num_experts)
+      r.errs.add(Diagnostic{file, "/inputs/model/top_k",
+                            "must be at most /inputs/model/num_experts = " + std::to_string(in.num_experts) + " (got " + std::to_string(in.top_k) + ")", ""});
     if (in.gpus % in.ep != 0)
       r.errs.add(Diagnostic{file, "/inputs/run/ep", "must divide /inputs/run/gpus = " + std::to_string(in.gpus) + " (got " + std::to_string(in.ep) + ")", ""});
   }

@@ -87,7 +87,8 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   const int64_t plan_params = exec::rank_shard_params(plan_model, in.gpus, in.ep, trains_mtp(plan_model));
   const ModelSpec model = scaled_model(in, s);
   const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
-  const int64_t buckets = (plan_params + plan_bucket_params - 1) / plan_bucket_params;
+  // ceil(P / bucket) without P + bucket - 1, which overflowed for a bucket near 2^63.
+  const int64_t buckets = std::max<int64_t>(1, plan_params / plan_bucket_params + (plan_params % plan_bucket_params != 0 ? 1 : 0));
   s.bucket_count = buckets;
   s.bucket_params = std::max<int64_t>(1, (params + buckets - 1) / buckets);
   s.values.push_back({"P (params per rank)", plan_params, params});
