@@ -4,7 +4,10 @@
 #include <cstdio>
 #include <exception>
 #include <iostream>
+#include <map>
 #include <new>
+#include <string>
+#include <vector>
 
 #include "commands.h"
 #include "exit_codes.h"
@@ -14,9 +17,17 @@ namespace flatpeak::cli {
 
 void add_format_option(CLI::App& sub, OutputFormat& format, bool allow_csv) {
   std::map<std::string, OutputFormat> names{{"table", OutputFormat::Table}, {"json", OutputFormat::Json}};
-  if (allow_csv) names.emplace("csv", OutputFormat::Csv);
+  std::vector<std::string> keys{"table", "json"};
+  if (allow_csv) {
+    names.emplace("csv", OutputFormat::Csv);
+    keys.emplace_back("csv");
+  }
+  // The names only: CheckedTransformer alone also took the enum's numbers ("--format 1" gave json).
+  // A later transform runs first.
   sub.add_option("--format", format, allow_csv ? "Output format: table, json or csv" : "Output format: table or json")
-      ->transform(CLI::CheckedTransformer(names))
+      ->transform(CLI::CheckedTransformer(names).description(""))
+      ->transform(CLI::IsMember(keys).description(""))
+      ->type_name(allow_csv ? "table|json|csv" : "table|json")
       ->default_str("table");
 }
 
