@@ -82,9 +82,14 @@ const std::vector<EfficiencyKey>& efficiency_keys() {
 
 Efficiency parse_efficiency(const std::string& text, InputErrors& errs) {
   Efficiency e;
+  // Bounds that keep every time finite and meaningful: no device runs a GEMM or a link at under 1 %
+  // of its rating, and no launch, hop or copy waits a second; past them a time overflows (1e-300
+  // gave 4e301 s and "flop": null in the JSON) or says nothing about a real machine.
+  constexpr double kMinFraction = 0.01, kMaxLatencyUs = 1e6;
   const std::string valid = "valid: key=value,... with keys gemm, attention, hbm, nvlink, network, host-link, "
-                            "host-memory (fractions in (0, 1]) and round-, hop-, bucket-, transfer-, "
-                            "kernel-latency-us (microseconds >= 0)";
+                            "host-memory (fractions in [0.01, 1]) and round-, hop-, bucket-, transfer-, "
+                            "kernel-latency-us (microseconds in [0, 1e6]), each key once";
+  std::vector<std::string> seen;
   size_t pos = 0;
   while (pos <= text.size()) {
     const size_t comma = text.find(',', pos);
@@ -100,7 +105,10 @@ Efficiency parse_efficiency(const std::string& text, InputErrors& errs) {
       const std::string guess = did_you_mean(key, names);
       errs.add(Diagnostic{"", "--efficiency", fmt::format("unknown key '{}'", key),
                           guess.empty() ? valid : "did you mean '" + guess + "'?"});
+    } else if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      errs.add(Diagnostic{"", "--efficiency", fmt::format("{} given twice (in '{}')", key, text), valid});
     } else {
+      seen.push_back(key);
       const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
       double v = std::nan("");
       try {
@@ -109,11 +117,11 @@ Efficiency parse_efficiency(const std::string& text, InputErrors& errs) {
         if (used != value.size()) v = std::nan("");
       } catch (const std::exception&) {
       }
-      const bool ok = std::isfinite(v) && (field->latency_us ? v >= 0 : (v > 0 && v <= 1));
+      const bool ok = std::isfinite(v) && (field->latency_us ? v >= 0 && v <= kMaxLatencyUs : v >= kMinFraction && v <= 1);
       if (!ok) {
         errs.add(Diagnostic{"", "--efficiency",
                             fmt::format("{} must be {} (got '{}')", key,
-                                        field->latency_us ? "a number of microseconds >= 0" : "a fraction in (0, 1]", value),
+                                        field->latency_us ? "a number of microseconds in [0, 1e6]" : "a fraction in [0.01, 1]", value),
                             valid});
       } else {
         e.*(field->field) = field->latency_us ? v * 1e-6 : v;

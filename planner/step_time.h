@@ -41,7 +41,7 @@ struct EfficiencyKey {
   const char* help;
 };
 const std::vector<EfficiencyKey>& efficiency_keys();
-// "gemm=0.7,attention=0.45,round-latency-us=30": fractions in (0, 1], latencies in µs ≥ 0.
+// "gemm=0.7,attention=0.45,round-latency-us=30": fractions in [0.01, 1], latencies in µs in [0, 1e6], each key once.
 // Problems (unknown key with did-you-mean, bad value) go to errs under --efficiency.
 Efficiency parse_efficiency(const std::string& text, InputErrors& errs);
 nlohmann::ordered_json efficiency_to_json(const Efficiency& e);

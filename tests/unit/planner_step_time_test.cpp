@@ -205,8 +205,27 @@ TEST(PlannerStepTime, EfficiencyFlagParsing) {
   ASSERT_EQ(bad.size(), 3u);
   EXPECT_EQ(bad.diagnostics()[0].to_string(), "--efficiency: unknown key 'gem'");
   EXPECT_EQ(bad.diagnostics()[0].hint, "did you mean 'gemm'?");
-  EXPECT_EQ(bad.diagnostics()[1].to_string(), "--efficiency: network must be a fraction in (0, 1] (got '1.5')");
-  EXPECT_EQ(bad.diagnostics()[2].to_string(), "--efficiency: hop-latency-us must be a number of microseconds >= 0 (got '-1')");
+  EXPECT_EQ(bad.diagnostics()[1].to_string(), "--efficiency: network must be a fraction in [0.01, 1] (got '1.5')");
+  EXPECT_EQ(bad.diagnostics()[2].to_string(), "--efficiency: hop-latency-us must be a number of microseconds in [0, 1e6] (got '-1')");
+}
+
+// Past these bounds a step time overflows to inf (written as null in the JSON) or means nothing;
+// a key given twice would silently keep one of its values.
+TEST(PlannerStepTime, EfficiencyFlagBoundsAndRepeats) {
+  InputErrors edges;
+  const Efficiency e = parse_efficiency("gemm=0.01,hbm=1,kernel-latency-us=1e6,round-latency-us=0", edges);
+  EXPECT_TRUE(edges.empty());
+  EXPECT_DOUBLE_EQ(e.gemm, 0.01);
+  EXPECT_DOUBLE_EQ(e.kernel_latency_s, 1.0);
+  InputErrors bad;
+  parse_efficiency("gemm=1e-300,attention=0.0099,bucket-latency-us=1e300,gemm=0.5", bad);
+  ASSERT_EQ(bad.size(), 4u);
+  EXPECT_EQ(bad.diagnostics()[0].to_string(), "--efficiency: gemm must be a fraction in [0.01, 1] (got '1e-300')");
+  EXPECT_EQ(bad.diagnostics()[1].to_string(), "--efficiency: attention must be a fraction in [0.01, 1] (got '0.0099')");
+  EXPECT_EQ(bad.diagnostics()[2].to_string(),
+            "--efficiency: bucket-latency-us must be a number of microseconds in [0, 1e6] (got '1e300')");
+  EXPECT_EQ(bad.diagnostics()[3].to_string(),
+            "--efficiency: gemm given twice (in 'gemm=1e-300,attention=0.0099,bucket-latency-us=1e300,gemm=0.5')");
 }
 
 TEST(PlannerStepTime, SearchTimeEqualsThePlanTimeBitForBit) {
