@@ -85,7 +85,7 @@ std::vector<int64_t> micro_batch_candidates(const RunSpec& spec, int64_t cp) {
   // are not candidates; this also bounds the loop for a huge --global-batch. Beyond 2^24
   // sequences per micro-batch (only at contexts under 256 tokens) nothing more is tried.
   const int64_t context = std::max<int64_t>(1, spec.context_tokens);
-  const int64_t b_max = std::min({per, std::max<int64_t>(1, ((int64_t{1} << 32) + 1) * cp / context), int64_t{1} << 24});
+  const int64_t b_max = std::min({per, std::max<int64_t>(1, (kMaxTokensPerGpu + 1) * cp / context), int64_t{1} << 24});
   for (int64_t b = 1; b <= b_max; ++b)
     if (per % b == 0) out.push_back(b);
   return out;

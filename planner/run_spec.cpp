@@ -438,7 +438,7 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
 
   // Tokens per GPU: b·S/CP, at most 2^32 (the routing model's range).
   int64_t bS = 0;
-  if (__builtin_mul_overflow(r.micro_batch, S, &bS) || bS / r.cp > (int64_t{1} << 32)) {
+  if (__builtin_mul_overflow(r.micro_batch, S, &bS) || bS / r.cp > kMaxTokensPerGpu) {
     errs.add(Diagnostic{"", "--context", fmt::format("tokens per GPU b x S / CP must be at most 2^32 (got {} x {} / {})",
                                                      r.micro_batch, S, r.cp),
                         "use a smaller --context or --micro-batch, or a larger --cp"});

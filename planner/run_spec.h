@@ -172,6 +172,7 @@ inline constexpr int64_t kDefaultTokenBlock = 8192;
 // N x tokens and peak + overhead stay inside 64 bits.
 inline constexpr int64_t kMaxGpus = int64_t{1} << 24;           // 16Mi GPUs
 inline constexpr int64_t kMaxOverheadBytes = int64_t{1} << 50;  // 1 PiB per GPU
+inline constexpr int64_t kMaxTokensPerGpu = int64_t{1} << 32;   // b x S / CP: the routing model's range
 
 // Resolves the flags against a model and hardware card: defaults, schedule presets, and every
 // cross-field rule (EP divides N and E, CP divides N and S, ring size divides N, knob ranges,

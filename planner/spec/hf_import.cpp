@@ -22,6 +22,7 @@
 
 #include "errors.h"
 #include "json_util.h"
+#include "model_loader.h"
 
 namespace flatpeak {
 
@@ -31,8 +32,8 @@ using nlohmann::json;
 
 // Upper bounds that keep every product in count_params and the planner inside int64 and keep
 // per-layer tables small. Real models sit orders of magnitude below them.
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxExperts = 65536;
+constexpr int64_t kMaxLayers = kMaxCardLayers;  // model_loader.h, as for our cards
+constexpr int64_t kMaxExperts = kMaxCardExperts;
 constexpr int64_t kMaxDim = int64_t{1} << 30;
 constexpr double kMaxParams = 1e15;
 

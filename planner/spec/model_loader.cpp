@@ -25,12 +25,9 @@ namespace {
 
 using nlohmann::json;
 
-// Upper bounds that keep every derived size finite; far above any real model.
-constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();  // widths, heads, vocab, context
-// Layers and experts as in hf_import.cpp: the knob search grows with L^2 and the routing tables
-// with E (65536 layers took minutes; 2^31 experts ran out of host memory).
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxExperts = 65536;
+constexpr int64_t kMaxDim = kMaxCardDim;  // model_loader.h
+constexpr int64_t kMaxLayers = kMaxCardLayers;
+constexpr int64_t kMaxExperts = kMaxCardExperts;
 constexpr int64_t kMaxCount = std::numeric_limits<int64_t>::max();
 
 // Every key of the card schema, in the order of models/README.md (used for did-you-mean).

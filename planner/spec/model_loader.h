@@ -13,6 +13,13 @@
 
 namespace flatpeak {
 
+// Upper bounds of a model card (ours or a Hugging Face config), far above any real model: they
+// keep every derived size finite, and the knob search (which grows with L^2) and the routing
+// tables (with E) small; 65536 layers took minutes, 2^31 experts ran out of host memory.
+inline constexpr int64_t kMaxCardDim = (int64_t{1} << 31) - 1;  // widths, heads, vocab, context
+inline constexpr int64_t kMaxCardLayers = 4096;
+inline constexpr int64_t kMaxCardExperts = 65536;
+
 struct ModelCardInfo {
   std::string name;                  // "gpt-oss-120b"
   std::vector<std::string> aliases;  // other accepted names

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "run_spec.h"
 #include "spec/errors.h"
+#include "spec/model_loader.h"
 
 namespace flatpeak::cli {
 
@@ -17,11 +19,11 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Bounds of the plan's numbers: those of model cards (planner/spec/model_loader.cpp) and run
 // flags (planner/run_spec.h); every plan `flatpeak plan` writes lies within them.
 constexpr int64_t kMaxPlanValue = int64_t{1} << 50;
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
-constexpr int64_t kMaxLayers = 4096;
-constexpr int64_t kMaxExperts = 65536;
-constexpr int64_t kMaxGpus = int64_t{1} << 24;
-constexpr int64_t kMaxTokensPerGpu = int64_t{1} << 32;
+constexpr int64_t kMaxDim = kMaxCardDim;
+constexpr int64_t kMaxLayers = kMaxCardLayers;
+constexpr int64_t kMaxExperts = kMaxCardExperts;
+using planner::kMaxGpus;
+using planner::kMaxTokensPerGpu;
 
 struct Reader {
   const json& root;
