@@ -4,7 +4,8 @@
 // of the planner's prediction of the same scaled step, and every baseline row exact; loss and
 // gradients bitwise the naive step's with the materialised loss, within the stated bound with the
 // blocked one; one predicted term raised by 2 % fails; GLM-4.5's dense layers run (every baseline
-// row exact); MTP and MLA are refused (skipped with a note when every component runs).
+// row exact); MTP and MLA are refused (skipped with a note when every component runs). Also how
+// rows are judged where one allocation unit is more than the tolerance (a --scale too fine).
 // Plans at 8 × H200 and 16K context, verified at --scale 64 on one rank (T = 256, H = 32-45).
 #include <gtest/gtest.h>
 
@@ -117,6 +118,67 @@ TEST(VerifyStep, OnePredictedTermRaisedTwoPercentFails) {
     };
     EXPECT_FALSE(verify_step_of(in, raise).pass) << column;
   }
+}
+
+VerifyRow row_of(int64_t predicted, int64_t measured) {
+  VerifyRow row{"vocab", "device", "peak", predicted, measured, 0.0};
+  row.relative_error = static_cast<double>(measured - predicted) / static_cast<double>(predicted);
+  return row;
+}
+
+TEST(VerifyJudging, SetsAsideOnlyOneUnitMissesUnderOneHundredUnits) {
+  VerifyReport report;
+  report.rows = {row_of(43008, 42496),        // 84 units, one unit short: set aside
+                 row_of(43008, 43008),        // exact: judged, passes
+                 row_of(43008, 43520),        // one unit over: set aside
+                 row_of(43008, 42496 - 512),  // two units short: still fails
+                 row_of(102400, 101888)};     // 200 units: judged (and within 1 %)
+  VerifyRow bound = row_of(4096, 4608);
+  bound.phase = "bound";  // an upper bound stays judged as one
+  report.rows.push_back(bound);
+  set_aside_unresolved_rows(report, 0.01, 512, 1000.0);
+  const std::vector<bool> aside = {true, false, true, false, false, false};
+  for (size_t i = 0; i < aside.size(); ++i) {
+    EXPECT_EQ(report.rows[i].below_resolution, aside[i]) << i;
+    EXPECT_EQ(report.rows[i].judged, !aside[i]) << i;
+  }
+  EXPECT_EQ(report.unresolved_rows, 2);
+  // The smallest row set aside (84 units) holds 100 at 1000 * 43008 / 51200.
+  EXPECT_EQ(report.resolving_scale, 840.0);
+  EXPECT_NE(report.unresolved_note.find("--scale 840 or smaller"), std::string::npos) << report.unresolved_note;
+  EXPECT_FALSE(row_passes(report.rows[3], 0.01));
+  EXPECT_FALSE(row_passes(report.rows[5], 0.01));
+
+  // A tolerance asking for exactness still fails a one-unit miss at 100 units and more.
+  VerifyReport strict;
+  strict.rows = {row_of(102400, 101888), row_of(43008, 42496)};
+  set_aside_unresolved_rows(strict, 1e-9, 512, 1000.0);
+  EXPECT_FALSE(strict.rows[0].below_resolution);
+  EXPECT_TRUE(strict.rows[1].below_resolution);
+
+  VerifyReport tiny;  // at factor 1 no --scale brings 2 units to 100
+  tiny.rows = {row_of(1024, 512)};
+  set_aside_unresolved_rows(tiny, 0.01, 512, 1.0);
+  EXPECT_EQ(tiny.unresolved_rows, 1);
+  EXPECT_NE(tiny.unresolved_note.find("a larger --tolerance"), std::string::npos) << tiny.unresolved_note;
+}
+
+// Qwen3-30B-A3B's vocab component at --scale 1000 (T = 33, H = 8, V = 152) misses by one unit:
+// unresolved, not failed; at the scale the note names it is judged and passes.
+TEST(VerifyJudging, TooFineAScaleIsUnresolvedAndTheNamedScaleJudges) {
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags({{"--gpus", "8"}, {"--context", "32K"}, {"--schedule", "flatpeak"}}, errs);
+  errs.throw_if_any();
+  const nlohmann::json plan =
+      nlohmann::json::parse(planner::plan_to_json(planner::make_plan(load_model("Qwen3-30B-A3B"), load_hardware("H200"), spec)).dump());
+  const VerifyInputs in = read_plan_inputs(plan, "plan.json");
+  const VerifyReport fine = run_verification(in, scale_config(in, 1000.0, 1), {"vocab"}, 0.01);
+  ASSERT_GT(fine.unresolved_rows, 0);
+  EXPECT_TRUE(fine.pass);
+  ASSERT_GE(fine.resolving_scale, 1.0);
+  const VerifyReport named = run_verification(in, scale_config(in, fine.resolving_scale, 1), {"vocab"}, 0.01);
+  EXPECT_EQ(named.unresolved_rows, 0);
+  EXPECT_TRUE(named.pass);
 }
 
 TEST(VerifyStep, RefusesMtpAndMla) {

@@ -445,6 +445,7 @@ VerifyReport run_verification_cuda(const VerifyInputs& in, const ScaledConfig& s
       report.notes.push_back(std::string(c.name) + ": not run (" + why(e) + ")");
     }
   }
+  set_aside_unresolved_rows(report, tolerance, in.alignment_bytes, scaled.factor);
   for (const auto& row : report.rows)
     if (!row_passes(row, tolerance)) report.pass = false;
   return report;
