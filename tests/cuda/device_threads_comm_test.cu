@@ -131,12 +131,18 @@ int main() {
     DeviceBuffer send(comm.allocator(), rank == 0 ? (kRanks - 1) * kBlock * 4 : 0, Category::Comm, comm.stream());
     DeviceBuffer recv(comm.allocator(), rank == 0 ? 0 : kBlock * 4, Category::Comm, comm.stream());
     if (rank == 0) {
+      // The block was allocated on the rank's (non-blocking) stream: let that land before the
+      // legacy stream writes it.
+      FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(comm.stream()));
       for (int p = 1; p < kRanks; ++p) {
         sc[p] = kBlock;
         sd[p] = (p - 1) * kBlock;
         FLATPEAK_CUDA_CHECK(cudaMemcpy(static_cast<float*>(send.raw()) + sd[p], ones.data(),
                                        static_cast<size_t>(kBlock * 4), cudaMemcpyHostToDevice));
       }
+      // From pageable memory cudaMemcpy may return before its DMA has landed, and the peers copy
+      // on their own non-blocking streams: wait for the legacy stream (as upload_bytes does).
+      FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(nullptr));
       rc[0] = 1;  // the error
     } else {
       rc[0] = kBlock;
