@@ -136,7 +136,9 @@ finish() {  # finish [forced status]
 # Stopped from outside (SIGTERM, ^C): the rows so far still make a summary and reach $OUT.
 trap 'add_row "gpu-check" FAIL "$(elapsed)" "stopped by a signal after $(elapsed) s"; finish 1' TERM INT
 
-if [ ! -x "$nvcc" ]; then note "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"; exit 2; fi
+# A set-up failure before the build still ends in a summary (and in $OUT), so the reason comes back.
+setup_failed() { note "$1"; add_row "set-up" FAIL "$(elapsed)" "$1"; finish 2; }
+if [ ! -x "$nvcc" ]; then setup_failed "nvcc not found at $nvcc (set CUDA_HOME); nothing can be built"; fi
 # CMake and ninja may be the Python packages' (cmake, ninja) without their folder on PATH.
 for tool in cmake ninja; do
   if ! command -v $tool >/dev/null 2>&1; then
@@ -144,7 +146,7 @@ for tool in cmake ninja; do
     [ -n "$dir" ] && [ -x "$dir/$tool" ] && export PATH="$dir:$PATH"
   fi
 done
-if ! command -v cmake >/dev/null 2>&1; then note "cmake not found; nothing can be built"; exit 2; fi
+if ! command -v cmake >/dev/null 2>&1; then setup_failed "cmake not found; nothing can be built"; fi
 
 # ---- cuBLAS and NCCL: the toolkit's, else the Python packages' --------------------------------
 # NAME: the folder above the first lib/NAME inside the Python `nvidia` namespace packages.
@@ -171,7 +173,7 @@ toolkit_has() {  # GLOB: whether a library matching it lies in one of the toolki
 lib_path=""
 if ! toolkit_has 'libcublas.so*'; then
   CUBLAS_HOME="${CUBLAS_HOME:-$(python_nvidia_home 'libcublas.so.*')}"
-  if [ -z "$CUBLAS_HOME" ]; then note "cuBLAS not found in $cuda_home nor in a Python nvidia-cublas package"; exit 2; fi
+  if [ -z "$CUBLAS_HOME" ]; then setup_failed "cuBLAS not found in $cuda_home nor in a Python nvidia-cublas package"; fi
   export CUBLAS_HOME
   lib_path="$CUBLAS_HOME/lib"
   note "cuBLAS from $CUBLAS_HOME"
