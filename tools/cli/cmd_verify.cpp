@@ -90,7 +90,7 @@ void print_table(const VerifyReport& r, const ScaledConfig& s) {
     std::cout << fmt::format("{:<{}} {:<7} {:<{}} {:>4} {:>14} {:>14} {:>10}{}\n", row.component, component_width, row.space,
                              row.phase, phase_width, row.rank, row.predicted_bytes, row.measured_bytes,
                              signed_percent(row.relative_error),
-                             row.below_resolution ? "  (not judged: under one allocation unit)" : row.judged ? "" : "  (not judged)");
+                             row.below_resolution ? "  (not judged: one unit off, under 100 units)" : row.judged ? "" : "  (not judged)");
   std::cout << fmt::format("\nmax |dloss| vs naive: {:.3g}   max |dgrad| vs naive: {:.3g}\n", r.max_abs_dloss, r.max_abs_dgrad);
   std::cout << fmt::format("verdict: {} (tolerance {:.3g}%)\n", verdict(r), 100.0 * r.tolerance);
 }
