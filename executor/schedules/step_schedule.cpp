@@ -732,7 +732,10 @@ std::vector<float> step_reference_update(const StepScheduleConfig& config, const
     for (int64_t u : units) P += u;
     wanted.push_back({0, P});
   }
+  int64_t total = 0;
+  for (const ParamPiece& p : wanted) total += p.count;
   std::vector<float> params;
+  params.reserve(static_cast<size_t>(total));  // no growth: the result is the only [P] held
   for (const ParamPiece& p : wanted) {  // each unit's part of the piece (a piece may span units)
     int64_t unit_at = 0;
     for (size_t u = 0; u < units.size(); ++u) {
@@ -747,18 +750,28 @@ std::vector<float> step_reference_update(const StepScheduleConfig& config, const
   }
   if (grads.size() != params.size())
     throw std::invalid_argument("step reference: " + std::to_string(grads.size()) + " grads for " + std::to_string(params.size()) + " params");
-  std::vector<float> m(params.size(), 0.0f), v(params.size(), 0.0f);  // the run's first step
+  // AdamW is elementwise, so a chunk at a time gives the same bits while the moments (zero: the
+  // run's first step) take two chunks, not two [P]: verify runs this on every thread rank at
+  // once, and its heap outside the tracked allocator is held to 1 MiB per rank.
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t P = static_cast<int64_t>(params.size());
+  std::vector<float> m(static_cast<size_t>(std::min(P, kChunk))), v(m.size());  // [chunk] fp32 each
   const OptimizerScheduleConfig& o = config.optimizer;
-  AdamWArgs a;
-  a.master = params.data();
-  a.grad = grads.data();
-  a.grad_dtype = DType::F32;
-  a.m = m.data();
-  a.v = v.data();
-  a.elems = static_cast<int64_t>(params.size());
-  a.step = 1;
-  a.lr = o.lr, a.beta1 = o.beta1, a.beta2 = o.beta2, a.eps = o.eps, a.weight_decay = o.weight_decay;
-  adamw_step_cpu(a);
+  for (int64_t at = 0; at < P; at += kChunk) {
+    const int64_t count = std::min(kChunk, P - at);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
+    AdamWArgs a;
+    a.master = params.data() + at;
+    a.grad = grads.data() + at;
+    a.grad_dtype = DType::F32;
+    a.m = m.data();
+    a.v = v.data();
+    a.elems = count;
+    a.step = 1;
+    a.lr = o.lr, a.beta1 = o.beta1, a.beta2 = o.beta2, a.eps = o.eps, a.weight_decay = o.weight_decay;
+    adamw_step_cpu(a);
+  }
   return params;
 }
 
