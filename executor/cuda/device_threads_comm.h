@@ -20,10 +20,11 @@
 
 #include "executor/comm/threads_comm.h"
 #include "executor/cuda/device_allocator.h"
+#include "executor/cuda/device_communicator.h"
 
 namespace flatpeak::cuda {
 
-class DeviceThreadsCommunicator final : public exec::Communicator {
+class DeviceThreadsCommunicator final : public DeviceCommunicator {
  public:
   DeviceThreadsCommunicator(exec::ThreadsWorld& world, int rank, int device,
                             DeviceAllocator::Options allocator_options = {});
@@ -34,7 +35,7 @@ class DeviceThreadsCommunicator final : public exec::Communicator {
   int rank() const override { return rank_; }
   int size() const override { return world_.size(); }
   const char* backend_name() const override { return "cuda-threads"; }
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const override { return stream_; }
   DeviceAllocator& allocator() { return *allocator_; }
 
   void all_to_allv(const void* send, const int64_t* send_counts, const int64_t* send_displs,

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "executor/cuda/cuda_check.h"
-#include "executor/cuda/device_threads_comm.h"
+#include "executor/cuda/device_communicator.h"
 #include "executor/cuda/dispatch_ep_cuda_internal.cuh"
 #include "executor/cuda/schedule_util_cuda.cuh"
 #include "spec/routing.h"
@@ -488,8 +488,9 @@ void check_args(exec::Communicator& comm, const CublasContext& blas, const Dispa
     if (ids[i] < 0 || ids[i] >= c.experts)
       throw std::invalid_argument("dispatch schedule (cuda): topk_ids[" + std::to_string(i) + "] = " + std::to_string(ids[i]) +
                                   " is outside 0.." + std::to_string(c.experts - 1));
-  if (const auto* dc = dynamic_cast<const DeviceThreadsCommunicator*>(&comm); dc != nullptr && dc->stream() != blas.stream())
-    throw std::invalid_argument("dispatch schedule (cuda): the cuBLAS context must run on the communicator's stream");
+  // The count upload, every exchange and the copies back are queued on blas.stream(): the
+  // collectives must be ordered on it too (NCCL's queued there, cuda-threads synchronising it).
+  require_device_communicator(comm, blas.stream(), "dispatch schedule (cuda)");
 }
 
 }  // namespace

@@ -36,8 +36,9 @@ namespace flatpeak::cuda {
 //  - a round's arriving expert ids are checked against the plan on the host, as on the CPU,
 //    after a copy to host memory and a stream synchronisation (one per round and pass);
 //  - every rank's kernels, copies and GEMMs run on `blas.stream()`, which must be the stream the
-//    communicator synchronises at its collectives (DeviceThreadsCommunicator::stream(); checked
-//    for that communicator); config.topk_ids is not used: the caller gives this rank's ids.
+//    communicator orders its collectives on (DeviceCommunicator::stream(): cuda-threads
+//    synchronises it, NCCL queues on it; checked, std::invalid_argument for a host communicator
+//    or another stream); config.topk_ids is not used: the caller gives this rank's ids.
 struct DispatchEpCudaResult {
   exec::DispatchScheduleResult plan;  // counts, rounds, C, B, pool, R_p, S_p, ρ; and, when
                                       // config.outputs, out, d_x, topk_weights and the dW (fp32)

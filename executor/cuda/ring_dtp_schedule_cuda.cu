@@ -11,7 +11,7 @@
 
 #include "executor/cuda/cross_entropy_blocks_cuda.h"
 #include "executor/cuda/cuda_check.h"
-#include "executor/cuda/device_threads_comm.h"
+#include "executor/cuda/device_communicator.h"
 #include "executor/cuda/schedule_util_cuda.cuh"
 #include "executor/schedules/ring_dtp_internal.h"
 
@@ -297,12 +297,10 @@ RingDtpCudaResult run_ring_dtp_schedule_cuda(exec::Communicator& comm, DeviceAll
                                              const exec::RingDtpConfig& config, bool copy_results) {
   exec::check_ring_dtp(comm, config);
   if (config.vocab > 0x7fffffff) throw std::invalid_argument("ring-dtp schedule: vocab must be < 2^31 (int32 targets)");
-  // Every collective here (the hops, the final all-gather) moves device pointers: a host
-  // communicator (threads, mpi) would memcpy them on the CPU and crash.
-  if (const std::string backend = comm.backend_name(); backend != "cuda-threads" && backend != "nccl")
-    throw std::invalid_argument("ring-dtp schedule: the communicator must move device buffers (cuda-threads or nccl), got " + backend);
-  if (const auto* shared = dynamic_cast<const DeviceThreadsCommunicator*>(&comm); shared != nullptr && shared->stream() != blas.stream())
-    throw std::invalid_argument("ring-dtp schedule: the cuBLAS context must run on the communicator's stream");
+  // Every collective here (the hops, the final all-gather) moves device pointers, written and
+  // read by kernels on blas.stream(): a device communicator on that same stream (NCCL queues its
+  // collectives there, cuda-threads synchronises it), or nothing orders them.
+  require_device_communicator(comm, blas.stream(), "ring-dtp schedule");
   const RingDims d = exec::ring_dims_of(config);
   const cudaStream_t s = blas.stream();
   Ring ring(comm, d.R, [s](void* dst, const void* src, int64_t bytes) { copy_d2d(dst, src, bytes, s); });

@@ -34,12 +34,12 @@ struct RingDtpCudaResult {
 int64_t ring_dtp_schedule_cuda_peak_bytes(const exec::RingDtpConfig& config, int64_t alignment_bytes);
 
 // Runs the forward and the gradients rings on this rank; every rank of `comm` calls it with the
-// same config. `comm` moves device buffers in the order of `blas.stream()` (a
-// DeviceThreadsCommunicator on that stream, or NCCL's on it); a ring of one rank needs no peer.
+// same config. `comm` moves device buffers in the order of `blas.stream()` (a DeviceCommunicator
+// on that stream: a DeviceThreadsCommunicator or NCCL's; checked); a ring of one rank needs no peer.
 // Inputs are filled on the device with the CPU schedule's values and are not timed.
 // config.result_sink is not used: copy_results copies dX and dW into the result instead.
-// Throws std::invalid_argument for a bad config (as the CPU schedule) or a host communicator
-// (threads, mpi: they cannot move device buffers), exec::OutOfMemory past the
+// Throws std::invalid_argument for a bad config (as the CPU schedule), a host communicator
+// (threads, mpi: they cannot move device buffers) or one on another stream, exec::OutOfMemory past the
 // allocator's capacity and BackendError for CUDA/cuBLAS failures.
 RingDtpCudaResult run_ring_dtp_schedule_cuda(exec::Communicator& comm, DeviceAllocator& alloc, const CublasContext& blas,
                                              const exec::RingDtpConfig& config, bool copy_results = false);

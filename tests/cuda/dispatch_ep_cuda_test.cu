@@ -5,10 +5,13 @@
 // `dispatch`, `activations` and `fsdp` peaks, equal to the CPU's (the same buffers at the same
 // 256-byte alignment); (b) out, d_x and the expert and router dW within bf16 tolerance (cuBLAS
 // sums in another order; the bound is stated at the check); (c) the capped per-rank peak below
-// the uncapped one (CPU at 256 B: 303616 vs 432128 B on the busiest rank).
+// the uncapped one (CPU at 256 B: 303616 vs 432128 B on the busiest rank). A host communicator and a
+// device one on another stream than the cuBLAS context's are refused with their exact messages.
 // Exit 77 (skipped) without a CUDA device.
 #include <algorithm>
 #include <cstdio>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -164,6 +167,42 @@ int64_t check_kind(Kind kind) {
   return high;
 }
 
+// A host communicator (threads) and a device communicator whose stream is not the cuBLAS
+// context's are refused before anything is queued (one rank, EP = 1).
+void check_refusals() {
+  const DispatchScheduleConfig c = config_for(Kind::Uncapped);
+  const std::vector<int32_t> ids = draw_dispatch_routing(c, 1, 0);
+  std::string host_error, stream_error, want_stream_error;
+  const RunResult host_run = run_ranks(1, [&](int, Communicator& comm) {
+    DeviceAllocator alloc;
+    const CublasContext blas(alloc, nullptr, int64_t{4} << 20);
+    try {
+      (void)run_dispatch_ep_cuda(comm, alloc, blas, c, ids);
+    } catch (const std::invalid_argument& e) {
+      host_error = e.what();
+    }
+  });
+  expect_true("refused/host_communicator", host_run.ok() && host_error ==
+              "dispatch schedule (cuda): the communicator must move device buffers (cuda-threads or nccl), got threads",
+              host_run.ok() ? host_error : host_run.message);
+  const RunResult device_run = run_ranks_on_device(1, 0, [&](int, Communicator& base) {
+    auto& comm = static_cast<DeviceThreadsCommunicator&>(base);
+    const CublasContext blas(comm.allocator(), nullptr, int64_t{4} << 20);  // the legacy stream
+    std::ostringstream want;
+    want << "dispatch schedule (cuda): the cuBLAS context must run on the communicator's stream (the cuda-threads "
+            "communicator's collectives are ordered on stream " << static_cast<const void*>(comm.stream())
+         << ", the cuBLAS context's stream is " << static_cast<const void*>(nullptr) << ")";
+    want_stream_error = want.str();
+    try {
+      (void)run_dispatch_ep_cuda(comm, comm.allocator(), blas, c, ids);
+    } catch (const std::invalid_argument& e) {
+      stream_error = e.what();
+    }
+  });
+  expect_true("refused/other_stream", device_run.ok() && stream_error == want_stream_error,
+              device_run.ok() ? stream_error : device_run.message);
+}
+
 }  // namespace
 
 int main() {
@@ -173,6 +212,7 @@ int main() {
     (void)check_kind(Kind::Llep);
     const int64_t capped = check_kind(Kind::Pipelined);
     (void)check_kind(Kind::PipelinedStore);
+    check_refusals();
     // (c) The tracked high-water includes the same 4 MiB cuBLAS workspace on both.
     expect_true("capped peak < uncapped peak", capped < uncapped,
                 "max per-rank tracked high-water: pipelined_llep " + std::to_string(capped) + " B, uncapped " +

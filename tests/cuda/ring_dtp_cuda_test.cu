@@ -7,11 +7,14 @@
 // order); the peak estimate equal to the tracked high-water. Rings of 4 (sendrecv_shift), two
 // rings of 2 in 4 ranks (all-to-allv hops) and a ring of one rank (device copies); weights and
 // activations rotating; T, V and the shards not multiples of their blocks, the last shard short.
-// Exit 77 (skipped) without a CUDA device.
+// A host communicator and a device one on another stream than the cuBLAS context's are refused
+// with their exact messages. Exit 77 (skipped) without a CUDA device.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -137,6 +140,48 @@ void check_ring(const std::string& name, int ranks, int64_t ring_size, RingRotat
   }
 }
 
+// A host communicator (threads) and a device communicator whose stream is not the cuBLAS
+// context's are refused before anything is queued: nothing would order the schedule's copies and
+// kernels with the collectives.
+void check_refusals() {
+  RingDtpConfig c;
+  c.tokens = 16;
+  c.hidden = 8;
+  c.vocab = 64;
+  c.ring_size = 1;
+  c.token_block_rows = 16;
+  c.vocab_block_rows = 32;
+  std::string host_error, stream_error, want_stream_error;
+  const RunResult host_run = run_ranks(1, [&](int, Communicator& comm) {
+    DeviceAllocator alloc;
+    const CublasContext blas(alloc, nullptr);
+    try {
+      (void)run_ring_dtp_schedule_cuda(comm, alloc, blas, c);
+    } catch (const std::invalid_argument& e) {
+      host_error = e.what();
+    }
+  });
+  expect_true("refused/host_communicator", host_run.ok() && host_error ==
+              "ring-dtp schedule: the communicator must move device buffers (cuda-threads or nccl), got threads",
+              host_run.ok() ? host_error : host_run.message);
+  const RunResult device_run = run_ranks_on_device(1, 0, [&](int, Communicator& base) {
+    auto& comm = static_cast<DeviceThreadsCommunicator&>(base);
+    const CublasContext blas(comm.allocator(), nullptr);  // the legacy stream, not comm.stream()
+    std::ostringstream want;
+    want << "ring-dtp schedule: the cuBLAS context must run on the communicator's stream (the cuda-threads "
+            "communicator's collectives are ordered on stream " << static_cast<const void*>(comm.stream())
+         << ", the cuBLAS context's stream is " << static_cast<const void*>(nullptr) << ")";
+    want_stream_error = want.str();
+    try {
+      (void)run_ring_dtp_schedule_cuda(comm, comm.allocator(), blas, c);
+    } catch (const std::invalid_argument& e) {
+      stream_error = e.what();
+    }
+  });
+  expect_true("refused/other_stream", device_run.ok() && stream_error == want_stream_error,
+              device_run.ok() ? stream_error : device_run.message);
+}
+
 }  // namespace
 
 int main() {
@@ -147,6 +192,7 @@ int main() {
     check_ring("two_rings_of_2/weights", 4, 2, RingRotation::Weights);
     check_ring("two_rings_of_2/activations", 4, 2, RingRotation::Activations);
     check_ring("ring1/weights", 1, 1, RingRotation::Weights);
+    check_refusals();
   } catch (const std::exception& e) {
     std::printf("FAIL: %s\n", e.what());
     return 1;

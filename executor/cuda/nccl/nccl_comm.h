@@ -27,10 +27,11 @@
 #include <string>
 
 #include "executor/comm/communicator.h"
+#include "executor/cuda/device_communicator.h"
 
 namespace flatpeak::cuda {
 
-class NcclCommunicator final : public exec::Communicator {
+class NcclCommunicator final : public DeviceCommunicator {
  public:
   // Collective over `host`: every rank of `host` must construct one, with the current CUDA device
   // set to its own GPU. Throws BackendError when NCCL fails.
@@ -42,7 +43,7 @@ class NcclCommunicator final : public exec::Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* backend_name() const override { return "nccl"; }
-  cudaStream_t stream() const { return stream_; }
+  cudaStream_t stream() const override { return stream_; }
 
   void all_to_allv(const void* send, const int64_t* send_counts, const int64_t* send_displs,
                    void* recv, const int64_t* recv_counts, const int64_t* recv_displs,
