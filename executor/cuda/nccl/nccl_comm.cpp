@@ -29,6 +29,30 @@ const unsigned char* at(const void* base, int64_t displ, exec::DType dtype) {
   return static_cast<const unsigned char*>(base) + displ * exec::dtype_bytes(dtype);
 }
 
+// An open ncclGroupStart() closed on every path. A call that fails inside a group records the
+// error in the calling thread's group state; ncclGroupEnd() then discards the group's queued
+// sends and receives, returns that error and leaves the group. Left open, the group would defer
+// every later NCCL call of this thread (queued, never launched). end() is the normal path and
+// checked; the destructor, on unwind only, closes it and drops its result (the error being thrown
+// is the one that counts). Only NCCL calls may throw between start and end: host-side checks run
+// before the group opens, so an unwinding group never launches a partial exchange.
+class NcclGroup {
+ public:
+  NcclGroup() { FLATPEAK_NCCL_CHECK(ncclGroupStart()); }
+  ~NcclGroup() {
+    if (open_) (void)ncclGroupEnd();
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  void end() {
+    open_ = false;
+    FLATPEAK_NCCL_CHECK(ncclGroupEnd());
+  }
+
+ private:
+  bool open_ = true;
+};
+
 }  // namespace
 
 ncclDataType_t nccl_type(exec::DType dtype) {
@@ -82,15 +106,19 @@ void NcclCommunicator::all_to_allv(const void* send, const int64_t* send_counts,
                                    const int64_t* recv_counts, const int64_t* recv_displs,
                                    exec::DType dtype) {
   const ncclDataType_t type = nccl_type(dtype);
-  FLATPEAK_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {  // every count checked before the group opens
+    (void)count_of(send_counts[p], rank_, "all_to_allv");
+    (void)count_of(recv_counts[p], rank_, "all_to_allv");
+  }
+  NcclGroup group;
   for (int p = 0; p < size_; ++p) {
-    const size_t sc = count_of(send_counts[p], rank_, "all_to_allv");
-    const size_t rc = count_of(recv_counts[p], rank_, "all_to_allv");
+    const size_t sc = static_cast<size_t>(send_counts[p]);
+    const size_t rc = static_cast<size_t>(recv_counts[p]);
     if (sc > 0) FLATPEAK_NCCL_CHECK(ncclSend(at(send, send_displs[p], dtype), sc, type, p, comm_, stream_));
     if (rc > 0)
       FLATPEAK_NCCL_CHECK(ncclRecv(const_cast<unsigned char*>(at(recv, recv_displs[p], dtype)), rc, type, p, comm_, stream_));
   }
-  FLATPEAK_NCCL_CHECK(ncclGroupEnd());
+  group.end();
 }
 
 void NcclCommunicator::sendrecv_shift(const void* send, void* recv, int64_t count,
@@ -104,10 +132,11 @@ void NcclCommunicator::sendrecv_shift(const void* send, void* recv, int64_t coun
                                         cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  FLATPEAK_NCCL_CHECK(ncclGroupStart());
-  FLATPEAK_NCCL_CHECK(ncclSend(send, n, nccl_type(dtype), to, comm_, stream_));
-  FLATPEAK_NCCL_CHECK(ncclRecv(recv, n, nccl_type(dtype), from, comm_, stream_));
-  FLATPEAK_NCCL_CHECK(ncclGroupEnd());
+  const ncclDataType_t type = nccl_type(dtype);  // may throw: before the group opens
+  NcclGroup group;
+  FLATPEAK_NCCL_CHECK(ncclSend(send, n, type, to, comm_, stream_));
+  FLATPEAK_NCCL_CHECK(ncclRecv(recv, n, type, from, comm_, stream_));
+  group.end();
 }
 
 void NcclCommunicator::all_gather(const void* send, void* recv, int64_t count, exec::DType dtype) {
