@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -30,6 +31,23 @@ void check_config(const OffloadAdamWConfig& c) {
     throw std::invalid_argument("offload_adamw: stream needs bucket_elems > 0 and depth >= 1 (got " +
                                 std::to_string(c.bucket_elems) + ", " + std::to_string(c.depth) + ")");
   if (c.cpu_threads < 1) throw std::invalid_argument("offload_adamw: cpu_threads must be >= 1");
+}
+
+// The checks the call can make on its buffers (offload_adamw_cuda.h). The H2D copies write
+// d_params bucket by bucket while later buckets of d_grads are still to come down: the two
+// ranges must not overlap.
+void check_buffers(const OffloadAdamWConfig& c, const exec::Bf16* d_grads, const exec::Bf16* d_params,
+                   const OffloadAdamWHost& h) {
+  if (d_grads == nullptr || d_params == nullptr)
+    throw std::invalid_argument("offload_adamw: d_grads and d_params must be device buffers of " + std::to_string(c.elems) +
+                                " bf16 elements (got a null pointer)");
+  if (h.master == nullptr || h.m == nullptr || h.v == nullptr || h.grad_staging == nullptr || h.param_staging == nullptr)
+    throw std::invalid_argument("offload_adamw: the host buffers must be carved (carve_offload_adamw_host)");
+  const auto begin_of = [](const exec::Bf16* p) { return reinterpret_cast<uintptr_t>(p); };
+  const uintptr_t bytes = static_cast<uintptr_t>(c.elems) * 2;
+  if (begin_of(d_grads) < begin_of(d_params) + bytes && begin_of(d_params) < begin_of(d_grads) + bytes)
+    throw std::invalid_argument("offload_adamw: d_grads and d_params overlap (each [" + std::to_string(c.elems) +
+                                "] bf16); the parameter uploads would overwrite gradients not yet copied down");
 }
 
 // The CPU step of elements [begin, begin + count) of the shard, reading grads from `grads`.
@@ -92,9 +110,14 @@ OffloadAdamWTimes offload_adamw_step_cuda(const OffloadAdamWConfig& c, const exe
   OffloadAdamWTimes t;
   const Clock::time_point t0 = Clock::now();
   if (c.elems == 0) return t;
+  check_buffers(c, d_grads, d_params, h);
 
   if (!c.stream) {  // serial: every grad down, one CPU step, every param up
-    if (grads_ready && !grads_ready->empty()) FLATPEAK_CUDA_CHECK(cudaStreamWaitEvent(d2h, grads_ready->front(), 0));
+    // One event for the whole vector: with more, the D2H would wait for the first alone.
+    if (grads_ready && grads_ready->size() != 1)
+      throw std::invalid_argument("offload_adamw: serial offload waits for one grads_ready event (got " +
+                                  std::to_string(grads_ready->size()) + ")");
+    if (grads_ready) FLATPEAK_CUDA_CHECK(cudaStreamWaitEvent(d2h, grads_ready->front(), 0));
     TimedCopy down, up;
     FLATPEAK_CUDA_CHECK(cudaEventRecord(down.start, d2h));
     FLATPEAK_CUDA_CHECK(cudaMemcpyAsync(h.grad_staging, d_grads, static_cast<size_t>(c.elems) * 2, cudaMemcpyDeviceToHost, d2h));

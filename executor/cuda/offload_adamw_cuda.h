@@ -53,8 +53,25 @@ struct OffloadAdamWTimes {
 };
 
 // d_grads [n] bf16 and d_params [n] bf16 on the device; updates host master, m, v and writes the
-// new bf16 params to d_params. Returns when every copy has completed. grads_ready: null, or one
-// event per bucket (stream) / one event (serial) that the D2H waits for on the device.
+// new bf16 params to d_params. Returns when every copy has completed: then any stream may use
+// d_grads, d_params and the host buffers. grads_ready: null, or one event per bucket (stream) /
+// exactly one event (serial) that the D2H waits for on the device.
+//
+// Ordering contract (the call cannot see the streams that ran backward, so the caller keeps it):
+//  - With grads_ready, event b must have been recorded (cudaEventRecord, before this call: a wait
+//    on an event never recorded returns at once) after every access of this step to bucket b's
+//    range of d_grads AND of d_params: its gradients final, and every read of its parameters done.
+//    Bucket b's H2D starts once its D2H has passed the event, while backward may still run, so
+//    from the record until this call returns nothing may read or write that range of d_params or
+//    d_grads. A parameter read after its gradient is final in the flat order (a weight tied to
+//    one read later, or held in two ranges whose gradients are summed into one) breaks this: its
+//    bucket's event must be recorded after that last read, or grads_ready not be passed.
+//  - Without grads_ready nothing is waited for on the device: every earlier write of d_grads and
+//    every earlier read or write of d_params (and their stream-ordered allocation) must have
+//    completed, e.g. by cudaStreamSynchronize of the streams that ran them. Work queued on `d2h`
+//    before the call is ordered before the D2H copies (d_grads only); nothing orders `h2d`.
+// Checked: the pointers are non-null and the two ranges do not overlap (an H2D would overwrite
+// gradients not yet copied down), and the number of events; std::invalid_argument otherwise.
 OffloadAdamWTimes offload_adamw_step_cuda(const OffloadAdamWConfig& config,
                                           const exec::Bf16* d_grads, exec::Bf16* d_params,
                                           const OffloadAdamWHost& host, cudaStream_t d2h,
