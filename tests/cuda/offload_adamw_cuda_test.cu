@@ -1,12 +1,14 @@
 // OffloadStreamAdamW and serial offload on CUDA against one full-vector CPU AdamW step: host
 // master, m, v and the bf16 params written back to the device must be bitwise equal (the CPU
 // does the math in every variant; the device only moves bytes), for a size not divisible by the
-// bucket, depths 1-3, with and without grads_ready events. Also: the pinned arena is pinned, and
-// a too-large arena is refused with a clear error (or falls back when allowed).
+// bucket, depths 1-3, with and without grads_ready events. Also: the step's refusals (two events
+// in serial offload, a null or overlapping buffer), the pinned arena is pinned, and a too-large
+// arena is refused with a clear error (or falls back when allowed).
 // Exit 77 (skipped) without a CUDA device.
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -60,7 +62,11 @@ void run_variant(DeviceAllocator& alloc, bool stream, int64_t bucket, int depth,
   std::memcpy(host.m, m0.data(), m0.size() * 4);
   std::memcpy(host.v, v_pos.data(), v_pos.size() * 4);
   DeviceBuffer d_grads = upload(alloc, grads, Category::Grads);
-  DeviceBuffer d_params(alloc, kElems * 2, Category::Params);
+  DeviceBuffer d_params(alloc, kElems * 2, Category::Params);  // [n] bf16, written by the H2D copies
+  // d_params' stream-ordered allocation is queued on the legacy stream, and the non-blocking
+  // copy streams below do not wait for it: let it complete before the step writes the block
+  // (upload() already waited for d_grads' allocation and bytes).
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(nullptr));
   cudaStream_t d2h = nullptr, h2d = nullptr;
   FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&d2h, cudaStreamNonBlocking));
   FLATPEAK_CUDA_CHECK(cudaStreamCreateWithFlags(&h2d, cudaStreamNonBlocking));
@@ -91,6 +97,43 @@ void run_variant(DeviceAllocator& alloc, bool stream, int64_t bucket, int depth,
   FLATPEAK_CUDA_CHECK(cudaStreamDestroy(h2d));
 }
 
+// What the step checks before queuing anything: exactly one event in serial offload, non-null
+// device buffers, and d_grads and d_params apart (exact messages).
+void check_step_refusals(DeviceAllocator& alloc) {
+  OffloadAdamWConfig c;
+  c.elems = 1000;
+  c.bucket_elems = 256;
+  PinnedArena arena({offload_adamw_host_bytes(c), false, 256});
+  const OffloadAdamWHost host = carve_offload_adamw_host(arena, c);
+  DeviceBuffer grads(alloc, c.elems * 2, Category::Grads), params(alloc, c.elems * 2, Category::Params);  // [n] bf16
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  auto error_of = [&](const OffloadAdamWConfig& config, const Bf16* g, Bf16* p, const std::vector<cudaEvent_t>* ready) {
+    try {
+      (void)offload_adamw_step_cuda(config, g, p, host, nullptr, nullptr, ready);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  std::vector<cudaEvent_t> two(2);
+  for (auto& e : two) FLATPEAK_CUDA_CHECK(cudaEventCreate(&e));
+  OffloadAdamWConfig serial = c;
+  serial.stream = false;
+  const std::string got_events = error_of(serial, grads.as<Bf16>(), params.as<Bf16>(), &two);
+  expect_true("refused/serial_two_events", got_events == "offload_adamw: serial offload waits for one grads_ready event (got 2)",
+              got_events);
+  const std::string got_null = error_of(c, nullptr, params.as<Bf16>(), nullptr);
+  expect_true("refused/null_grads",
+              got_null == "offload_adamw: d_grads and d_params must be device buffers of 1000 bf16 elements (got a null pointer)",
+              got_null);
+  const std::string got_overlap = error_of(c, grads.as<Bf16>() + 500, grads.as<Bf16>(), nullptr);
+  expect_true("refused/overlap",
+              got_overlap == "offload_adamw: d_grads and d_params overlap (each [1000] bf16); the parameter uploads would "
+                             "overwrite gradients not yet copied down",
+              got_overlap);
+  for (auto& e : two) FLATPEAK_CUDA_CHECK(cudaEventDestroy(e));
+}
+
 void check_arena_refusal() {
   const HostMemoryLimits limits = read_host_memory_limits();
   if (limits.mem_available_bytes < 0) return;
@@ -114,6 +157,7 @@ int main() {
     run_variant(alloc, true, 65536, 1, false);
     run_variant(alloc, true, 65536, 2, true);
     run_variant(alloc, true, 100000, 3, false);
+    check_step_refusals(alloc);
     check_arena_refusal();
   } catch (const std::exception& e) {
     std::printf("FAIL: %s\n", e.what());
