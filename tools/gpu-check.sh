@@ -83,7 +83,10 @@ stage_on() { case "$stages" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 note() { echo "gpu-check: $*"; }
 elapsed() { echo $(( $(date +%s) - start_s )); }
 # A stage's time limit: `wanted` seconds, or what is left of the budget (less 20 s for the summary
-# and the copy to $OUT) when that is less; 0 when nothing is left.
+# and the copy to $OUT) when that is less; 0 when nothing is left. Every `timeout` sends SIGKILL
+# `kill_grace` seconds after its SIGTERM (-k), so a process that ignores SIGTERM cannot overrun
+# the budget; the 20 s cover that grace too. Killed so, timeout exits 137, not 124.
+kill_grace=10
 limit_for() {  # limit_for WANTED_SECONDS
   local left=$(( budget_s - $(elapsed) - 20 ))
   [ "$left" -lt 5 ] && { echo 0; return; }
@@ -210,7 +213,7 @@ grep '^-- flatpeak:' "$logs/configure.log" | sed 's/^-- /  /'
 t0=$(date +%s)
 build_limit=$(limit_for 100000)
 if [ "$build_limit" -eq 0 ]; then budget_row "build (sm_$arch)"; finish 1; fi  # `timeout 0` would not limit it
-if ! timeout "$build_limit" cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
+if ! timeout -k "$kill_grace" "$build_limit" cmake --build "$build_dir" -j "$jobs" --target flatpeak flatpeak_cuda_tests >"$logs/build.log" 2>&1; then
   grep -B2 -A12 -m3 'error' "$logs/build.log" | head -60
   add_row "build (sm_$arch)" FAIL "$(( $(date +%s) - t0 ))" "$logs/build.log (the budget left $build_limit s)"
   finish 1
@@ -224,7 +227,7 @@ tests_to_run=()
 if stage_on tests; then
   tests_to_run=("${cuda_tests[@]}")
 else  # whether a device is seen still decides between exit 0 and 77
-  timeout 60 "$build_dir/tests/device_query_test" >"$logs/device_query_test.log" 2>&1
+  timeout -k "$kill_grace" 60 "$build_dir/tests/device_query_test" >"$logs/device_query_test.log" 2>&1
   case $? in 0) device_seen=yes ;; 77) device_seen=no ;; esac
 fi
 for name in ${tests_to_run[@]+"${tests_to_run[@]}"}; do
@@ -239,7 +242,7 @@ for name in ${tests_to_run[@]+"${tests_to_run[@]}"}; do
   limit=$(limit_for 120)
   if [ "$limit" -eq 0 ]; then budget_row "$name"; continue; fi
   t0=$(date +%s)
-  timeout "$limit" "$bin" >"$logs/$name.log" 2>&1
+  timeout -k "$kill_grace" "$limit" "$bin" >"$logs/$name.log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
   checks=$(grep -E '^[0-9]+ of [0-9]+ checks failed' "$logs/$name.log" | tail -1)
@@ -247,6 +250,7 @@ for name in ${tests_to_run[@]+"${tests_to_run[@]}"}; do
     0) add_row "$name" ok "$seconds" "$checks" ;;
     77) add_row "$name" skipped "$seconds" "$(head -1 "$logs/$name.log")" ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
+    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; ${checks:-$(tail -1 "$logs/$name.log")}" ;;
   esac
   if [ "$name" = device_query_test ]; then
@@ -271,7 +275,7 @@ calibrate_stage() {
   rm -f "$build_dir/calibration.json" "$build_dir"/*.calibrated.json
   calibrate_limit=$(limit_for 60)
   if [ "$calibrate_limit" -gt 0 ]; then
-    timeout "$calibrate_limit" "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
+    timeout -k "$kill_grace" "$calibrate_limit" "$build_dir/tools/flatpeak_calibrate" >"$build_dir/calibration.json" 2>"$logs/calibrate.log"
     rc=$?
   else
     echo "not run: budget spent" >"$logs/calibrate.log"
@@ -322,6 +326,8 @@ PY
       budget_row "calibrate overhead"
     elif [ $rc -eq 124 ]; then
       add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after $calibrate_limit s"
+    elif [ $rc -eq 137 ]; then
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "killed (exit 137): SIGTERM ignored past $calibrate_limit s + ${kill_grace} s, or killed by the system"
     else
       add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
     fi
@@ -377,7 +383,7 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
   limit=$(limit_for "$verify_limit")
   if [ "$limit" -eq 0 ]; then budget_row "$name"; return; fi
   t0=$(date +%s)
-  timeout "$limit" "$flatpeak" verify "$plan" --component "$component" --backend cuda --scale "$scale" --format json \
+  timeout -k "$kill_grace" "$limit" "$flatpeak" verify "$plan" --component "$component" --backend cuda --scale "$scale" --format json \
     >"$logs/$stem.json" 2>"$logs/$stem.err"
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
@@ -398,6 +404,7 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
          add_row "$name" "FAIL: input" "$seconds" "exit 2; $err"
        fi ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
+    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; $err" ;;
   esac
 }
@@ -434,7 +441,7 @@ benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TEC
   shift 3
   if [ "$limit" -eq 0 ]; then budget_row "$name"; return; fi
   t0=$(date +%s)
-  timeout "$limit" "$build_dir/tools/cuda_techniques" "$@" >"$log" 2>&1
+  timeout -k "$kill_grace" "$limit" "$build_dir/tools/cuda_techniques" "$@" >"$log" 2>&1
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
   local figure_failures=0
@@ -452,6 +459,7 @@ benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TEC
     0) add_row "$name" ok "$seconds" "figures above; full output: $log" ;;
     77) add_row "$name" skipped "$seconds" "$(head -1 "$log")" ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s (rows above: the figures printed before)" ;;
+    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system (rows above: the figures printed before)" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$log" | tail -1)" ;;
   esac
   grep -v '^summary|' "$log" | sed "s/^/  [$tag] /"
