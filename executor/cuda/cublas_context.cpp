@@ -1,5 +1,6 @@
 #include "executor/cuda/cublas_context.h"
 
+#include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -29,8 +30,9 @@ int to_int(int64_t value, const char* what) {
 CublasContext::CublasContext(DeviceAllocator& allocator, cudaStream_t stream,
                              int64_t workspace_bytes)
     : allocator_(&allocator), stream_(stream) {
-  if (workspace_bytes < 0) {
-    throw std::invalid_argument("cuBLAS workspace_bytes must be >= 0 (got " +
+  if (workspace_bytes < kMinWorkspaceBytes) {
+    throw std::invalid_argument("cuBLAS workspace_bytes must be >= " + std::to_string(kMinWorkspaceBytes) +
+                                " (16 KiB; less may fail GEMMs with CUBLAS_STATUS_ALLOC_FAILED) (got " +
                                 std::to_string(workspace_bytes) + ")");
   }
   FLATPEAK_CUBLAS_CHECK(cublasCreate(&handle_));
@@ -38,6 +40,18 @@ CublasContext::CublasContext(DeviceAllocator& allocator, cudaStream_t stream,
     // cublasSetStream resets the workspace to cuBLAS's own pool, so the stream comes first.
     FLATPEAK_CUBLAS_CHECK(cublasSetStream(handle_, stream_));
     workspace_ = DeviceBuffer(allocator, workspace_bytes, exec::Category::Workspace, stream_);
+    // cublasSetWorkspace needs a 256-byte aligned pointer. The CUDA Programming Guide promises at
+    // least 256 bytes for every address an allocation routine of the runtime or driver returns;
+    // cudaMallocFromPoolAsync's own reference says nothing of it, so check rather than rely on it
+    // (cuBLAS would answer only CUBLAS_STATUS_INVALID_VALUE).
+    const auto address = reinterpret_cast<uintptr_t>(workspace_.raw());
+    if (address % static_cast<uintptr_t>(kWorkspaceAlignmentBytes) != 0) {
+      throw_backend_error("cudaMallocFromPoolAsync (the cuBLAS workspace)", __FILE__, __LINE__,
+                          "misaligned workspace",
+                          ("the pool returned address " + std::to_string(address) + ", not a multiple of " +
+                           std::to_string(kWorkspaceAlignmentBytes) + " bytes as cublasSetWorkspace requires")
+                              .c_str());
+    }
     FLATPEAK_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_.raw(),
                                              static_cast<size_t>(workspace_.bytes())));
     // Exact fp32 products for f32 operands, unless a call asks for TF32 through its compute type

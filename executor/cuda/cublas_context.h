@@ -18,7 +18,15 @@ namespace flatpeak::cuda {
 class CublasContext {
  public:
   static constexpr int64_t kDefaultWorkspaceBytes = int64_t{32} << 20;
+  // cuBLAS (cublasSetWorkspace): a smaller workspace may fail routines with
+  // CUBLAS_STATUS_ALLOC_FAILED, 16 KiB is enough to prevent that (4 MiB, 32 MiB on Hopper, is
+  // what it recommends for speed); the pointer must be aligned to 256 bytes.
+  static constexpr int64_t kMinWorkspaceBytes = int64_t{16} << 10;
+  static constexpr int64_t kWorkspaceAlignmentBytes = 256;
 
+  // std::invalid_argument for workspace_bytes < kMinWorkspaceBytes (0 included: a handle with a
+  // user workspace never falls back to cuBLAS's own pool); BackendError when cuBLAS or the
+  // allocation fails, or the block the pool returns is not 256-byte aligned.
   CublasContext(DeviceAllocator& allocator, cudaStream_t stream,
                 int64_t workspace_bytes = kDefaultWorkspaceBytes);
   CublasContext(const CublasContext&) = delete;

@@ -1,13 +1,14 @@
 // The device allocator and the error funnel on a real device: tracked bytes round up to the
 // alignment and are counted per category, with the high-water mark, its split and per-phase
 // peaks; the pool's own high-water attribute and cudaMemGetInfo agree with what was allocated;
-// the cuBLAS workspace is counted as workspace; capacity and device failures throw
+// the cuBLAS workspace is counted as workspace (under 16 KiB refused); capacity and device failures throw
 // (OutOfMemory, BackendError naming the statement, file:line and CUDA error) and count nothing.
 // NVML's per-process figure is there or comes with a reason; when there, it covers the pool's
 // reserved bytes and grows by a 1 GiB block. Exit 77 (skipped) without a CUDA device, after checking
 // that the NVML query without a device (or driver) answers "not available" with a reason.
 #include <cstdio>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "cuda_test_util.h"
@@ -135,6 +136,25 @@ void test_cublas_workspace() {
                 "workspace " + bytes_text(alloc.live_bytes(Category::Workspace)));
   }
   expect_true("cublas/workspace_released", alloc.live_bytes() == 0, "live " + bytes_text(alloc.live_bytes()));
+  // Under cuBLAS's 16 KiB minimum (0 included) is refused before anything is allocated; 16 KiB is taken.
+  for (const int64_t bytes : {int64_t{0}, CublasContext::kMinWorkspaceBytes - 1}) {
+    std::string error = "no error";
+    try {
+      CublasContext tiny(alloc, nullptr, bytes);
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    expect_true("cublas/workspace_" + std::to_string(bytes) + "_refused",
+                error == "cuBLAS workspace_bytes must be >= 16384 (16 KiB; less may fail GEMMs with "
+                         "CUBLAS_STATUS_ALLOC_FAILED) (got " + std::to_string(bytes) + ")" &&
+                    alloc.live_bytes() == 0,
+                error);
+  }
+  {
+    CublasContext smallest(alloc, nullptr, CublasContext::kMinWorkspaceBytes);
+    expect_true("cublas/workspace_16KiB", smallest.workspace_bytes() == CublasContext::kMinWorkspaceBytes,
+                "workspace " + bytes_text(smallest.workspace_bytes()));
+  }
 }
 
 void test_failures() {

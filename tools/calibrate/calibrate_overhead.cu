@@ -8,9 +8,10 @@
 // top-level figures use NVML's when it answered at every stage (`overhead_source`), else
 // cudaMemGetInfo's, so then run it alone on the device. tools/gpu-check.sh runs it and writes a
 // calibrated copy of the card.
-//   flatpeak_calibrate [--workspace-bytes N]  > calibration.json
+//   flatpeak_calibrate [--workspace-bytes N]  > calibration.json   # N >= 16384 (cuBLAS's minimum)
 #include <cuda_runtime.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -82,7 +83,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--workspace-bytes" && i + 1 < argc) {
-      workspace_bytes = std::strtoll(argv[++i], nullptr, 10);
+      const char* text = argv[++i];
+      char* end = nullptr;
+      errno = 0;
+      workspace_bytes = std::strtoll(text, &end, 10);
+      // cuBLAS may fail GEMMs with a workspace under 16 KiB (CublasContext refuses it).
+      if (end == text || *end != '\0' || errno != 0 || workspace_bytes < CublasContext::kMinWorkspaceBytes) {
+        std::fprintf(stderr, "flatpeak_calibrate: error: --workspace-bytes must be an integer >= %lld (16 KiB, cuBLAS's minimum), got '%s'\n",
+                     static_cast<long long>(CublasContext::kMinWorkspaceBytes), text);
+        return 2;
+      }
     } else {
       std::fprintf(stderr, "flatpeak_calibrate: error: unknown argument '%s' (usage: flatpeak_calibrate [--workspace-bytes N])\n", arg.c_str());
       return 2;
