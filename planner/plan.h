@@ -78,4 +78,23 @@ Plan make_plan_resolved(const ModelSpec& model, const HardwareSpec& hardware, co
 nlohmann::ordered_json plan_to_json(const Plan& plan);
 nlohmann::ordered_json timeline_to_json(const Timeline& timeline);
 
+// The keys plan_to_json writes in the objects that describe a plan's inputs (the top level,
+// /inputs, its model, hardware, run and params, /inputs/run/overhead_terms) with the JSON kind of
+// each, and the names of the knobs under /knobs: one list for the writer and for readers of plans
+// (verify), which reject any other key. tests/unit/verify_plan_fields_test.cpp checks that every
+// plan written passes and that every key listed is written.
+enum class PlanFieldKind { Integer, Number, Bool, String, Object, Array };
+struct PlanField {
+  const char* key;
+  PlanFieldKind kind;
+};
+struct PlanObject {
+  const char* pointer;  // "" (the top level), "/inputs/model", ...
+  std::vector<PlanField> fields;
+};
+const std::vector<PlanObject>& plan_json_objects();
+// Every knob name a plan can carry under /knobs (run_spec.cpp's knobs, cp and micro_batch when
+// searched); each knob is {"value": ..., "reason": "..."}.
+const std::vector<std::string>& plan_knob_names();
+
 }  // namespace flatpeak::planner

@@ -204,6 +204,93 @@ ojson timeline_to_json(const Timeline& tl) {
   return j;
 }
 
+const std::vector<PlanObject>& plan_json_objects() {
+  using K = PlanFieldKind;
+  // In the order of the writers above; a key added there is added here.
+  static const std::vector<PlanObject> objects = {
+      {"",
+       {{"schema_version", K::Integer}, {"inputs", K::Object}, {"knobs", K::Object}, {"routing", K::Array},
+        {"peaks", K::Object}, {"gpu", K::Object}, {"host", K::Object}, {"time", K::Object}, {"diagnosis", K::Object},
+        {"timeline", K::Object}, {"baseline", K::Object}, {"warnings", K::Array}}},
+      {"/inputs", {{"model", K::Object}, {"hardware", K::Object}, {"run", K::Object}, {"params", K::Object}}},
+      {"/inputs/model",
+       {{"name", K::String},
+        {"architecture", K::String},
+        {"source", K::String},
+        {"num_layers", K::Integer},
+        {"hidden_size", K::Integer},
+        {"vocab_size", K::Integer},
+        {"max_position_embeddings", K::Integer},
+        {"tie_word_embeddings", K::Bool},
+        {"attention", K::String},
+        {"num_heads", K::Integer},
+        {"num_kv_heads", K::Integer},
+        {"head_dim", K::Integer},
+        {"v_head_dim", K::Integer},
+        {"q_lora_rank", K::Integer},
+        {"kv_lora_rank", K::Integer},
+        {"qk_nope_head_dim", K::Integer},
+        {"qk_rope_head_dim", K::Integer},
+        {"dense_ffn_width", K::Integer},
+        {"num_experts", K::Integer},
+        {"top_k", K::Integer},
+        {"expert_ffn_width", K::Integer},
+        {"num_shared_experts", K::Integer},
+        {"shared_expert_ffn_width", K::Integer},
+        {"mtp_layers", K::Integer},
+        {"attention_window_tokens", K::Integer},
+        {"layers", K::String}}},
+      {"/inputs/hardware",
+       {{"name", K::String},
+        {"source", K::String},
+        {"device_memory_bytes", K::Integer},
+        {"gpus_per_node", K::Integer},
+        {"host_memory_bytes_per_node", K::Integer},
+        {"host_link_bandwidth_bytes_per_s", K::Number},
+        {"allocation_alignment_bytes", K::Integer}}},
+      {"/inputs/run",
+       {{"gpus", K::Integer},
+        {"context_tokens", K::Integer},
+        {"micro_batch", K::Integer},
+        {"global_batch", K::Integer},
+        {"accumulation_steps", K::Integer},
+        {"cp", K::Integer},
+        {"cp_auto", K::Bool},
+        {"dp", K::Integer},
+        {"ep", K::Integer},
+        {"experts_per_rank", K::Integer},
+        {"tokens_per_gpu", K::Integer},
+        {"gpus_per_node", K::Integer},
+        {"host_memory_bytes_per_node", K::Integer},
+        {"host_usable_fraction", K::Number},
+        {"host_fixed_bytes_per_node", K::Integer},
+        {"mtp", K::Bool},
+        {"schedule", K::String},
+        {"imbalance", K::String},
+        {"overhead_bytes", K::Integer},
+        {"overhead_calibrated", K::Bool},
+        {"overhead_terms", K::Object},
+        {"fragmentation", K::Number},
+        {"allocation_alignment_bytes", K::Integer}}},
+      {"/inputs/run/overhead_terms",
+       {{"cuda_context_bytes", K::Integer}, {"cublas_bytes", K::Integer}, {"cublas_workspace_bytes", K::Integer},
+        {"nccl_bytes", K::Integer}}},
+      {"/inputs/params",
+       {{"total", K::Integer}, {"trained", K::Integer}, {"shard_per_gpu", K::Integer}, {"expert_each", K::Integer},
+        {"fsdp_units", K::Array}}},
+  };
+  return objects;
+}
+
+const std::vector<std::string>& plan_knob_names() {
+  static const std::vector<std::string> names = {
+      "llep",       "chunk_cap_rows", "dispatch_mode", "llep_alpha",  "llep_lambda",  "llep_min_rows",
+      "striping",   "dispatch_depth", "vocab",         "ring_size",   "ring_rotate",  "vocab_backward",
+      "token_block", "vocab_block",   "boundaries",    "sco_layers",  "sco_prefetch", "optimizer",
+      "bucket_params", "bucket_depth", "cp",           "micro_batch"};
+  return names;
+}
+
 ojson plan_to_json(const Plan& p) {
   ojson j;
   j["schema_version"] = kPlanSchemaVersion;

@@ -146,6 +146,7 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     if (in.gpus % in.ep != 0)
       r.errs.add(Diagnostic{file, "/inputs/run/ep", "must divide /inputs/run/gpus = " + std::to_string(in.gpus) + " (got " + std::to_string(in.ep) + ")", ""});
   }
+  check_plan_fields(plan, file, r.errs);
   r.errs.throw_if_any();
   return in;
 }

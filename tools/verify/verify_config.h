@@ -12,6 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "spec/errors.h"
+
 namespace flatpeak::cli {
 
 // What verify reads from a plan: /inputs and /knobs only.
@@ -48,9 +50,18 @@ struct VerifyInputs {
   nlohmann::json knob_values = nlohmann::json::object();
 };
 
-// Throws InputError (exit 2) for another schema_version, a missing or mistyped field, and knobs
-// that contradict the inputs; every problem in one pass.
+// Throws InputError (exit 2) for another schema_version, a missing or mistyped field, knobs
+// that contradict the inputs, and whatever check_plan_fields finds; every problem in one pass.
 VerifyInputs read_plan_inputs(const nlohmann::json& plan, const std::string& file);
+
+// The fields verify does not use, checked so that no value in a plan is silently ignored: every
+// key of the top level, /inputs, its model, hardware, run and params and of /knobs is one that
+// plan_to_json writes (planner::plan_json_objects, plan_knob_names; else a did-you-mean), of
+// the kind it writes, and the derived fields agree with their sources (T = b·S/CP, DP = N/CP,
+// accumulation = global batch / (b·DP), E/EP per rank, MLA head dims, the layer pattern, ...).
+// Adds one diagnostic per problem, naming both fields and their values; a pointer already in
+// `errs` gets no second one (verify_plan_fields.cpp).
+void check_plan_fields(const nlohmann::json& plan, const std::string& file, InputErrors& errs);
 
 struct ScaledValue {
   std::string name;

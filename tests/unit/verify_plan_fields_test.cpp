@@ -1,0 +1,290 @@
+// verify's reading of a plan's fields beyond those it uses (check_plan_fields): every plan that
+// `flatpeak plan --format json` writes passes (every card and Hugging Face config in the tests'
+// data, baseline, practice and flatpeak with the knob search, CP given and auto, micro-batches,
+// the card's overhead and --overhead), and every key and knob name planner::plan_json_objects and
+// plan_knob_names list is written by one of them, so the list and the writer cannot drift apart;
+// an unknown key or knob is an error with a did-you-mean; a derived field that disagrees with its
+// sources is an error naming both fields and their values.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "knob_search.h"
+#include "plan.h"
+#include "run_spec.h"
+#include "spec/errors.h"
+#include "spec/hardware_loader.h"
+#include "spec/model_loader.h"
+#include "verify_config.h"
+
+namespace flatpeak::cli {
+namespace {
+
+using Flags = std::vector<std::pair<std::string, std::string>>;
+
+// What `flatpeak plan --format json` writes (cmd_plan.cpp: the knob search, then plan_to_json).
+nlohmann::json plan_json(const std::string& model, const HardwareSpec& hardware, const Flags& flags) {
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(flags, errs);
+  errs.throw_if_any();
+  const planner::Plan p =
+      planner::make_searched_plan(load_model(model), hardware, spec, planner::Efficiency{});
+  return nlohmann::json::parse(planner::plan_to_json(p).dump());
+}
+
+nlohmann::json plan_json(const std::string& model, const std::string& gpu, const Flags& flags) {
+  return plan_json(model, load_hardware(gpu), flags);
+}
+
+// H200 with a calibrated overhead and its parts, as flatpeak_calibrate writes them into a card
+// (the embedded cards have none yet): the plan then carries /inputs/run/overhead_terms.
+HardwareSpec calibrated_h200() {
+  HardwareSpec h = load_hardware("H200");
+  h.runtime_overhead_terms = OverheadTerms{true, 600 << 20, 100 << 20, 32 << 20, 300 << 20};
+  h.runtime_overhead_bytes = h.runtime_overhead_terms.sum();
+  h.overhead_calibrated = true;
+  return h;
+}
+
+nlohmann::json qwen3_plan() {
+  return plan_json("Qwen3-30B-A3B", "H200",
+                   {{"--gpus", "8"}, {"--context", "16K"}, {"--schedule", "flatpeak"}});
+}
+
+std::vector<std::string> diagnostics_of(const nlohmann::json& plan) {
+  std::vector<std::string> out;
+  try {
+    read_plan_inputs(plan, "plan.json");
+  } catch (const InputError& e) {
+    for (const auto& d : e.diagnostics())
+      out.push_back(d.to_string() + (d.hint.empty() ? "" : " | " + d.hint));
+  }
+  return out;
+}
+
+// Keys written per object of plan_json_objects(), and knob names, over every plan seen.
+void collect_keys(const nlohmann::json& plan, std::map<std::string, std::set<std::string>>& keys,
+                  std::set<std::string>& knobs) {
+  for (const auto& object : planner::plan_json_objects()) {
+    const nlohmann::json::json_pointer p(object.pointer);
+    if (!plan.contains(p)) continue;
+    for (const auto& item : plan.at(p).items()) keys[object.pointer].insert(item.key());
+  }
+  for (const auto& item : plan.at("knobs").items()) knobs.insert(item.key());
+}
+
+TEST(VerifyPlanFields, EveryPlanWrittenPassesAndEveryListedKeyIsWritten) {
+  const std::string hf = std::string(FLATPEAK_TEST_DATA_DIR) + "/hf/";
+  struct Case {
+    std::string model;
+    HardwareSpec gpu;
+    Flags flags;
+  };
+  const HardwareSpec h200 = load_hardware("H200"), h100 = load_hardware("H100"), b200 = load_hardware("B200");
+  std::vector<Case> cases;
+  for (const std::string model : {"gpt-oss-120b", "gpt-oss-20b", "DeepSeek-V3", "Qwen3-30B-A3B",
+                                  "Qwen3-235B-A22B", "OLMoE-1B-7B", "GLM-4.5", "Mixtral-8x7B"})
+    for (const std::string schedule : {"baseline", "practice", "flatpeak"})
+      cases.push_back({model, h200, {{"--gpus", "16"}, {"--context", "32K"}, {"--schedule", schedule}}});
+  for (const std::string model :
+       {"DeepSeek-V2-Lite", "Kimi-K2", "Llama-4-Maverick", "Llama-4-Scout", "Qwen3-30B-A3B"})
+    cases.push_back({hf + model + "/config.json",
+                     h100,
+                     {{"--gpus", "8"}, {"--context", "16K"}, {"--schedule", "flatpeak"}}});
+  // CP given and searched, micro-batches and accumulation, --overhead (no overhead terms), MTP
+  // off, a routing model, every technique knob given.
+  cases.push_back({"DeepSeek-V3",
+                   h200,
+                   {{"--gpus", "64"}, {"--context", "1M"}, {"--schedule", "flatpeak"}, {"--cp", "auto"}}});
+  cases.push_back({"Qwen3-30B-A3B",
+                   calibrated_h200(),
+                   {{"--gpus", "16"}, {"--context", "64K"}, {"--global-batch", "64"}}});
+  cases.push_back({"gpt-oss-120b",
+                   h100,
+                   {{"--gpus", "16"},
+                    {"--context", "64K"},
+                    {"--cp", "4"},
+                    {"--micro-batch", "2"},
+                    {"--global-batch", "64"},
+                    {"--schedule", "practice"},
+                    {"--overhead", "2GiB"}}});
+  cases.push_back({"GLM-4.5",
+                   b200,
+                   {{"--gpus", "32"},
+                    {"--context", "32K"},
+                    {"--mtp", "off"},
+                    {"--imbalance", "rho=2.5"},
+                    {"--schedule", "flatpeak"},
+                    {"--micro-batch", "1"},
+                    {"--cp", "2"}}});
+  cases.push_back({"Qwen3-30B-A3B",
+                   h200,
+                   {{"--gpus", "8"},
+                    {"--context", "16K"},
+                    {"--schedule", "flatpeak"},
+                    {"--chunk-cap-rows", "4096"},
+                    {"--dispatch-mode", "store"},
+                    {"--llep-alpha", "1.5"},
+                    {"--llep-lambda", "1.2"},
+                    {"--llep-min-rows", "512"},
+                    {"--striping", "off"},
+                    {"--dispatch-depth", "3"},
+                    {"--ring-size", "4"},
+                    {"--ring-rotate", "activations"},
+                    {"--vocab-backward", "in-forward"},
+                    {"--token-block", "2048"},
+                    {"--vocab-block", "4096"},
+                    {"--sco-layers", "0-7"},
+                    {"--sco-prefetch", "2"},
+                    {"--bucket-params", "16M"},
+                    {"--bucket-depth", "3"},
+                    {"--cp", "1"}}});
+  std::map<std::string, std::set<std::string>> keys;
+  std::set<std::string> knobs;
+  for (const Case& c : cases) {
+    std::string what = c.model;
+    for (const auto& [flag, value] : c.flags) what += " " + flag + " " + value;
+    const nlohmann::json plan = plan_json(c.model, c.gpu, c.flags);
+    EXPECT_EQ(diagnostics_of(plan), std::vector<std::string>{}) << what;
+    collect_keys(plan, keys, knobs);
+  }
+  for (const auto& object : planner::plan_json_objects())
+    for (const auto& field : object.fields)
+      EXPECT_TRUE(keys[object.pointer].count(field.key))
+          << object.pointer << "/" << field.key << " is listed but no plan wrote it";
+  for (const auto& name : planner::plan_knob_names())
+    EXPECT_TRUE(knobs.count(name)) << "knob " << name << " is listed but no plan wrote it";
+}
+
+TEST(VerifyPlanFields, UnknownKeysAndKnobsAreErrorsWithDidYouMean) {
+  nlohmann::json plan = qwen3_plan();
+  plan["inputs"]["run"]["context_token"] = 16384;
+  plan["inputs"]["model"]["num_expert"] = 128;
+  plan["knobs"]["vocab_blok"] = {{"value", 4096}, {"reason", "given"}};
+  plan["knobs"]["vocab"]["values"] = "ring-dtp";
+  plan["other_tool"] = {{"x", 1}};
+  EXPECT_EQ(diagnostics_of(plan), (std::vector<std::string>{
+                                      "plan.json: /other_tool: unknown key: 'flatpeak plan --format json' "
+                                      "writes no such key (got {\"x\":1})",
+                                      "plan.json: /inputs/model/num_expert: unknown key: 'flatpeak plan "
+                                      "--format json' writes no such key (got 128) | "
+                                      "did you mean 'num_experts'?",
+                                      "plan.json: /inputs/run/context_token: unknown key: 'flatpeak plan "
+                                      "--format json' writes no such key (got 16384) | "
+                                      "did you mean 'context_tokens'?",
+                                      "plan.json: /knobs/vocab/values: unknown key: a knob holds value and "
+                                      "reason only (got \"ring-dtp\") | did you mean 'value'?",
+                                      "plan.json: /knobs/vocab_blok: unknown knob: 'flatpeak plan --format "
+                                      "json' writes no such knob (got "
+                                      "{\"reason\":\"given\",\"value\":4096}) | did you mean 'vocab_block'?",
+                                  }));
+}
+
+TEST(VerifyPlanFields, FieldsOfTheWrongKindAreErrors) {
+  nlohmann::json plan = qwen3_plan();
+  plan["inputs"]["model"]["tie_word_embeddings"] = "no";
+  plan["inputs"]["hardware"]["host_link_bandwidth_bytes_per_s"] = -1;
+  plan["inputs"]["run"]["cp_auto"] = 0;
+  plan["knobs"]["llep"] = true;
+  EXPECT_EQ(diagnostics_of(plan),
+            (std::vector<std::string>{
+                "plan.json: /inputs/model/tie_word_embeddings: must be true or false (got \"no\")",
+                "plan.json: /inputs/hardware/host_link_bandwidth_bytes_per_s: must be a non-negative number "
+                "(got -1)",
+                "plan.json: /inputs/run/cp_auto: must be true or false (got 0)",
+                "plan.json: /knobs/llep: must be an object {\"value\": ..., \"reason\": \"...\"} (got true)",
+            }));
+}
+
+// A value verify does not read changed by hand: the derived field it contradicts is named, with
+// the fields it derives from and their values.
+TEST(VerifyPlanFields, DerivedRunFieldsMustAgreeWithTheirSources) {
+  const nlohmann::json base = plan_json("Qwen3-30B-A3B", "H200",
+                                        {{"--gpus", "8"},
+                                         {"--context", "16K"},
+                                         {"--micro-batch", "2"},
+                                         {"--global-batch", "32"},
+                                         {"--schedule", "baseline"}});
+  ASSERT_EQ(diagnostics_of(base), std::vector<std::string>{});
+  auto changed = [&](const std::string& pointer, const nlohmann::json& value) {
+    nlohmann::json plan = base;
+    plan[nlohmann::json::json_pointer(pointer)] = value;
+    return diagnostics_of(plan);
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(changed("/inputs/run/context_tokens", 65536),
+            V{"plan.json: /inputs/run/tokens_per_gpu: must equal /inputs/run/micro_batch x "
+              "/inputs/run/context_tokens / "
+              "/inputs/run/cp = 2 x 65536 / 1 = 131072 (got 32768)"});
+  EXPECT_EQ(changed("/inputs/run/dp", 4),
+            V{"plan.json: /inputs/run/dp: must equal /inputs/run/gpus / /inputs/run/cp = 8 / 1 = 8 (got 4)"});
+  EXPECT_EQ(
+      changed("/inputs/run/global_batch", 40),
+      V{"plan.json: /inputs/run/global_batch: must be a multiple of /inputs/run/micro_batch x DP = 2 x 8 "
+        "(DP = /inputs/run/gpus / /inputs/run/cp) (got 40)"});
+  EXPECT_EQ(changed("/inputs/run/global_batch", 48),
+            V{"plan.json: /inputs/run/accumulation_steps: must equal /inputs/run/global_batch / "
+              "(/inputs/run/micro_batch x DP) = "
+              "48 / (2 x 8) = 3 (got 2)"});
+  EXPECT_EQ(changed("/inputs/run/experts_per_rank", 8),
+            V{"plan.json: /inputs/run/experts_per_rank: must equal /inputs/model/num_experts / "
+              "/inputs/run/ep = 128 / 8 = 16 (got 8)"});
+  EXPECT_EQ(changed("/inputs/model/num_experts", 100),
+            V{"plan.json: /inputs/run/ep: must divide /inputs/model/num_experts = 100 (got 8)"});
+  EXPECT_EQ(changed("/inputs/run/cp", 3),
+            (V{"plan.json: /inputs/run/cp: must divide /inputs/run/gpus = 8 (got 3)"}));
+  EXPECT_EQ(changed("/inputs/run/gpus_per_node", 16),
+            V{"plan.json: /inputs/run/gpus_per_node: must lie in 1../inputs/run/gpus = 8 (got 16)"});
+  EXPECT_EQ(changed("/inputs/run/allocation_alignment_bytes", 256),
+            V{"plan.json: /inputs/run/allocation_alignment_bytes: must equal "
+              "/inputs/hardware/allocation_alignment_bytes = 512 (got 256)"});
+  EXPECT_EQ(changed("/inputs/run/fragmentation", 1.5),
+            V{"plan.json: /inputs/run/fragmentation: must lie in [0, 1) (got 1.5)"});
+  EXPECT_EQ(changed("/inputs/model/layers", "MMMM"),
+            V{"plan.json: /inputs/model/layers: must have one letter per layer: /inputs/model/num_layers = "
+              "48 (got 4 letters)"});
+  EXPECT_EQ(changed("/inputs/model/kv_lora_rank", 512),
+            V{"plan.json: /inputs/model/kv_lora_rank: must be 0 with attention gqa (got 512)"});
+  EXPECT_EQ(changed("/inputs/model/v_head_dim", 64),
+            V{"plan.json: /inputs/model/v_head_dim: must equal /inputs/model/head_dim = 128 with attention "
+              "gqa (got 64)"});
+  EXPECT_EQ(changed("/inputs/run/mtp", true),
+            V{"plan.json: /inputs/run/mtp: must be false: /inputs/model/mtp_layers = 0 (got true)"});
+  EXPECT_EQ(changed("/inputs/model/attention", "mha"),
+            V{"plan.json: /inputs/model/attention: must be gqa or mla (got 'mha')"});
+}
+
+TEST(VerifyPlanFields, MlaDimsAndSearchedKnobsMustAgree) {
+  const nlohmann::json base =
+      plan_json("DeepSeek-V3", "H200",
+                {{"--gpus", "64"}, {"--context", "64K"}, {"--schedule", "flatpeak"}, {"--cp", "auto"}});
+  ASSERT_EQ(diagnostics_of(base), std::vector<std::string>{});
+  ASSERT_EQ(base["inputs"]["model"]["attention"], "mla");
+  ASSERT_TRUE(base["knobs"].contains("cp"));
+  auto changed = [&](const std::string& pointer, const nlohmann::json& value) {
+    nlohmann::json plan = base;
+    plan[nlohmann::json::json_pointer(pointer)] = value;
+    return diagnostics_of(plan);
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(changed("/inputs/model/qk_rope_head_dim", 32),
+            V{"plan.json: /inputs/model/head_dim: must equal /inputs/model/qk_nope_head_dim + "
+              "/inputs/model/qk_rope_head_dim = "
+              "128 + 32 = 160 with attention mla (got 192)"});
+  EXPECT_EQ(changed("/inputs/model/num_kv_heads", 8),
+            V{"plan.json: /inputs/model/num_kv_heads: must equal /inputs/model/num_heads = 128 with "
+              "attention mla (got 8)"});
+  EXPECT_EQ(changed("/inputs/model/kv_lora_rank", 0),
+            V{"plan.json: /inputs/model/kv_lora_rank: must be at least 1 with attention mla (got 0)"});
+  const int64_t cp = base["inputs"]["run"]["cp"].get<int64_t>();
+  EXPECT_EQ(changed("/knobs/cp/value", cp * 2),
+            V{"plan.json: /knobs/cp/value: must equal /inputs/run/cp = " + std::to_string(cp) + " (got " +
+              std::to_string(cp * 2) + ")"});
+}
+
+}  // namespace
+}  // namespace flatpeak::cli
