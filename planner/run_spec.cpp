@@ -108,17 +108,8 @@ void bad(InputErrors& errs, const std::string& flag, const std::string& rule, co
 
 std::optional<int64_t> parse_count(const std::string& text) { return parse_tokens(text); }
 
-std::optional<double> parse_number(const std::string& text) {
-  if (text.empty()) return std::nullopt;
-  try {
-    size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used != text.size() || !std::isfinite(v)) return std::nullopt;
-    return v;
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
+// Plain decimals only: std::stod also took "0x10" (as 16) and leading blanks.
+std::optional<double> parse_number(const std::string& text) { return parse_decimal(text); }
 
 std::optional<bool> parse_on_off(const std::string& text) {
   if (text == "on") return true;
@@ -156,7 +147,7 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
     };
     auto number = [&](std::optional<double>& out) {
       auto v = parse_number(text);
-      if (!v) return bad(errs, flag, "must be a number", "'" + text + "'");
+      if (!v) return bad(errs, flag, "must be a decimal number", "'" + text + "'");
       out = *v;
     };
     auto on_off = [&](std::optional<bool>& out) {

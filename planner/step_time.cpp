@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "spec/errors.h"
+#include "spec/sizes.h"
 #include "terms.h"
 
 namespace flatpeak::planner {
@@ -110,13 +111,7 @@ Efficiency parse_efficiency(const std::string& text, InputErrors& errs) {
     } else {
       seen.push_back(key);
       const std::string value = eq == std::string::npos ? "" : item.substr(eq + 1);
-      double v = std::nan("");
-      try {
-        size_t used = 0;
-        v = std::stod(value, &used);
-        if (used != value.size()) v = std::nan("");
-      } catch (const std::exception&) {
-      }
+      const double v = parse_decimal(value).value_or(std::nan(""));  // no hex, inf or nan
       const bool ok = std::isfinite(v) && (field->latency_us ? v >= 0 && v <= kMaxLatencyUs : v >= kMinFraction && v <= 1);
       if (!ok) {
         errs.add(Diagnostic{"", "--efficiency",

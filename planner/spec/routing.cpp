@@ -12,6 +12,7 @@
 
 #include "errors.h"
 #include "json_util.h"
+#include "sizes.h"
 
 namespace flatpeak {
 
@@ -29,16 +30,9 @@ Diagnostic problem(std::string message, std::string hint = kValidForms) {
 
 // A plain decimal number ("2.5", "1e-3"): no hex, inf or nan, nothing after it.
 bool parse_number(const std::string& text, double& value) {
-  if (text.empty()) return false;
-  for (char c : text) {
-    if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == 'e' || c == 'E' ||
-          c == '+' || c == '-')) {
-      return false;
-    }
-  }
-  char* end = nullptr;
-  value = std::strtod(text.c_str(), &end);
-  return end == text.c_str() + text.size() && std::isfinite(value);
+  const auto v = parse_decimal(text);
+  if (v) value = *v;
+  return v.has_value();
 }
 
 bool parse_count(const std::string& text, int64_t& value) {

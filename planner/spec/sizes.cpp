@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include <fmt/format.h>
@@ -42,6 +43,34 @@ std::optional<int64_t> parse_integer(const std::string& digits) {
   return value;
 }
 }  // namespace
+
+std::optional<double> parse_decimal(const std::string& text) {
+  // sign? digits [. digits] ([eE] sign? digits)?, with at least one digit in the mantissa.
+  size_t i = 0;
+  auto digits = [&]() {
+    const size_t start = i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+    return i - start;
+  };
+  if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+  size_t mantissa = digits();
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    mantissa += digits();
+  }
+  if (mantissa == 0) return std::nullopt;
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    ++i;
+    if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+    if (digits() == 0) return std::nullopt;
+  }
+  if (i != text.size()) return std::nullopt;
+  const double value = std::strtod(text.c_str(), nullptr);
+  if (!std::isfinite(value)) return std::nullopt;
+  return value;
+}
+
+std::optional<int64_t> parse_decimal_integer(const std::string& text) { return parse_integer(text); }
 
 std::optional<int64_t> parse_tokens(const std::string& text) {
   std::string number, suffix;

@@ -18,6 +18,13 @@ std::optional<int64_t> parse_tokens(const std::string& text);
 // Returns nullopt for anything else (unknown suffix, negative, overflow past int64).
 std::optional<int64_t> parse_bytes(const std::string& text);
 
+// Plain decimal numbers, for flags and fields that take a number rather than a size: digits
+// with an optional sign, decimal point and exponent ("2.5", "-1", "1e-3"). nullopt for anything
+// else: hex ("0x10", which strtod reads as 16), inf, nan, blanks, a suffix, or overflow.
+std::optional<double> parse_decimal(const std::string& text);
+// Decimal digits only ("16"; no sign, hex "0x10" or octal reading of "010"); nullopt past int64.
+std::optional<int64_t> parse_decimal_integer(const std::string& text);
+
 // "80.00 GiB", "512.0 MiB", "123 B": binary units, for tables meant for people.
 std::string format_bytes(int64_t bytes);
 

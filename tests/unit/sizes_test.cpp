@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <string>
+
 namespace flatpeak {
 namespace {
 
@@ -38,6 +41,27 @@ TEST(ParseBytes, RejectsEverythingElse) {
   for (const char* bad : {"", "80G", "80gb", "80 GiB", "-1GB", "1.5", "1.5B", "GiB", "80GiBs", "1e9",
                           "9223372036854775807KB", "99999999999TiB"}) {
     EXPECT_FALSE(parse_bytes(bad).has_value()) << bad;
+  }
+}
+
+// Numbers of flags such as --llep-alpha and --tolerance: strtod alone read "0x10" as 16.
+TEST(ParseDecimal, PlainDecimalsOnly) {
+  EXPECT_EQ(parse_decimal("2.5"), 2.5);
+  EXPECT_EQ(parse_decimal("-1"), -1.0);
+  EXPECT_EQ(parse_decimal("1e-3"), 1e-3);
+  EXPECT_EQ(parse_decimal(".5"), 0.5);
+  EXPECT_EQ(parse_decimal("+3."), 3.0);
+  for (const std::string bad : {"", "0x10", "0x1p-4", "inf", "nan", " 1", "1 ", "1e", "1e+", ".", "-", "1.5x", "1e999", "1,5"}) {
+    EXPECT_FALSE(parse_decimal(bad).has_value()) << bad;
+  }
+}
+
+TEST(ParseDecimalInteger, DigitsOnlyWithinInt64) {
+  EXPECT_EQ(parse_decimal_integer("16"), 16);
+  EXPECT_EQ(parse_decimal_integer("010"), 10);  // decimal, not octal
+  EXPECT_EQ(parse_decimal_integer("9223372036854775807"), INT64_MAX);
+  for (const std::string bad : {"", "0x10", "-1", "+1", "1K", " 8", "9223372036854775808", "99999999999999999999"}) {
+    EXPECT_FALSE(parse_decimal_integer(bad).has_value()) << bad;
   }
 }
 

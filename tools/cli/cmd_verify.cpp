@@ -27,12 +27,15 @@
 #include "executor/comm/mpi_comm.h"
 #endif
 #include "exit_codes.h"
+#include "numeric_flags.h"
+#include "run_spec.h"
 #ifdef FLATPEAK_HAVE_CUDA_BACKEND
 #include "cuda/verify_cuda.h"
 #include "executor/cuda/backend_error.h"
 #endif
 #include "spec/errors.h"
 #include "spec/json_util.h"
+#include "spec/sizes.h"
 #include "verify_config.h"
 #include "verify_run.h"
 
@@ -58,10 +61,9 @@ nlohmann::json read_json_file(const std::string& path) { return parse_json_text(
 
 std::optional<double> parse_scale(const std::string& text) {
   if (text == "auto") return std::nullopt;
-  char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  if (end == text.c_str() || *end != '\0' || !(v >= 1.0) || !std::isfinite(v))
-    throw InputError({Diagnostic{"", "--scale", "must be auto or a number >= 1 (got '" + text + "')", ""}});
+  const std::optional<double> v = parse_decimal(text);  // no hex: 0x10 is a typo, not 16
+  if (!v || !(*v >= 1.0))
+    throw InputError({Diagnostic{"", "--scale", "must be auto or a decimal number >= 1 (got '" + text + "')", ""}});
   return v;
 }
 
@@ -147,8 +149,7 @@ VerifyReport run_on_cuda(const VerifyInputs& in, const ScaledConfig& scaled, con
 }
 
 int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
-  InputErrors errs;
-  if (o.max_ranks < 1) errs.add(Diagnostic{"", "--max-ranks", "must be an integer >= 1 (got " + std::to_string(o.max_ranks) + ")", ""});
+  InputErrors errs;  // --max-ranks and --tolerance are decimals in range already (numeric_flags.h)
   const double tolerance = o.tolerance_given ? o.tolerance : o.backend == "cuda" ? 0.03 : 0.01;
   if (!(tolerance > 0.0) || !std::isfinite(tolerance))
     errs.add(Diagnostic{"", "--tolerance", fmt::format("must be a positive fraction (got {})", tolerance), "1% is --tolerance 0.01"});
@@ -262,9 +263,12 @@ Command make_verify_command() {
         auto o = std::make_shared<VerifyOptions>();
         sub.add_option("plan", o->plan_path, "A plan written by 'flatpeak plan --format json'")->required();
         sub.add_option("--scale", o->scale, "auto, or a factor >= 1 dividing T, H and V")->default_str("auto");
-        sub.add_option("--max-ranks", o->max_ranks, "Most ranks to run; above it N and EP shrink keeping E/EP, k and N/EP")->default_str("8");
+        sub.add_option("--max-ranks", o->max_ranks, "Most ranks to run; above it N and EP shrink keeping E/EP, k and N/EP")
+            ->check(decimal_integer(1, planner::kMaxGpus))
+            ->default_str("8");
         sub.add_option("--component", o->component, "One component (default: every implemented component)");
-        CLI::Option* tolerance = sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction; default 0.01 on cpu, 0.03 on cuda)");
+        CLI::Option* tolerance = sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction; default 0.01 on cpu, 0.03 on cuda)")
+                                     ->check(decimal_number());
         sub.add_option("--backend", o->backend, "cpu (every component, N ranks) or cuda (the vocab, checkpoint and dispatch components on one GPU)")->default_str("cpu");
         sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here");
         add_format_option(sub, o->format);
