@@ -7,7 +7,8 @@
 # --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator) and the whole step of
 # that plan (EP groups and expert replicas, both split communicators), all of which pass
 # (exit 0); a job whose process count differs
-# from the plan's ranks ends with exit 2 and says so. Every step runs under its own timeout (then
+# from the plan's ranks ends with exit 2 and says so; an unwritable --trace ends every process with
+# exit 2 before the run, and a failed run leaves an old trace whole. Every step runs under its own timeout (then
 # SIGKILL 10 s later) and is announced first, so a hang names the step and the script always ends,
 # with a message, before CTest's limit.
 #   verify_ranks_mpi.sh FLATPEAK MPIRUN NP_FLAG [MPIRUN OPTIONS...]   (CTest mpi.verify_ranks)
@@ -77,4 +78,26 @@ np2_rc=$?
 [ $np2_rc = 2 ] || fail "mpirun $np_flag 2 on a 4-rank plan exited $np2_rc (expected 2): $(cat "$dir/np2.err")"
 grep -q "the job has 2 processes but the scaled configuration has 4 ranks" "$dir/np2.err" ||
   fail "missing the process-count message: $(cat "$dir/np2.err")"
+# --trace under MPI: rank 0 checks the path before the run and every rank learns the outcome (exit
+# 2, no hang); a failing run leaves an old trace whole; a run that ends writes it (rank 0 only).
+step "mpirun $np_flag 4 with an unwritable --trace"
+limit 30 "$mpirun" "$np_flag" 4 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch --trace "$dir/none/trace.json" \
+  >"$dir/trace_bad.out" 2>"$dir/trace_bad.err"
+rc=$?
+[ $rc = 2 ] || fail "an unwritable --trace under mpirun exited $rc (expected 2; 124/137: timed out): $(cat "$dir/trace_bad.err")"
+grep -q "rank 0: $dir/none/trace.json: cannot write the trace" "$dir/trace_bad.err" ||
+  fail "missing the trace message: $(cat "$dir/trace_bad.err")"
+step "mpirun $np_flag 4 with --trace over an old trace: a bad plan, then a run that ends"
+echo "old trace" >"$dir/trace.json"
+sed 's/"context_tokens"/"context_token"/' "$dir/plan.json" >"$dir/plan_bad.json"
+limit 30 "$mpirun" "$np_flag" 4 "$@" "$flatpeak" verify "$dir/plan_bad.json" --component dispatch --trace "$dir/trace.json" \
+  >"$dir/trace_kept.out" 2>"$dir/trace_kept.err"
+rc=$?
+[ $rc = 2 ] || fail "a bad plan under mpirun exited $rc (expected 2): $(cat "$dir/trace_kept.err")"
+[ "$(cat "$dir/trace.json")" = "old trace" ] || fail "a failed run under mpirun changed the old trace"
+limit 40 "$mpirun" "$np_flag" 4 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch --trace "$dir/trace.json" \
+  >"$dir/trace_good.out" 2>"$dir/trace_good.err"
+rc=$?
+[ $rc = 0 ] || fail "verify --trace under mpirun exited $rc (expected 0): $(cat "$dir/trace_good.err")"
+grep -q '"format": "flatpeak-timeline"' "$dir/trace.json" || fail "the trace was not written under mpirun"
 step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch and step at EP = 2 of N = 4); $np_flag 2 exits 2"

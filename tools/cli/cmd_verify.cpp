@@ -9,7 +9,6 @@
 // only rank 0 prints.
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -35,6 +34,7 @@
 #endif
 #include "spec/errors.h"
 #include "spec/json_util.h"
+#include "spec/output_file.h"
 #include "spec/sizes.h"
 #include "verify_config.h"
 #include "verify_run.h"
@@ -174,12 +174,20 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   }
   errs.throw_if_any();
 
-  // An unwritable --trace fails before the run rather than after it (under MPI only rank 0
-  // writes, so there it is checked after the run, the report printed first).
-  std::ofstream trace;
-  if (!o.trace_path.empty() && world == nullptr) {
-    trace.open(o.trace_path);
-    if (!trace) throw InputError({Diagnostic{o.trace_path, "", "cannot write the trace", ""}});
+  // An unwritable --trace fails before the run rather than after it, without touching the file
+  // (an old trace survives a run that fails). Under MPI rank 0 writes it, so rank 0 checks and
+  // every rank learns the outcome at one agreed checkpoint (no rank runs on while another stops).
+  if (!o.trace_path.empty()) {
+    std::string problem;
+    if (world == nullptr || world->rank() == 0) {
+      try {
+        check_output_file(o.trace_path, "the trace");
+      } catch (const InputError& e) {
+        if (world == nullptr) throw;
+        problem = e.diagnostics().front().to_string();
+      }
+    }
+    if (world != nullptr) world->check_status(problem.empty() ? 0 : kExitInput, problem);
   }
   const nlohmann::json plan = read_json_file(o.plan_path);
   const VerifyInputs in = read_plan_inputs(plan, o.plan_path);
@@ -197,13 +205,12 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   // never reach mpirun's output forwarding, which made rank 0's report go missing now and then.
   std::cout.flush();
   if (!o.trace_path.empty()) {
-    // After the report, so that a failing write (a full disk) loses only the trace; checked
-    // after close, since a full device fails at the flush.
-    if (!trace.is_open()) trace.open(o.trace_path);
-    trace << report.measured_trace.dump(2) << "\n";
-    trace.close();
-    if (!trace) {
-      std::cerr << "flatpeak: error: " << o.trace_path << ": cannot write the trace\n";
+    // After the report, so that a failing write (a full disk) loses only the trace, and through
+    // a temporary renamed onto the path, so that it leaves any old trace whole.
+    try {
+      write_output_file(o.trace_path, report.measured_trace.dump(2) + "\n", "the trace");
+    } catch (const InputError& e) {
+      print_input_error(e);
       return kExitInput;
     }
   }
