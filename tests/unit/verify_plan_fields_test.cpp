@@ -258,6 +258,16 @@ TEST(VerifyPlanFields, DerivedRunFieldsMustAgreeWithTheirSources) {
             V{"plan.json: /inputs/model/attention: must be gqa or mla (got 'mha')"});
 }
 
+TEST(VerifyPlanFields, OverheadTermsMustAddUpToTheOverhead) {
+  nlohmann::json plan =
+      plan_json("Qwen3-30B-A3B", calibrated_h200(), {{"--gpus", "8"}, {"--context", "16K"}});
+  ASSERT_EQ(diagnostics_of(plan), std::vector<std::string>{});
+  plan["inputs"]["run"]["overhead_terms"]["nccl_bytes"] = 0;
+  EXPECT_EQ(diagnostics_of(plan),
+            std::vector<std::string>{"plan.json: /inputs/run/overhead_bytes: must equal the sum of "
+                                     "/inputs/run/overhead_terms = 767557632 (got 1082130432)"});
+}
+
 TEST(VerifyPlanFields, MlaDimsAndSearchedKnobsMustAgree) {
   const nlohmann::json base =
       plan_json("DeepSeek-V3", "H200",
