@@ -7,6 +7,7 @@
 // sources is an error naming both fields and their values.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <map>
 #include <set>
 #include <string>
@@ -190,12 +191,14 @@ TEST(VerifyPlanFields, FieldsOfTheWrongKindAreErrors) {
   plan["inputs"]["hardware"]["host_link_bandwidth_bytes_per_s"] = -1;
   plan["inputs"]["run"]["cp_auto"] = 0;
   plan["knobs"]["llep"] = true;
+  plan["inputs"]["params"]["total"] = UINT64_MAX;  // read as -1 through int64_t
   EXPECT_EQ(diagnostics_of(plan),
             (std::vector<std::string>{
                 "plan.json: /inputs/model/tie_word_embeddings: must be true or false (got \"no\")",
                 "plan.json: /inputs/hardware/host_link_bandwidth_bytes_per_s: must be a non-negative number "
                 "(got -1)",
                 "plan.json: /inputs/run/cp_auto: must be true or false (got 0)",
+                "plan.json: /inputs/params/total: must be an integer in 0..2^60 (got 18446744073709551615)",
                 "plan.json: /knobs/llep: must be an object {\"value\": ..., \"reason\": \"...\"} (got true)",
             }));
 }

@@ -21,10 +21,19 @@ namespace {
 using nlohmann::json;
 using planner::PlanFieldKind;
 
+// Integers of a plan lie in 0..2^60 (bytes, tokens, parameters: far above any real run), so that
+// the cross-checks' sums of four stay inside int64; products are checked for overflow.
+constexpr int64_t kMaxPlanInteger = int64_t{1} << 60;
+
+bool plan_integer(const json& v) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(kMaxPlanInteger);
+  return v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= kMaxPlanInteger;
+}
+
 const char* kind_text(PlanFieldKind kind) {
   switch (kind) {
     case PlanFieldKind::Integer:
-      return "a non-negative integer";
+      return "an integer in 0..2^60";
     case PlanFieldKind::Number:
       return "a non-negative number";
     case PlanFieldKind::Bool:
@@ -42,7 +51,7 @@ const char* kind_text(PlanFieldKind kind) {
 bool has_kind(const json& v, PlanFieldKind kind) {
   switch (kind) {
     case PlanFieldKind::Integer:
-      return v.is_number_unsigned() || (v.is_number_integer() && v.get<int64_t>() >= 0);
+      return plan_integer(v);
     case PlanFieldKind::Number:
       return v.is_number() && v.get<double>() >= 0.0;
     case PlanFieldKind::Bool:
@@ -92,14 +101,12 @@ struct Checker {
     }
     return tokens;
   }
-  // A value for cross-checks: present, not reported, a non-negative integer below 2^60 (so that
-  // a sum of four stays inside int64; products are checked for overflow).
+  // A value for cross-checks: present, not reported, an integer in 0..2^60 (else reported by
+  // keys_and_kinds or by read_plan_inputs).
   std::optional<int64_t> integer(const std::string& pointer) const {
     const json* v = find(pointer);
-    if (!v || reported.count(pointer) || !v->is_number_integer()) return std::nullopt;
-    const int64_t value = v->get<int64_t>();
-    if (value < 0 || value >= (int64_t{1} << 60)) return std::nullopt;
-    return value;
+    if (!v || reported.count(pointer) || !plan_integer(*v)) return std::nullopt;
+    return v->get<int64_t>();
   }
   std::optional<std::string> text(const std::string& pointer) const {
     const json* v = find(pointer);
