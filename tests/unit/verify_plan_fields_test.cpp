@@ -1,10 +1,10 @@
 // verify's reading of a plan's fields beyond those it uses (check_plan_fields): every plan that
-// `flatpeak plan --format json` writes passes (every card and Hugging Face config in the tests'
-// data, baseline, practice and flatpeak with the knob search, CP given and auto, micro-batches,
-// the card's overhead and --overhead), and every key and knob name planner::plan_json_objects and
-// plan_knob_names list is written by one of them, so the list and the writer cannot drift apart;
-// an unknown key or knob is an error with a did-you-mean; a derived field that disagrees with its
-// sources is an error naming both fields and their values.
+// `flatpeak plan --format json` writes passes (every model card, every hardware card, the Hugging Face
+// configs in the tests' data, baseline, practice and flatpeak with the knob search, CP given and auto,
+// micro-batches, the card's overhead and --overhead), and every key and knob name planner::plan_json_objects
+// and plan_knob_names list is written by one of them, so the list and the writer cannot drift apart; an
+// unknown key or knob is an error with a did-you-mean; a derived field that disagrees with its sources is an
+// error naming both fields and their values.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -91,6 +91,9 @@ TEST(VerifyPlanFields, EveryPlanWrittenPassesAndEveryListedKeyIsWritten) {
                                   "Qwen3-235B-A22B", "OLMoE-1B-7B", "GLM-4.5", "Mixtral-8x7B"})
     for (const std::string schedule : {"baseline", "practice", "flatpeak"})
       cases.push_back({model, h200, {{"--gpus", "16"}, {"--context", "32K"}, {"--schedule", schedule}}});
+  for (const HardwareSpec& gpu : list_hardware_cards())  // every hardware card, the knob search on
+    for (const std::string model : {"gpt-oss-120b", "DeepSeek-V3", "Mixtral-8x7B"})
+      cases.push_back({model, gpu, {{"--gpus", "32"}, {"--context", "128K"}, {"--schedule", "flatpeak"}}});
   for (const std::string model :
        {"DeepSeek-V2-Lite", "Kimi-K2", "Llama-4-Maverick", "Llama-4-Scout", "Qwen3-30B-A3B"})
     cases.push_back({hf + model + "/config.json",
