@@ -87,6 +87,9 @@ elapsed() { echo $(( $(date +%s) - start_s )); }
 # `kill_grace` seconds after its SIGTERM (-k), so a process that ignores SIGTERM cannot overrun
 # the budget; the 20 s cover that grace too. Killed so, timeout exits 137, not 124.
 kill_grace=10
+killed_detail() {  # killed_detail LIMIT: a row's detail for a run timeout ended with SIGKILL (137)
+  echo "killed (exit 137): SIGTERM ignored past $1 s + ${kill_grace} s, or killed by the system"
+}
 limit_for() {  # limit_for WANTED_SECONDS
   local left=$(( budget_s - $(elapsed) - 20 ))
   [ "$left" -lt 5 ] && { echo 0; return; }
@@ -250,7 +253,7 @@ for name in ${tests_to_run[@]+"${tests_to_run[@]}"}; do
     0) add_row "$name" ok "$seconds" "$checks" ;;
     77) add_row "$name" skipped "$seconds" "$(head -1 "$logs/$name.log")" ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
-    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system" ;;
+    137) add_row "$name" FAIL "$seconds" "$(killed_detail "$limit")" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; ${checks:-$(tail -1 "$logs/$name.log")}" ;;
   esac
   if [ "$name" = device_query_test ]; then
@@ -327,7 +330,7 @@ PY
     elif [ $rc -eq 124 ]; then
       add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "timed out after $calibrate_limit s"
     elif [ $rc -eq 137 ]; then
-      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "killed (exit 137): SIGTERM ignored past $calibrate_limit s + ${kill_grace} s, or killed by the system"
+      add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "$(killed_detail "$calibrate_limit")"
     else
       add_row "calibrate overhead" FAIL "$(( $(date +%s) - t0 ))" "exit $rc; $(tail -1 "$logs/calibrate.log")"
     fi
@@ -404,7 +407,7 @@ verify_row() {  # verify_row ROW_NAME PLAN_JSON COMPONENT SCALE LOG_STEM
          add_row "$name" "FAIL: input" "$seconds" "exit 2; $err"
        fi ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s" ;;
-    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system" ;;
+    137) add_row "$name" FAIL "$seconds" "$(killed_detail "$limit")" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; $err" ;;
   esac
 }
@@ -459,7 +462,7 @@ benchmark_stage() {  # benchmark_stage ROW_NAME LOG_NAME WANTED_SECONDS CUDA_TEC
     0) add_row "$name" ok "$seconds" "figures above; full output: $log" ;;
     77) add_row "$name" skipped "$seconds" "$(head -1 "$log")" ;;
     124) add_row "$name" FAIL "$seconds" "timed out after $limit s (rows above: the figures printed before)" ;;
-    137) add_row "$name" FAIL "$seconds" "killed (exit 137): SIGTERM ignored past $limit s + ${kill_grace} s, or killed by the system (rows above: the figures printed before)" ;;
+    137) add_row "$name" FAIL "$seconds" "$(killed_detail "$limit") (rows above: the figures printed before)" ;;
     *) add_row "$name" FAIL "$seconds" "exit $rc; $(grep -v '^summary|' "$log" | tail -1)" ;;
   esac
   grep -v '^summary|' "$log" | sed "s/^/  [$tag] /"

@@ -67,6 +67,12 @@ std::vector<std::string> diagnostics_of(const nlohmann::json& plan) {
   return out;
 }
 
+// read_plan_inputs' diagnostics for `base` with the value at `pointer` replaced by `value`.
+std::vector<std::string> diagnostics_with(nlohmann::json plan, const std::string& pointer, const nlohmann::json& value) {
+  plan[nlohmann::json::json_pointer(pointer)] = value;
+  return diagnostics_of(plan);
+}
+
 // Keys written per object of plan_json_objects(), and knob names, over every plan seen.
 void collect_keys(const nlohmann::json& plan, std::map<std::string, std::set<std::string>>& keys,
                   std::set<std::string>& knobs) {
@@ -217,9 +223,7 @@ TEST(VerifyPlanFields, DerivedRunFieldsMustAgreeWithTheirSources) {
                                          {"--schedule", "baseline"}});
   ASSERT_EQ(diagnostics_of(base), std::vector<std::string>{});
   auto changed = [&](const std::string& pointer, const nlohmann::json& value) {
-    nlohmann::json plan = base;
-    plan[nlohmann::json::json_pointer(pointer)] = value;
-    return diagnostics_of(plan);
+    return diagnostics_with(base, pointer, value);
   };
   using V = std::vector<std::string>;
   EXPECT_EQ(changed("/inputs/run/context_tokens", 65536),
@@ -282,9 +286,7 @@ TEST(VerifyPlanFields, MlaDimsAndSearchedKnobsMustAgree) {
   ASSERT_EQ(base["inputs"]["model"]["attention"], "mla");
   ASSERT_TRUE(base["knobs"].contains("cp"));
   auto changed = [&](const std::string& pointer, const nlohmann::json& value) {
-    nlohmann::json plan = base;
-    plan[nlohmann::json::json_pointer(pointer)] = value;
-    return diagnostics_of(plan);
+    return diagnostics_with(base, pointer, value);
   };
   using V = std::vector<std::string>;
   EXPECT_EQ(changed("/inputs/model/qk_rope_head_dim", 32),

@@ -79,27 +79,11 @@ struct Checker {
     errs.add(Diagnostic{file, pointer, message, hint});
     reported.insert(pointer);
   }
-  // The value at `pointer` (no escapes: the pointers here are plain), or null where any object on
-  // the way is missing or not an object (reported by whoever reads it).
+  // The value at `pointer`, or null where it or any object on the way is missing or not an
+  // object (reported by whoever reads it; the pointers here name object keys only).
   const json* find(const std::string& pointer) const {
-    const json* v = &plan;
-    if (pointer.empty()) return v;
-    for (const auto& token : split(pointer)) {
-      if (!v->is_object() || !v->contains(token)) return nullptr;
-      v = &v->at(token);
-    }
-    return v;
-  }
-  static std::vector<std::string> split(const std::string& pointer) {
-    std::vector<std::string> tokens;
-    size_t pos = 1;
-    while (pos <= pointer.size()) {
-      const size_t slash = pointer.find('/', pos);
-      tokens.push_back(pointer.substr(pos, slash == std::string::npos ? std::string::npos : slash - pos));
-      if (slash == std::string::npos) break;
-      pos = slash + 1;
-    }
-    return tokens;
+    const json::json_pointer p(pointer);
+    return plan.contains(p) ? &plan.at(p) : nullptr;
   }
   // A value for cross-checks: present, not reported, an integer in 0..2^60 (else reported by
   // keys_and_kinds or by read_plan_inputs).
