@@ -1,5 +1,5 @@
 // CPU vs CUDA for the MoE data movement: the routing plan (counts, slot_to_row, row_to_slot)
-// exactly; permute / unpermute forward (pure copies) bitwise; the k-slot sums (permute backward,
+// exactly, in one block and over chunks; permute / unpermute forward (pure copies) bitwise; the k-slot sums (permute backward,
 // combine forward) and combine's d_weights within rel 1e-5 (+ 1e-5 of the largest magnitude) in
 // f32 and rel 1e-2 (+ 1e-3) in bf16 storage; combine with and without the fused unpermute.
 // Random non-zero inputs from a fixed seed; exit 77 (skipped) without a CUDA device.
@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <exception>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,50 @@ void test_route(DeviceAllocator& alloc, Plan& plan) {
   expect_equal("route/expert_counts", download<int64_t>(plan.g_counts, kExperts), plan.counts);
   expect_equal("route/slot_to_row", download<int32_t>(plan.g_s2r, kTokens * kTopK), plan.slot_to_row);
   expect_equal("route/row_to_slot", download<int32_t>(plan.g_r2s, kTokens * kTopK), plan.row_to_slot);
+}
+
+// The routing plan at sizes that run the four-launch sort over chunks (moe_kernels.cuh): many
+// chunks at gpt-oss-120b's and DeepSeek-V3's experts, and the single block past
+// kRouteMaxExperts. Each token's k experts drawn without repeats, skewed to the low ids.
+void test_route_shape(DeviceAllocator& alloc, int64_t tokens, int64_t top_k, int64_t experts,
+                      uint32_t seed) {
+  const int64_t rows = tokens * top_k;
+  std::mt19937 engine(seed);
+  std::uniform_int_distribution<int64_t> pick(0, experts - 1);
+  std::vector<int32_t> ids;
+  ids.reserve(static_cast<size_t>(rows));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const size_t first = ids.size();
+    while (static_cast<int64_t>(ids.size() - first) < top_k) {
+      int64_t e = pick(engine);
+      if (t % 3 == 0) e = e % std::min<int64_t>(experts, 2 * top_k);  // a third on a few experts
+      if (std::find(ids.begin() + first, ids.end(), e) == ids.end()) ids.push_back(static_cast<int32_t>(e));
+    }
+  }
+  std::vector<int64_t> counts(static_cast<size_t>(experts));
+  std::vector<int32_t> s2r(static_cast<size_t>(rows)), r2s(static_cast<size_t>(rows));
+  PermuteArgs a = base_args(DType::F32);
+  a.tokens = tokens;
+  a.top_k = top_k;
+  a.experts = experts;
+  a.topk_ids = ids.data();
+  a.expert_counts = counts.data();
+  a.slot_to_row = s2r.data();
+  a.row_to_slot = r2s.data();
+  moe_route_cpu(a);
+  DeviceBuffer g_ids = upload(alloc, ids, Category::Dispatch);
+  DeviceBuffer g_counts(alloc, experts * 8, Category::Dispatch);
+  DeviceBuffer g_s2r(alloc, rows * 4, Category::Dispatch), g_r2s(alloc, rows * 4, Category::Dispatch);
+  a.topk_ids = g_ids.as<int32_t>();
+  a.expert_counts = g_counts.as<int64_t>();
+  a.slot_to_row = g_s2r.as<int32_t>();
+  a.row_to_slot = g_r2s.as<int32_t>();
+  moe_route_cuda(a, nullptr);
+  const std::string name = "route_T" + std::to_string(tokens) + "_k" + std::to_string(top_k) + "_E" +
+                           std::to_string(experts);
+  expect_equal(name + "/expert_counts", download<int64_t>(g_counts, experts), counts);
+  expect_equal(name + "/slot_to_row", download<int32_t>(g_s2r, rows), s2r);
+  expect_equal(name + "/row_to_slot", download<int32_t>(g_r2s, rows), r2s);
 }
 
 void test_permute(DeviceAllocator& alloc, Plan& plan, DType dtype) {
@@ -184,6 +229,10 @@ int main() {
     DeviceAllocator alloc;
     Plan plan;
     test_route(alloc, plan);
+    test_route_shape(alloc, 65536, 4, 128, 41);  // 64 chunks of 4096
+    test_route_shape(alloc, 16384, 8, 256, 42);  // 32 chunks
+    test_route_shape(alloc, 4097, 1, 7, 43);     // two chunks, the second of one copy
+    test_route_shape(alloc, 10000, 2, 9000, 44);  // past kRouteMaxExperts: the single block
     for (DType dtype : {DType::F32, DType::BF16}) {
       test_permute(alloc, plan, dtype);
       test_combine(alloc, plan, dtype, false);

@@ -5,7 +5,7 @@
 //   #include "cuda_emulation.h"  then  #include "executor/cuda/attention_tc_kernels.cuh"
 //   emu::launch(grid_x, grid_y, 128, smem_bytes, [&] { some_kernel(args...); });
 // One std::thread per CUDA thread; __syncthreads and __syncwarp are barriers (a mutex and a
-// condition variable, so every write before one is seen after it); atomicAdd (float) takes a lock;
+// condition variable, so every write before one is seen after it); atomicAdd (float, int) takes a lock;
 // __shfl_xor_sync goes through a per-warp array between two warp barriers. WMMA fragments hold
 // the whole 16x16 tile and only lane 0 of a warp loads, multiplies and stores them: a lane that
 // reads a tile another lane stored without a __syncwarp between may see stale data, as on a
@@ -206,6 +206,13 @@ inline float atomicAdd(float* address, float value) {
   static std::mutex lock;
   const std::lock_guard<std::mutex> guard(lock);
   const float old = *address;
+  *address = old + value;
+  return old;
+}
+inline int atomicAdd(int* address, int value) {
+  static std::mutex lock;
+  const std::lock_guard<std::mutex> guard(lock);
+  const int old = *address;
   *address = old + value;
   return old;
 }

@@ -1,8 +1,8 @@
 // The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, by
 // the launch sequences moe_cuda.cu itself runs (the header's), against the CPU ops
 // (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the
-// route kernel's two barriers and combine backward's block reduction, without a GPU (the device
-// itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
+// routing plan's barriers (one block, and the four launches over chunks) and combine backward's
+// block reduction, without a GPU (the device itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
 // permute / unpermute (copies) bitwise, the k-slot sums and d_weights within emulation_check.h's
 // Tol. Inputs carry NaN past their end (index arrays: an index into that NaN), outputs sentinels.
 #include "cuda_emulation.h"
@@ -47,13 +47,17 @@ struct MoeShape {
 };
 
 // moe_route_cuda's launch against moe_route_cpu.
-void check_route(const MoeShape& s, const std::vector<int32_t>& ids, const PermuteArgs& cpu) {
+// chunk: the launch's wanted chunk (kRouteChunk, or a few copies so that a small case spans
+// several chunks and runs the four-launch sort).
+void check_route(const MoeShape& s, const std::vector<int32_t>& ids, const PermuteArgs& cpu,
+                 int64_t chunk = cd::kRouteChunk) {
   const int64_t rows = s.tokens * s.top_k;
   const Guarded<int32_t> g_ids = guarded(ids, 0);           // a read past the end counts expert 0 more
   Guarded<int64_t> counts = output_of<int64_t>(s.experts);  // [E]
   Guarded<int32_t> s2r = output_of<int32_t>(rows);         // [T·k]
   Guarded<int32_t> r2s = output_of<int32_t>(rows);         // [T·k]
-  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr);
+  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr,
+                       chunk);
   expect_same("route/expert_counts", counts,
               std::vector<int64_t>(cpu.expert_counts, cpu.expert_counts + s.experts));
   expect_same("route/slot_to_row", s2r, std::vector<int32_t>(cpu.slot_to_row, cpu.slot_to_row + rows));
@@ -174,9 +178,9 @@ TEST(MoeEmulation, F32) { moe_case<float>({2, 2, 3, 130}, 21); }
 // H below a warp: most of combine backward's threads idle in its reduction.
 TEST(MoeEmulation, Bf16) { moe_case<Bf16>({4, 2, 3, 20}, 22); }
 
-// The routing plan alone (one 1024-thread launch each): skewed counts over a few experts, and
+// The routing plan alone (one 1024-thread launch each, below two chunks): skewed counts over a few experts, and
 // more experts than threads (threads own two; most experts empty).
-void route_case(const MoeShape& s, std::vector<int32_t> ids) {
+void route_case(const MoeShape& s, std::vector<int32_t> ids, int64_t chunk = cd::kRouteChunk) {
   const int64_t rows = s.tokens * s.top_k;
   std::vector<int64_t> counts(static_cast<size_t>(s.experts));
   std::vector<int32_t> s2r(static_cast<size_t>(rows)), r2s(s2r.size());
@@ -190,7 +194,7 @@ void route_case(const MoeShape& s, std::vector<int32_t> ids) {
   p.slot_to_row = s2r.data();
   p.row_to_slot = r2s.data();
   moe_route_cpu(p);
-  check_route(s, ids, p);
+  check_route(s, ids, p, chunk);
 }
 
 TEST(MoeEmulation, Route) {
@@ -207,6 +211,91 @@ TEST(MoeEmulation, RouteMoreExpertsThanThreads) {
   ids[5] = 1099;
   ids[9] = 1024;
   route_case(s, ids);
+}
+
+// ---- the routing plan over chunks (count, scan, scatter, invert) ----------------------------
+
+TEST(MoeEmulation, RouteChunkSizes) {
+  // Below two chunks, or more experts than the scatter's shared memory holds: the single block.
+  EXPECT_EQ(cd::route_chunk_for(4096, 128, cd::kRouteChunk), 0);
+  EXPECT_EQ(cd::route_chunk_for(4097, 128, cd::kRouteChunk), 4096);
+  EXPECT_EQ(cd::route_chunk_for(1 << 22, 4000, cd::kRouteChunk), 8000);  // 2·experts per chunk
+  EXPECT_EQ(cd::route_chunk_for(int64_t{1} << 30, cd::kRouteMaxExperts + 1, cd::kRouteChunk), 0);
+  // The table [experts, chunks] fits in slot_to_row [copies] wherever the chunks are used.
+  for (int64_t experts : {1, 7, 128, 300, 8192}) {
+    for (int64_t copies = 1; copies < 40000; copies = copies * 3 + 1) {
+      const int64_t chunk = cd::route_chunk_for(copies, experts, 16);
+      if (chunk == 0) continue;
+      const int64_t chunks = (copies + chunk - 1) / chunk;
+      EXPECT_GE(chunks, 2);
+      EXPECT_LE(experts * chunks, copies) << experts << " experts, " << copies << " copies";
+    }
+  }
+}
+
+// 19 chunks of 16 copies (the last one 12), so tiles end inside a chunk.
+TEST(MoeEmulation, RouteChunks) {
+  const MoeShape s{100, 3, 7, 1};
+  std::mt19937 rng(31);
+  route_case(s, topk_ids(rng, s.tokens, s.top_k, s.experts), 16);
+}
+
+// More experts than the count kernel's 256 and the scatter's 128 threads: 3 chunks of 600.
+TEST(MoeEmulation, RouteChunksManyExperts) {
+  const MoeShape s{400, 4, 300, 1};
+  std::mt19937 rng(32);
+  std::vector<int32_t> ids = topk_ids(rng, s.tokens, s.top_k, s.experts);
+  ids[601] = 299;  // the second chunk's first experts past both thread counts
+  route_case(s, ids, 16);
+}
+
+// A tile of copies of two experts (ranks up to 127 within one tile, the next rows carried to the
+// next tile and chunk), chunks of 130 copies: a chunk's second tile holds 2.
+TEST(MoeEmulation, RouteChunksRepeatedExperts) {
+  const MoeShape s{200, 2, 5, 1};
+  std::vector<int32_t> ids;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    const bool odd_one = t % 37 == 5;
+    ids.push_back(odd_one ? 4 : 0);
+    ids.push_back(odd_one ? 2 : 1);
+  }
+  route_case(s, ids, 130);
+}
+
+// Out-of-range ids (the CPU refuses them; callers check that the counts add up): the valid
+// copies get their rows in the same stable order, the rows left over hold -1.
+TEST(MoeEmulation, RouteChunksSkipOutOfRangeIds) {
+  const MoeShape s{60, 2, 5, 1};
+  std::mt19937 rng(33);
+  std::vector<int32_t> ids = topk_ids(rng, s.tokens, s.top_k, s.experts);
+  ids[3] = -1;
+  ids[50] = 5;
+  ids[99] = 1 << 20;
+  const int64_t rows = s.tokens * s.top_k;
+  std::vector<int32_t> valid_slots;
+  std::vector<int64_t> want_counts(static_cast<size_t>(s.experts), 0);
+  for (int32_t slot = 0; slot < rows; ++slot) {
+    const int32_t e = ids[static_cast<size_t>(slot)];
+    if (e < 0 || e >= s.experts) continue;
+    valid_slots.push_back(slot);
+    ++want_counts[static_cast<size_t>(e)];
+  }
+  std::stable_sort(valid_slots.begin(), valid_slots.end(), [&](int32_t a, int32_t b) {
+    return ids[static_cast<size_t>(a)] < ids[static_cast<size_t>(b)];
+  });
+  std::vector<int32_t> want_r2s(static_cast<size_t>(rows), -1);
+  std::copy(valid_slots.begin(), valid_slots.end(), want_r2s.begin());
+  const Guarded<int32_t> g_ids = guarded(ids, 0);
+  Guarded<int64_t> counts = output_of<int64_t>(s.experts);
+  Guarded<int32_t> s2r = output_of<int32_t>(rows);
+  Guarded<int32_t> r2s = output_of<int32_t>(rows);
+  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr, 16);
+  expect_same("route/expert_counts", counts, want_counts);
+  expect_same("route/row_to_slot", r2s, want_r2s);
+  for (size_t r = 0; r < valid_slots.size(); ++r)
+    EXPECT_EQ(s2r.ptr()[valid_slots[r]], static_cast<int32_t>(r)) << "slot " << valid_slots[r];
+  expect_guard_intact("route/slot_to_row", s2r);
+  expect_guard_intact("route/row_to_slot", r2s);
 }
 
 // One block for every grid-stride kernel: each thread takes several elements.
