@@ -40,7 +40,8 @@ constexpr double kMaxParams = 1e15;
 const std::vector<std::string>& architecture_names() {
   static const std::vector<std::string> names{"deepseek_v2", "deepseek_v3", "kimi_k2",
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
-                                              "glm4_moe",    "olmoe",       "llama4"};
+                                              "glm4_moe",    "olmoe",       "llama4",
+                                              "minimax_m2"};
   return names;
 }
 
@@ -61,6 +62,7 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"OlmoeForCausalLM", "olmoe"},
       {"Llama4ForConditionalGeneration", "llama4"},
       {"Llama4ForCausalLM", "llama4"},
+      {"MiniMaxM2ForCausalLM", "minimax_m2"},
   };
   return classes;
 }
@@ -565,6 +567,84 @@ void import_olmoe(Fields& f, ModelSpec& m) {
   fill_layers(m, std::vector<bool>(static_cast<size_t>(d.layers), true));
 }
 
+// minimax_m2: GQA without biases, RMSNorm over the whole q and k projections ("per_layer"),
+// partial RoPE (rotary_dim of head_dim), every layer MoE with Mixtral's expert layout
+// (intermediate_size is the expert width), sigmoid routing with a per-expert correction bias,
+// untied head. The publisher's config (MiniMax's remote code) also names what M2 does not use and
+// this model does not express: linear-attention layers (attn_type_list entries 0), a shared
+// expert (shared_intermediate_size), sliding windows; each is refused rather than dropped. Its
+// multi-token-prediction modules (use_mtp, num_mtp_modules of mtp_transformer_layers decoder
+// layers) are counted as DeepSeek's MTP modules (one decoder layer with its projection and
+// norms each), the one MTP shape flatpeak models; the transformers model does not build them.
+void import_minimax_m2(Fields& f, ModelSpec& m) {
+  const CommonDims d = read_common(f, true);
+  apply_common(m, d);
+  m.head_dim = read_head_dim(f, d);
+  m.v_head_dim = m.head_dim;
+  if (f.optional_bool("attention_bias", false)) {
+    f.error("attention_bias", "must be false: MiniMax-M2's projections have no biases (got true)");
+  }
+  if (f.optional_bool("use_qk_norm", true)) {
+    const std::string norm = f.optional_string("qk_norm_type").value_or("per_layer");
+    if (norm == "per_layer") {
+      m.qk_norm = QkNorm::FullProjection;
+    } else if (norm == "per_head") {
+      m.qk_norm = QkNorm::PerHead;
+    } else {
+      f.error("qk_norm_type", fmt::format("must be \"per_layer\" or \"per_head\" (got {})",
+                                          describe_json_value(json(norm))));
+    }
+  }
+  if (f.has("rotary_dim")) {
+    const int64_t rotary = f.required_int("rotary_dim", 1, kMaxDim);
+    if (!f.ok({"rotary_dim", "head_dim", "hidden_size", "num_attention_heads"})) {
+      // reported already; the fraction needs both dims
+    } else if (rotary > m.head_dim) {
+      f.error("rotary_dim", fmt::format("must be in 1..head_dim (got {}, head_dim = {})", rotary, m.head_dim));
+    } else {
+      m.partial_rotary_factor = static_cast<double>(rotary) / static_cast<double>(m.head_dim);
+    }
+  } else {
+    m.partial_rotary_factor = f.optional_fraction("partial_rotary_factor", 1.0);
+  }
+  read_experts(f, m, "num_local_experts", "num_experts_per_tok");
+  m.expert_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
+  m.router_correction_bias = f.optional_bool("use_routing_bias", true);
+  const int64_t shared = f.optional_int("shared_intermediate_size", 0, 0, kMaxDim);
+  if (shared > 0) {
+    f.error("shared_intermediate_size",
+            fmt::format("must be 0: a MiniMax shared expert is not modelled (got {})", shared));
+  }
+  for (const char* key : {"sliding_window", "attn_window_size"}) {
+    if (f.has(key)) {
+      f.error(key, fmt::format("must be null: MiniMax-M2 attends to the whole context, and windows are "
+                               "not modelled for minimax_m2 (got {})",
+                               describe_json_value(*f.find(key))));
+    }
+  }
+  if (const auto types = f.optional_int_list("attn_type_list", 0, 1)) {
+    for (size_t i = 0; i < types->size(); ++i) {
+      if ((*types)[i] == 0) {
+        f.error("attn_type_list", fmt::format("must be all 1 (softmax attention): linear-attention layers "
+                                              "are not modelled (got 0 at layer {})",
+                                              i));
+        break;
+      }
+    }
+  }
+  if (f.optional_bool("use_mtp", false)) {
+    const int64_t modules = f.optional_int("num_mtp_modules", 0, 0, kMaxLayers);
+    const int64_t layers_per_module = f.optional_int("mtp_transformer_layers", 1, 1, kMaxLayers);
+    if (layers_per_module != 1) {
+      f.error("mtp_transformer_layers",
+              fmt::format("must be 1: an MTP module of several decoder layers is not modelled (got {})",
+                          layers_per_module));
+    }
+    m.mtp_layers = modules;
+  }
+  fill_layers(m, std::vector<bool>(static_cast<size_t>(d.layers), true));
+}
+
 // llama4: the text model under text_config (the vision tower is not counted). MoE every
 // interleave_moe_layer_step layers (or the explicit moe_layers list), one shared expert of width
 // intermediate_size beside the routed experts of the same width, dense layers of width
@@ -754,6 +834,8 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
     import_glm4_moe(root, m);
   } else if (*family == "olmoe") {
     import_olmoe(root, m);
+  } else if (*family == "minimax_m2") {
+    import_minimax_m2(root, m);
   } else {
     import_deepseek(root, m, *family);
   }

@@ -286,6 +286,95 @@ TEST(HfImport, KimiK2) {
   EXPECT_NEAR(static_cast<double>(p.active_with_embedding), 32e9, 1e9);  // "32B"
 }
 
+// MiniMax-M2 (minimax_m2; the publisher's config class defaults, see tests/data/hf/SOURCES.md):
+// H 3072, V 200064 untied, 62 layers all MoE, 48 query / 8 kv heads of 128, no biases, RMSNorm
+// over the whole q (6144) and k (1024) projections, 256 experts top-8 of width 1536, sigmoid
+// routing with a correction bias, 3 MTP modules of one decoder layer.
+//   attention = q 3072·6144 + k, v 2·3072·1024 + o 6144·3072 + norms 6144 + 1024 = 44,047,360
+//   expert = 3·3072·1536 = 14,155,776; router = 3072·256 + 256 (correction bias) = 786,688
+//   MoE layer total  = 44,047,360 + 6144 + 786,688 + 256·14,155,776 = 3,668,718,848
+//   MoE layer active = 44,047,360 + 6144 + 786,688 +   8·14,155,776 =   158,086,400
+//   total  = 2·614,596,608 + 3072 + 62·3,668,718,848 = 228,689,764,864  (official "230B")
+//   active = 614,596,608 + 3072 + 62·158,086,400     =  10,415,956,480  (official "10B"; it is
+//            9.80B without the lm head). The MTP modules, outside the total, add 11.06B (3 decoder
+//            layers and their 2H x H projections and norms), which the official 230B leaves out.
+TEST(HfImport, MiniMaxM2) {
+  const ModelSpec m = import_fixture("MiniMax-M2");
+  EXPECT_EQ(m.architecture, "minimax_m2");
+  EXPECT_EQ(m.qk_norm, QkNorm::FullProjection);
+  EXPECT_FALSE(m.qkv_bias);
+  EXPECT_FALSE(m.o_bias);
+  EXPECT_DOUBLE_EQ(m.partial_rotary_factor, 0.5);
+  EXPECT_TRUE(m.router_correction_bias);
+  EXPECT_EQ(m.num_shared_experts, 0);
+  EXPECT_EQ(m.mtp_layers, 3);
+  EXPECT_FALSE(m.tie_word_embeddings);
+  EXPECT_EQ(count_window(m, AttentionWindow::Full), 62);
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.attention_per_layer + p.layer_norms_per_layer, 44047360 + 6144);
+  EXPECT_EQ(p.moe_layer_total, 3668718848);
+  EXPECT_EQ(p.moe_layer_active, 158086400);
+  EXPECT_EQ(p.total, 228689764864);
+  EXPECT_EQ(p.active, 10415956480);
+  EXPECT_NEAR(static_cast<double>(p.total), 230e9, 2e9);
+  EXPECT_NEAR(static_cast<double>(p.active), 10e9, 0.5e9);
+  // Found by its class when model_type is a fine-tune's own name.
+  json config = fixture_json("MiniMax-M2");
+  config["model_type"] = "my_minimax";
+  EXPECT_EQ(import_hf_config(config, "c.json").architecture, "minimax_m2");
+}
+
+// The HF-native config (transformers' MiniMaxM2Config) has none of the remote-code keys: full
+// RoPE unless told otherwise, no MTP modules (transformers builds none), QK norm and the routing
+// bias as the model always has them.
+TEST(HfImport, MiniMaxM2TransformersKeysOnly) {
+  json config = fixture_json("MiniMax-M2");
+  for (const char* key : {"rotary_dim", "use_mtp", "num_mtp_modules", "mtp_transformer_layers", "use_qk_norm",
+                          "qk_norm_type", "use_routing_bias", "attn_type_list", "shared_intermediate_size"}) {
+    config.erase(key);
+  }
+  const ModelSpec m = import_hf_config(config, "config.json");
+  EXPECT_EQ(m.mtp_layers, 0);
+  EXPECT_EQ(m.qk_norm, QkNorm::FullProjection);
+  EXPECT_TRUE(m.router_correction_bias);
+  EXPECT_DOUBLE_EQ(m.partial_rotary_factor, 1.0);
+  EXPECT_EQ(count_params(m).total, 228689764864);
+  config["qk_norm_type"] = "per_head";
+  EXPECT_EQ(import_hf_config(config, "config.json").qk_norm, QkNorm::PerHead);
+  config["use_qk_norm"] = false;
+  EXPECT_EQ(import_hf_config(config, "config.json").qk_norm, QkNorm::None);
+}
+
+// What M2 does not use and the memory model does not express is refused, naming the key.
+TEST(HfImport, MiniMaxM2RefusesWhatItCannotModel) {
+  auto error_with = [](const char* key, const json& value) {
+    json config = fixture_json("MiniMax-M2");
+    config[key] = value;
+    return only_error(config);
+  };
+  json linear = json::array();
+  for (int i = 0; i < 62; ++i) linear.push_back(i == 7 ? 0 : 1);
+  EXPECT_EQ(error_with("attn_type_list", linear),
+            "config.json: /attn_type_list: must be all 1 (softmax attention): linear-attention layers are "
+            "not modelled (got 0 at layer 7)");
+  EXPECT_EQ(error_with("shared_intermediate_size", 512),
+            "config.json: /shared_intermediate_size: must be 0: a MiniMax shared expert is not modelled (got 512)");
+  EXPECT_EQ(error_with("sliding_window", 4096),
+            "config.json: /sliding_window: must be null: MiniMax-M2 attends to the whole context, and windows "
+            "are not modelled for minimax_m2 (got 4096)");
+  EXPECT_EQ(error_with("attention_bias", true),
+            "config.json: /attention_bias: must be false: MiniMax-M2's projections have no biases (got true)");
+  EXPECT_EQ(error_with("mtp_transformer_layers", 2),
+            "config.json: /mtp_transformer_layers: must be 1: an MTP module of several decoder layers is not "
+            "modelled (got 2)");
+  EXPECT_EQ(error_with("rotary_dim", 256),
+            "config.json: /rotary_dim: must be in 1..head_dim (got 256, head_dim = 128)");
+  EXPECT_EQ(error_with("qk_norm_type", "per_token"),
+            "config.json: /qk_norm_type: must be \"per_layer\" or \"per_head\" (got \"per_token\")");
+  EXPECT_EQ(error_with("num_experts_per_tok", 300),
+            "config.json: /num_experts_per_tok: must be in 1..num_local_experts (got 300, num_local_experts = 256)");
+}
+
 // DeepSeek-V2-Lite (deepseek_v2; zkkython/llmsim hf_config/deepseek-ai__DeepSeek-V2-Lite.json):
 // H 2048, V 102400, 27 layers = 1 dense (FFN 10944) + 26 MoE, MLA a 16 with q_lora_rank null
 // (q straight from H), kv_lora 512, nope 128, rope 64, v 128; 64 experts top-6 of width 1408,
@@ -432,7 +521,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 9u);
+  EXPECT_EQ(supported_hf_architectures().size(), 10u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -446,13 +535,13 @@ TEST(HfImport, ArchitecturesIsTheFallBack) {
 TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
-            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4");
+            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
-            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4");
+            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
-            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4");
+            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }
