@@ -4,6 +4,7 @@
 //   ctest -R VerifyCalibratedOverhead
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,7 +29,11 @@ HardwareSpec calibrated_h200() {
     "fragmentation_fraction": 0.05, "allocation_alignment_bytes": 512, "overhead_calibrated": true,
     "runtime_overhead_terms": {"cuda_context_bytes": 520000000, "cublas_bytes": 80000000,
                                "cublas_workspace_bytes": 33554432, "nccl_bytes": 66445568} })");
-  return parse_hardware_card(card, "H200.calibrated.json");
+  // Written to a file and loaded from it, as flatpeak_calibrate leaves it: verify reads the card
+  // again from the plan's /inputs/hardware/source.
+  const std::string path = ::testing::TempDir() + "H200.calibrated.json";
+  std::ofstream(path) << card.dump(2);
+  return load_hardware(path);
 }
 
 nlohmann::json plan_json(const HardwareSpec& hw, std::vector<std::pair<std::string, std::string>> extra = {}) {

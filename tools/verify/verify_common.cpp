@@ -15,7 +15,7 @@ namespace flatpeak::cli {
 using nlohmann::ordered_json;
 
 ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s) {
-  ModelSpec model = load_model(in.model_name);
+  ModelSpec model = load_plan_model(in);
   model.hidden_size = s.hidden;
   model.vocab_size = s.vocab;
   model.num_layers = s.layers;
@@ -41,7 +41,7 @@ ordered_json predicted_timeline_for(const VerifyContext& ctx, const ModelSpec& m
                                     const RoutingModel* routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  const HardwareSpec hardware = load_hardware(in.hardware_name);
+  const HardwareSpec hardware = load_plan_hardware(in);
   FlagList flags{{"--gpus", "1"}, {"--context", std::to_string(s.tokens)}, {"--schedule", in.schedule}, {"--gpus-per-node", "1"}};
   // One rank: EP = 1, so there is nothing for LLEP to balance (its knobs need EP > 1).
   if (in.schedule == "flatpeak") flags.emplace_back("--llep", "off");

@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "spec/errors.h"
+#include "spec/hardware_spec.h"
+#include "spec/model_spec.h"
 
 namespace flatpeak::cli {
 
@@ -21,6 +23,9 @@ struct VerifyInputs {
   std::string file;
   std::string model_name;     // /inputs/model/name
   std::string hardware_name;  // /inputs/hardware/name
+  // /inputs/model/source and /inputs/hardware/source: "embedded:..." for a built-in card, else
+  // the file the planner read (a card or a Hugging Face config.json), which verify reads again.
+  std::string model_source, hardware_source;
   int64_t alignment_bytes = 1;  // /inputs/hardware/allocation_alignment_bytes
   int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
   int64_t hidden = 0, vocab = 0, layers = 0;
@@ -53,6 +58,13 @@ struct VerifyInputs {
 // Throws InputError (exit 2) for another schema_version, a missing or mistyped field, knobs
 // that contradict the inputs, and whatever check_plan_fields finds; every problem in one pass.
 VerifyInputs read_plan_inputs(const nlohmann::json& plan, const std::string& file);
+
+// The plan's model and hardware as the planner read them: the built-in card by name, or the file
+// named by /inputs/{model,hardware}/source (relative to where verify runs, as the planner read
+// it). InputError (exit 2) naming the source field when it cannot be read any more, and naming the
+// field when the file now gives other dims than the plan (it changed since the plan was made).
+ModelSpec load_plan_model(const VerifyInputs& in);
+HardwareSpec load_plan_hardware(const VerifyInputs& in);
 
 // The fields verify does not use, checked so that no value in a plan is silently ignored: every
 // key of the top level, /inputs, its model, hardware, run and params and of /knobs is one that

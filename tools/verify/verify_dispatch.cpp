@@ -110,14 +110,14 @@ exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const Dis
 ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  ModelSpec model = load_model(in.model_name);
+  ModelSpec model = load_plan_model(in);
   model.hidden_size = s.hidden;
   model.vocab_size = s.vocab;
   model.num_layers = s.layers;
   model.layers.resize(static_cast<size_t>(s.layers));
   model.num_experts = s.num_experts;
   model.expert_ffn_width = s.expert_ffn;
-  const HardwareSpec hardware = load_hardware(in.hardware_name);
+  const HardwareSpec hardware = load_plan_hardware(in);
   FlagList flags{{"--gpus", std::to_string(s.ep)},          {"--context", std::to_string(s.tokens)},
                  {"--schedule", in.schedule},               {"--gpus-per-node", std::to_string(s.ep)}};
   if (s.ep > 1) {
@@ -186,7 +186,7 @@ std::pair<int64_t, int64_t> compare_dispatch(const ordered_json& predicted, cons
 }
 
 int64_t first_moe_layer(const VerifyInputs& in, const ScaledConfig& s) {
-  const ModelSpec card = load_model(in.model_name);
+  const ModelSpec card = load_plan_model(in);
   for (int64_t l = 0; l < s.layers; ++l)
     if (card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) return l;
   return -1;

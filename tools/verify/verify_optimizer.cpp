@@ -83,7 +83,7 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   if (s.optimizer != "stream") return;
   // Keep the number of buckets: the plan's rank holds rank_shard_params(N, EP) parameters, the
   // scaled one rank_shard_params of the scaled model on one rank.
-  const ModelSpec plan_model = load_model(in.model_name);
+  const ModelSpec plan_model = load_plan_model(in);
   const int64_t plan_params = exec::rank_shard_params(plan_model, in.gpus, in.ep, trains_mtp(plan_model));
   const ModelSpec model = scaled_model(in, s);
   const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));

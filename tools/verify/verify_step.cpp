@@ -91,7 +91,7 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
 exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s) {
   // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
   // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
-  const ModelSpec card = load_model(in.model_name);
+  const ModelSpec card = load_plan_model(in);
   int64_t moe_layer = 0;
   while (moe_layer + 1 < s.layers && moe_layer < static_cast<int64_t>(card.layers.size()) &&
          card.layers[static_cast<size_t>(moe_layer)].ffn != FfnKind::Moe)
