@@ -1,5 +1,8 @@
 // CUDA twins of the MoE data movement (routing plan, permute/unpermute, combine) and of the
 // linear projection (executor/cpu/{permute,combine,linear}_cpu.cpp).
+#include <cstdint>
+#include <limits>
+
 #include "executor/cpu/op_util.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/kernel_util.cuh"
@@ -35,6 +38,9 @@ void check_combine(const CombineArgs& a) {
 void moe_route_cuda(const PermuteArgs& a, cudaStream_t stream) {
   check_permute(a);
   require(a.topk_ids && a.expert_counts, "permute", "routing needs topk_ids and expert_counts");
+  // slot_to_row and row_to_slot hold int32 rows and slots, the routing's first rows included.
+  require(a.tokens <= std::numeric_limits<int32_t>::max() / a.top_k, "permute",
+          "routing needs tokens * top_k < 2^31 (int32 rows)");
   launch_moe_route(a.topk_ids, a.tokens * a.top_k, a.experts, a.expert_counts, a.slot_to_row,
                    a.row_to_slot, stream);
 }

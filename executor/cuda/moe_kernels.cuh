@@ -1,9 +1,10 @@
 // The kernels of the MoE data movement (internal to executor/cuda): the routing plan (a stable
-// counting sort by expert: one block for a few thousand copies, else four launches over chunks), the row gathers of permute / unpermute, the k-slot sum of
-// permute backward, and combine forward / backward (optionally through slot_to_row, the fused
-// unpermute). moe_cuda.cu runs the launch sequences at the end; tests/unit/executor_moe_emulation_test.cpp
-// runs the same ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against
-// the CPU ops (executor/cpu/{permute,combine}_cpu.cpp), without a GPU.
+// counting sort by expert: one block for a few thousand copies, else four launches over chunks),
+// the row gathers of permute / unpermute, the k-slot sum of permute backward, and combine forward /
+// backward (optionally through slot_to_row, the fused unpermute). moe_cuda.cu runs the launch
+// sequences at the end; tests/unit/executor_moe_emulation_test.cpp runs the same ones on the host
+// (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU ops
+// (executor/cpu/{permute,combine}_cpu.cpp), without a GPU.
 //   #include "executor/cuda/moe_kernels.cuh"
 //   launch_permute_forward(x, row_to_slot, x_perm, tokens, top_k, hidden, stream);
 #pragma once
@@ -19,13 +20,20 @@ namespace {
 
 // ---- routing plan ------------------------------------------------------------------------
 
+// Out-of-range ids (the CPU refuses them; callers check that the counts add up): their slots
+// map to row -1, and the rows left over at the end hold slot -1, in both forms below.
+
 // One block. Each thread owns experts e ≡ threadIdx.x (mod blockDim.x): counts its copies,
 // then (after one thread turns counts into first rows) walks the copies in (token, slot) order
 // and hands out its rows, which is the CPU's stable counting sort. expert_counts holds first
 // rows in between, as on the CPU.
-__global__ void moe_route_kernel(const int32_t* topk_ids, int64_t copies, int64_t experts,
-                                 int64_t* expert_counts, int32_t* slot_to_row,
-                                 int32_t* row_to_slot) {
+__global__ void __launch_bounds__(1024)
+    moe_route_kernel(const int32_t* topk_ids, int64_t copies, int64_t experts,
+                     int64_t* expert_counts, int32_t* slot_to_row, int32_t* row_to_slot) {
+  for (int64_t i = threadIdx.x; i < copies; i += blockDim.x) {
+    row_to_slot[i] = -1;
+    if (topk_ids[i] < 0 || topk_ids[i] >= experts) slot_to_row[i] = -1;
+  }
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     int64_t count = 0;
     for (int64_t i = 0; i < copies; ++i) count += topk_ids[i] == e ? 1 : 0;
@@ -83,7 +91,7 @@ __global__ void moe_route_count_kernel(const int32_t* topk_ids, int64_t copies, 
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const int32_t e = topk_ids[i];
     if (e >= 0 && e < experts) atomicAdd(&counts[e], 1);
-    row_to_slot[i] = -1;  // a row no copy takes (an out-of-range id) stays -1; step 4 skips it
+    row_to_slot[i] = -1;  // a row no copy takes (out-of-range ids) stays -1; step 4 skips it
   }
   __syncthreads();
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) table[e * chunks + blockIdx.x] = counts[e];
@@ -91,8 +99,8 @@ __global__ void moe_route_count_kernel(const int32_t* topk_ids, int64_t copies, 
 
 // One block: each thread sums a run of the table, thread 0 scans the runs' sums, each thread
 // rewrites its run as first rows; then every expert's total from its first rows.
-__global__ void moe_route_scan_kernel(int32_t* table, int64_t experts, int64_t chunks,
-                                      int64_t* expert_counts) {
+__global__ void __launch_bounds__(kRouteScanThreads)
+    moe_route_scan_kernel(int32_t* table, int64_t experts, int64_t chunks, int64_t* expert_counts) {
   __shared__ int64_t run_start[kRouteScanThreads];
   __shared__ int64_t total;  // every copy with an expert in range
   const int64_t n = experts * chunks;
@@ -154,11 +162,14 @@ __global__ void moe_route_scatter_kernel(const int32_t* topk_ids, int64_t copies
   }
 }
 
-__global__ void moe_route_invert_kernel(const int32_t* row_to_slot, int32_t* slot_to_row,
-                                        int64_t copies) {
+// Row r's slot gets r; a slot with an out-of-range id (in no row) gets -1. The two writes never
+// meet: such a slot is in no row.
+__global__ void moe_route_invert_kernel(const int32_t* topk_ids, const int32_t* row_to_slot,
+                                        int32_t* slot_to_row, int64_t copies, int64_t experts) {
   for (int64_t r = global_thread(); r < copies; r += grid_threads()) {
     const int32_t slot = row_to_slot[r];
     if (slot >= 0) slot_to_row[slot] = static_cast<int32_t>(r);
+    if (topk_ids[r] < 0 || topk_ids[r] >= experts) slot_to_row[r] = -1;
   }
 }
 
@@ -260,8 +271,8 @@ inline void launch_moe_route(const int32_t* topk_ids, int64_t copies, int64_t ex
   FLATPEAK_LAUNCH(moe_route_scatter_kernel, chunks, kRouteTile,
                   counts_bytes + kRouteTile * sizeof(int32_t), stream, topk_ids, copies, experts,
                   chunk, chunks, static_cast<const int32_t*>(table), row_to_slot);
-  FLATPEAK_LAUNCH(moe_route_invert_kernel, grid_for(copies), kThreads, 0, stream,
-                  static_cast<const int32_t*>(row_to_slot), slot_to_row, copies);
+  FLATPEAK_LAUNCH(moe_route_invert_kernel, grid_for(copies), kThreads, 0, stream, topk_ids,
+                  static_cast<const int32_t*>(row_to_slot), slot_to_row, copies, experts);
 }
 
 // x_perm [T·k, H] from x [T, H]: the row of copy row_to_slot[r] is token row_to_slot[r] / k.

@@ -1,8 +1,9 @@
 // CPU vs CUDA for the MoE data movement: the routing plan (counts, slot_to_row, row_to_slot)
-// exactly, in one block and over chunks; permute / unpermute forward (pure copies) bitwise; the k-slot sums (permute backward,
-// combine forward) and combine's d_weights within rel 1e-5 (+ 1e-5 of the largest magnitude) in
-// f32 and rel 1e-2 (+ 1e-3) in bf16 storage; combine with and without the fused unpermute.
-// Random non-zero inputs from a fixed seed; exit 77 (skipped) without a CUDA device.
+// exactly, in one block and over chunks; permute / unpermute forward (pure copies) bitwise; the
+// k-slot sums (permute backward, combine forward) and combine's d_weights within rel 1e-5 (+ 1e-5
+// of the largest magnitude) in f32 and rel 1e-2 (+ 1e-3) in bf16 storage; combine with and without
+// the fused unpermute. Random non-zero inputs from a fixed seed; exit 77 (skipped) without a CUDA
+// device.
 #include <algorithm>
 #include <cstdio>
 #include <exception>
@@ -232,6 +233,8 @@ int main() {
     test_route_shape(alloc, 65536, 4, 128, 41);  // 64 chunks of 4096
     test_route_shape(alloc, 16384, 8, 256, 42);  // 32 chunks
     test_route_shape(alloc, 4097, 1, 7, 43);     // two chunks, the second of one copy
+    test_route_shape(alloc, 8192, 4, 3000, 45);  // chunks of 6000 copies: tiles end inside them
+    test_route_shape(alloc, 8192, 4, 8192, 46);  // kRouteMaxExperts: 33 KiB of shared memory
     test_route_shape(alloc, 10000, 2, 9000, 44);  // past kRouteMaxExperts: the single block
     for (DType dtype : {DType::F32, DType::BF16}) {
       test_permute(alloc, plan, dtype);

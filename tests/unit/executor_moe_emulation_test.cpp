@@ -1,10 +1,11 @@
-// The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, by
-// the launch sequences moe_cuda.cu itself runs (the header's), against the CPU ops
-// (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the
-// routing plan's barriers (one block, and the four launches over chunks) and combine backward's
-// block reduction, without a GPU (the device itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as there: the routing plan exactly,
-// permute / unpermute (copies) bitwise, the k-slot sums and d_weights within emulation_check.h's
-// Tol. Inputs carry NaN past their end (index arrays: an index into that NaN), outputs sentinels.
+// The MoE kernels (executor/cuda/moe_kernels.cuh) run on the host through cuda_emulation.h, by the
+// launch sequences moe_cuda.cu itself runs (the header's), against the CPU ops
+// (executor/cpu/{permute,combine}_cpu.cpp): indexing, the grid- and block-stride loops, the routing
+// plan's barriers (one block, and the four launches over chunks) and combine backward's block
+// reduction, without a GPU (the device itself is checked by tests/cuda/moe_cuda_test.cu). Bounds as
+// there: the routing plan exactly, permute / unpermute (copies) bitwise, the k-slot sums and
+// d_weights within emulation_check.h's Tol. Inputs carry NaN past their end (index arrays: an index
+// into that NaN), outputs sentinels.
 #include "cuda_emulation.h"
 // The emulation header first: it defines what the kernels' source expects from CUDA.
 #include "executor/cuda/moe_kernels.cuh"
@@ -178,8 +179,8 @@ TEST(MoeEmulation, F32) { moe_case<float>({2, 2, 3, 130}, 21); }
 // H below a warp: most of combine backward's threads idle in its reduction.
 TEST(MoeEmulation, Bf16) { moe_case<Bf16>({4, 2, 3, 20}, 22); }
 
-// The routing plan alone (one 1024-thread launch each, below two chunks): skewed counts over a few experts, and
-// more experts than threads (threads own two; most experts empty).
+// The routing plan alone (one 1024-thread launch each, below two chunks): skewed counts over a
+// few experts, and more experts than threads (threads own two; most experts empty).
 void route_case(const MoeShape& s, std::vector<int32_t> ids, int64_t chunk = cd::kRouteChunk) {
   const int64_t rows = s.tokens * s.top_k;
   std::vector<int64_t> counts(static_cast<size_t>(s.experts));
@@ -263,8 +264,9 @@ TEST(MoeEmulation, RouteChunksRepeatedExperts) {
 }
 
 // Out-of-range ids (the CPU refuses them; callers check that the counts add up): the valid
-// copies get their rows in the same stable order, the rows left over hold -1.
-TEST(MoeEmulation, RouteChunksSkipOutOfRangeIds) {
+// copies get their rows in the same stable order, the invalid slots row -1, the rows left over
+// slot -1; over chunks (16 copies each) and in the single block alike.
+void route_out_of_range_case(int64_t chunk) {
   const MoeShape s{60, 2, 5, 1};
   std::mt19937 rng(33);
   std::vector<int32_t> ids = topk_ids(rng, s.tokens, s.top_k, s.experts);
@@ -285,18 +287,23 @@ TEST(MoeEmulation, RouteChunksSkipOutOfRangeIds) {
   });
   std::vector<int32_t> want_r2s(static_cast<size_t>(rows), -1);
   std::copy(valid_slots.begin(), valid_slots.end(), want_r2s.begin());
+  std::vector<int32_t> want_s2r(static_cast<size_t>(rows), -1);
+  for (size_t r = 0; r < valid_slots.size(); ++r)
+    want_s2r[static_cast<size_t>(valid_slots[r])] = static_cast<int32_t>(r);
   const Guarded<int32_t> g_ids = guarded(ids, 0);
   Guarded<int64_t> counts = output_of<int64_t>(s.experts);
   Guarded<int32_t> s2r = output_of<int32_t>(rows);
   Guarded<int32_t> r2s = output_of<int32_t>(rows);
-  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr, 16);
+  cd::launch_moe_route(g_ids.ptr(), rows, s.experts, counts.ptr(), s2r.ptr(), r2s.ptr(), nullptr, chunk);
   expect_same("route/expert_counts", counts, want_counts);
   expect_same("route/row_to_slot", r2s, want_r2s);
-  for (size_t r = 0; r < valid_slots.size(); ++r)
-    EXPECT_EQ(s2r.ptr()[valid_slots[r]], static_cast<int32_t>(r)) << "slot " << valid_slots[r];
+  expect_same("route/slot_to_row", s2r, want_s2r);
   expect_guard_intact("route/slot_to_row", s2r);
   expect_guard_intact("route/row_to_slot", r2s);
 }
+
+TEST(MoeEmulation, RouteChunksSkipOutOfRangeIds) { route_out_of_range_case(16); }
+TEST(MoeEmulation, RouteSkipsOutOfRangeIds) { route_out_of_range_case(cd::kRouteChunk); }
 
 // One block for every grid-stride kernel: each thread takes several elements.
 TEST(MoeEmulation, GridStride) {
