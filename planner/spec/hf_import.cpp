@@ -41,7 +41,7 @@ const std::vector<std::string>& architecture_names() {
   static const std::vector<std::string> names{"deepseek_v2", "deepseek_v3", "kimi_k2",
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
                                               "glm4_moe",    "olmoe",       "llama4",
-                                              "minimax_m2"};
+                                              "minimax_m2",  "ernie4_5_moe"};
   return names;
 }
 
@@ -63,6 +63,7 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"Llama4ForConditionalGeneration", "llama4"},
       {"Llama4ForCausalLM", "llama4"},
       {"MiniMaxM2ForCausalLM", "minimax_m2"},
+      {"Ernie4_5_MoeForCausalLM", "ernie4_5_moe"},
   };
   return classes;
 }
@@ -600,7 +601,8 @@ void import_minimax_m2(Fields& f, ModelSpec& m) {
     if (!f.ok({"rotary_dim", "head_dim", "hidden_size", "num_attention_heads"})) {
       // reported already; the fraction needs both dims
     } else if (rotary > m.head_dim) {
-      f.error("rotary_dim", fmt::format("must be in 1..head_dim (got {}, head_dim = {})", rotary, m.head_dim));
+      f.error("rotary_dim",
+              fmt::format("must be in 1..head_dim (got {}, head_dim = {})", rotary, m.head_dim));
     } else {
       m.partial_rotary_factor = static_cast<double>(rotary) / static_cast<double>(m.head_dim);
     }
@@ -643,6 +645,43 @@ void import_minimax_m2(Fields& f, ModelSpec& m) {
     m.mtp_layers = modules;
   }
   fill_layers(m, std::vector<bool>(static_cast<size_t>(d.layers), true));
+}
+
+// ernie4_5_moe (ERNIE 4.5 MoE, text): GQA, MoE at the layers i with (i + 1) % moe_layer_interval
+// == 0 within moe_layer_start_index..moe_layer_end_index (-1: the last), dense FFN of
+// intermediate_size elsewhere; moe_num_shared_experts shared experts of moe_intermediate_size as
+// one MLP; softmax routing with a per-expert correction bias (moe_statics, always present);
+// tied embeddings unless told otherwise (transformers' defaults: shared experts 2, tied). use_bias
+// puts biases on every projection, MLPs and the head included, which the model spec cannot hold:
+// refused. MTP modules (num_nextn_predict_layers, which the transformers port ignores) are counted
+// as DeepSeek's.
+void import_ernie4_5_moe(Fields& f, ModelSpec& m) {
+  const CommonDims d = read_common(f, true);
+  apply_common(m, d);
+  if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = true;
+  m.head_dim = read_head_dim(f, d);
+  m.v_head_dim = m.head_dim;
+  if (f.optional_bool("use_bias", false)) {
+    f.error("use_bias", "must be false: biases on the MLPs and the head are not modelled (got true)");
+  }
+  read_experts(f, m, "moe_num_experts", "moe_k");
+  m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
+  const int64_t shared = f.optional_int("moe_num_shared_experts", 2, 0, kMaxExperts);
+  m.num_shared_experts = shared;
+  m.shared_expert_ffn_width = shared * m.expert_ffn_width;
+  m.router_correction_bias = true;
+  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  const int64_t last = last_layer_index(f, d);
+  const int64_t start = f.optional_int("moe_layer_start_index", 1, 0, last);
+  int64_t end = f.optional_int("moe_layer_end_index", -1, -1, last);
+  if (end == -1) end = last;
+  const int64_t interval = f.optional_int("moe_layer_interval", 1, 1, kMaxLayers);
+  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) {
+    is_moe[static_cast<size_t>(i)] = (i + 1) % interval == 0 && i >= start && i <= end;
+  }
+  if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
+  fill_layers(m, is_moe);
 }
 
 // llama4: the text model under text_config (the vision tower is not counted). MoE every
@@ -836,6 +875,8 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
     import_olmoe(root, m);
   } else if (*family == "minimax_m2") {
     import_minimax_m2(root, m);
+  } else if (*family == "ernie4_5_moe") {
+    import_ernie4_5_moe(root, m);
   } else {
     import_deepseek(root, m, *family);
   }

@@ -1,6 +1,6 @@
 // Importing a Hugging Face config.json into a ModelSpec, by model_type / architectures.
 // Supported: deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4,
-// minimax_m2.
+// minimax_m2, ernie4_5_moe.
 //   ModelSpec m = import_hf_config(parse_json_text(text, path), path);
 // Unknown keys are ignored (configs carry many); a missing required key is an InputError that
 // suggests a near-miss key present in the file; an unknown architecture lists the supported ones.

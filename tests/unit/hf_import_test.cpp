@@ -375,6 +375,63 @@ TEST(HfImport, MiniMaxM2RefusesWhatItCannotModel) {
             "config.json: /num_experts_per_tok: must be in 1..num_local_experts (got 300, num_local_experts = 256)");
 }
 
+// ERNIE-4.5-21B-A3B (ernie4_5_moe; transformers' defaults, see tests/data/hf/SOURCES.md): H 2560,
+// V 103424 tied, 28 layers = 1 dense (FFN 12288) + 27 MoE, 20 query / 4 kv heads of 128, no
+// biases, 64 experts top-6 of width 1536, 2 shared experts (one MLP of 3072), a correction bias.
+//   attention = q 2560·2560 + k, v 2·2560·512 + o 2560·2560 = 15,728,640; norms 5120
+//   dense layer = 15,728,640 + 5120 + 3·2560·12288 = 110,105,600
+//   expert = 3·2560·1536 = 11,796,480; shared = 3·2560·3072 = 23,592,960; router = 64·2560 + 64
+//   MoE layer total  = 15,728,640 + 5120 + 163,904 + 23,592,960 + 64·11,796,480 = 794,465,344
+//   MoE layer active = ...                                        +  6·11,796,480 = 110,269,504
+//   total  = 264,765,440 + 2560 + 110,105,600 + 27·794,465,344 = 21,825,437,888  (official "21B")
+//   active = 264,765,440 + 2560 + 110,105,600 + 27·110,269,504 =  3,352,150,208  (official "3B";
+//            3.09B without the tied embedding, which flatpeak counts once, as the head)
+TEST(HfImport, Ernie45Moe) {
+  const ModelSpec m = import_fixture("ERNIE-4.5-21B-A3B");
+  EXPECT_EQ(m.architecture, "ernie4_5_moe");
+  EXPECT_TRUE(m.tie_word_embeddings);
+  EXPECT_TRUE(m.router_correction_bias);
+  EXPECT_EQ(m.num_shared_experts, 2);
+  EXPECT_EQ(m.shared_expert_ffn_width, 3072);
+  EXPECT_EQ(m.dense_ffn_width, 12288);
+  EXPECT_EQ(m.layers[0].ffn, FfnKind::Dense);
+  for (size_t i = 1; i < m.layers.size(); ++i) EXPECT_EQ(m.layers[i].ffn, FfnKind::Moe) << "layer " << i;
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.attention_per_layer, 15728640);
+  EXPECT_EQ(p.dense_layer_total, 110105600);
+  EXPECT_EQ(p.moe_layer_total, 794465344);
+  EXPECT_EQ(p.moe_layer_active, 110269504);
+  EXPECT_EQ(p.total, 21825437888);
+  EXPECT_EQ(p.active, 3352150208);
+  EXPECT_NEAR(static_cast<double>(p.total), 21e9, 1e9);
+  EXPECT_EQ(p.lm_head, 0);  // tied: the embedding is the head, counted in active once
+  EXPECT_NEAR(static_cast<double>(p.active - p.embedding), 3e9, 0.1e9);
+}
+
+// The layer rule: moe_layer_end_index -1 is the last layer; an interval of 2 with a start of 3
+// makes layers 3, 5, 7, ... MoE; transformers' defaults (2 shared experts, tied) when absent.
+TEST(HfImport, Ernie45MoeLayersAndDefaults) {
+  json config = fixture_json("ERNIE-4.5-21B-A3B");
+  config["moe_layer_end_index"] = -1;
+  config["moe_layer_start_index"] = 3;
+  config["moe_layer_interval"] = 2;
+  config.erase("moe_num_shared_experts");
+  config.erase("tie_word_embeddings");
+  const ModelSpec m = import_hf_config(config, "config.json");
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const bool moe = i >= 3 && (i + 1) % 2 == 0;
+    EXPECT_EQ(m.layers[i].ffn, moe ? FfnKind::Moe : FfnKind::Dense) << "layer " << i;
+  }
+  EXPECT_EQ(m.num_shared_experts, 2);
+  EXPECT_TRUE(m.tie_word_embeddings);
+  config["use_bias"] = true;
+  EXPECT_EQ(only_error(config),
+            "config.json: /use_bias: must be false: biases on the MLPs and the head are not modelled (got true)");
+  config.erase("use_bias");
+  config["moe_layer_start_index"] = 28;
+  EXPECT_EQ(only_error(config), "config.json: /moe_layer_start_index: must be at most 27 (got 28)");
+}
+
 // DeepSeek-V2-Lite (deepseek_v2; zkkython/llmsim hf_config/deepseek-ai__DeepSeek-V2-Lite.json):
 // H 2048, V 102400, 27 layers = 1 dense (FFN 10944) + 26 MoE, MLA a 16 with q_lora_rank null
 // (q straight from H), kv_lora 512, nope 128, rope 64, v 128; 64 experts top-6 of width 1408,
@@ -521,7 +578,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 10u);
+  EXPECT_EQ(supported_hf_architectures().size(), 11u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -535,13 +592,13 @@ TEST(HfImport, ArchitecturesIsTheFallBack) {
 TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
-            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
+            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
-            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
+            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
-            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2");
+            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }

@@ -33,6 +33,30 @@ bool is_layer_phase(const std::string& name) {
   return (name.rfind("fwd/L", 0) == 0 || name.rfind("bwd/L", 0) == 0) && name.find("/ffn") == std::string::npos;
 }
 
+// The executor runs one layer, the first MoE one. The attention phases of a dense layer before it
+// (its FFN phases are not compared) hold what that layer's attention holds, so an unfolded one
+// (a single dense layer: ERNIE 4.5's layer 0) is compared with the run layer's attention phases,
+// as a folded group of dense layers is (phase_matches); marked so here. Returns how many.
+int match_dense_attention_to_the_run_layer(nlohmann::ordered_json& predicted, const ModelSpec& model,
+                                           int64_t run_layer) {
+  int marked = 0;
+  for (auto& phase : predicted["phases"]) {
+    const std::string name = phase["name"].get<std::string>();
+    if (phase.contains("folds") || !is_layer_phase(name) || name.size() < 5 ||
+        name.compare(name.size() - 5, 5, "/attn") != 0)
+      continue;
+    const size_t at = name.find("/L") + 2;
+    const size_t end = name.find('/', at);
+    const int64_t layer = std::stoll(name.substr(at, end - at));
+    if (layer == run_layer || layer >= static_cast<int64_t>(model.layers.size()) ||
+        model.layers[static_cast<size_t>(layer)].ffn != FfnKind::Dense)
+      continue;
+    phase["folds"] = "L" + std::to_string(layer);
+    ++marked;
+  }
+  return marked;
+}
+
 }  // namespace
 
 // The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
@@ -115,8 +139,12 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   const ScaledConfig& s = ctx.scaled;
   check_layer_supported(in, s, "layer");
   // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
-  const nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {});
+  const ModelSpec model = layer_model(ctx);
+  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, model, {});
   const exec::LayerScheduleConfig c = layer_schedule_config(in, s);
+  if (match_dense_attention_to_the_run_layer(predicted, model, c.layer_index) > 0)
+    report.notes.push_back("layer: the dense layers' attention phases are compared with those of the run MoE layer L" +
+                           std::to_string(c.layer_index));
   // Both runs draw their inputs from the seed into their tracked buffers; their results are the
   // grads as bf16 bits (verify_independence_test counts them as comparison copies).
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
