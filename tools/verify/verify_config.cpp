@@ -165,24 +165,26 @@ bool is_embedded(const std::string& source) { return source.rfind("embedded:", 0
 // Loads `source` (a file) with `load`, turning its InputError into one that names the plan's
 // source field: the reason, and what to do about it.
 template <class Spec, class Load>
-Spec load_plan_source(const VerifyInputs& in, const std::string& pointer, const std::string& source, Load load) {
+Spec load_plan_source(const VerifyInputs& in, const std::string& pointer, const std::string& source,
+                      Load load) {
   try {
     return load(source);
   } catch (const InputError& e) {
     std::string reason;
     for (const Diagnostic& d : e.diagnostics()) reason += (reason.empty() ? "" : "; ") + d.to_string();
-    throw InputError(Diagnostic{in.file, pointer,
-                                "names '" + source + "', which cannot be read as it was when the plan was made: " + reason,
-                                "run verify from the folder the plan was made in, or plan again with the file's absolute path"});
+    throw InputError(Diagnostic{
+        in.file, pointer,
+        "names '" + source + "', which cannot be read as it was when the plan was made: " + reason,
+        "run verify from the folder the plan was made in, or plan again with the file's absolute path"});
   }
 }
 
-void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& field, const std::string& source,
-                 int64_t in_plan, int64_t in_file) {
+void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& field,
+                 const std::string& source, int64_t in_plan, int64_t in_file) {
   if (in_plan == in_file) return;
   errs.add(Diagnostic{in.file, field,
-                      "is " + std::to_string(in_plan) + ", but '" + source + "' now gives " + std::to_string(in_file) +
-                          ": the file changed since the plan was made",
+                      "is " + std::to_string(in_plan) + ", but '" + source + "' now gives " +
+                          std::to_string(in_file) + ": the file changed since the plan was made",
                       "plan again from the file as it is"});
 }
 
@@ -190,8 +192,8 @@ void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& f
 
 ModelSpec load_plan_model(const VerifyInputs& in) {
   if (in.model_source.empty() || is_embedded(in.model_source)) return load_model(in.model_name);
-  const ModelSpec model = load_plan_source<ModelSpec>(in, "/inputs/model/source", in.model_source,
-                                                      [](const std::string& path) { return load_model(path); });
+  const ModelSpec model = load_plan_source<ModelSpec>(
+      in, "/inputs/model/source", in.model_source, [](const std::string& path) { return load_model(path); });
   InputErrors errs;
   const std::string& src = in.model_source;
   expect_same(errs, in, "/inputs/model/num_layers", src, in.layers, model.num_layers);
@@ -201,7 +203,8 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
   expect_same(errs, in, "/inputs/model/top_k", src, in.top_k, model.top_k);
   expect_same(errs, in, "/inputs/model/expert_ffn_width", src, in.expert_ffn_width, model.expert_ffn_width);
   if (in.num_heads > 0) expect_same(errs, in, "/inputs/model/num_heads", src, in.num_heads, model.num_heads);
-  if (in.num_kv_heads > 0) expect_same(errs, in, "/inputs/model/num_kv_heads", src, in.num_kv_heads, model.num_kv_heads);
+  if (in.num_kv_heads > 0)
+    expect_same(errs, in, "/inputs/model/num_kv_heads", src, in.num_kv_heads, model.num_kv_heads);
   if (in.head_dim > 0) expect_same(errs, in, "/inputs/model/head_dim", src, in.head_dim, model.head_dim);
   errs.throw_if_any();
   return model;
@@ -209,8 +212,9 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
 
 HardwareSpec load_plan_hardware(const VerifyInputs& in) {
   if (in.hardware_source.empty() || is_embedded(in.hardware_source)) return load_hardware(in.hardware_name);
-  const HardwareSpec hardware = load_plan_source<HardwareSpec>(
-      in, "/inputs/hardware/source", in.hardware_source, [](const std::string& path) { return load_hardware(path); });
+  const HardwareSpec hardware =
+      load_plan_source<HardwareSpec>(in, "/inputs/hardware/source", in.hardware_source,
+                                     [](const std::string& path) { return load_hardware(path); });
   InputErrors errs;
   expect_same(errs, in, "/inputs/hardware/allocation_alignment_bytes", in.hardware_source, in.alignment_bytes,
               hardware.allocation_alignment_bytes);
