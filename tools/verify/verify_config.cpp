@@ -151,10 +151,10 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   }
   check_plan_fields(plan, file, r.errs);
   r.errs.throw_if_any();
-  // The model and hardware are read here too, so that a file gone or changed since the plan was
+  // The model and hardware are read here, once, so that a file gone or changed since the plan was
   // made is an input error before anything runs (every rank under MPI reads the plan alike).
-  load_plan_model(in);
-  load_plan_hardware(in);
+  in.model = std::make_shared<const ModelSpec>(load_plan_model(in));
+  in.hardware = std::make_shared<const HardwareSpec>(load_plan_hardware(in));
   return in;
 }
 
@@ -191,6 +191,7 @@ void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& f
 }  // namespace
 
 ModelSpec load_plan_model(const VerifyInputs& in) {
+  if (in.model) return *in.model;
   if (in.model_source.empty() || is_embedded(in.model_source)) return load_model(in.model_name);
   const ModelSpec model = load_plan_source<ModelSpec>(
       in, "/inputs/model/source", in.model_source, [](const std::string& path) { return load_model(path); });
@@ -211,6 +212,7 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
 }
 
 HardwareSpec load_plan_hardware(const VerifyInputs& in) {
+  if (in.hardware) return *in.hardware;
   if (in.hardware_source.empty() || is_embedded(in.hardware_source)) return load_hardware(in.hardware_name);
   const HardwareSpec hardware =
       load_plan_source<HardwareSpec>(in, "/inputs/hardware/source", in.hardware_source,

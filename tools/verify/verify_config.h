@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -26,6 +27,9 @@ struct VerifyInputs {
   // /inputs/model/source and /inputs/hardware/source: "embedded:..." for a built-in card, else
   // the file the planner read (a card or a Hugging Face config.json), which verify reads again.
   std::string model_source, hardware_source;
+  // The model and hardware those name, read once by read_plan_inputs (load_plan_model).
+  std::shared_ptr<const ModelSpec> model;
+  std::shared_ptr<const HardwareSpec> hardware;
   int64_t alignment_bytes = 1;  // /inputs/hardware/allocation_alignment_bytes
   int64_t gpus = 0, ep = 1, cp = 1, tokens_per_gpu = 0, micro_batch = 1;
   int64_t hidden = 0, vocab = 0, layers = 0;
@@ -61,8 +65,9 @@ VerifyInputs read_plan_inputs(const nlohmann::json& plan, const std::string& fil
 
 // The plan's model and hardware as the planner read them: the built-in card by name, or the file
 // named by /inputs/{model,hardware}/source (relative to where verify runs, as the planner read
-// it). InputError (exit 2) naming the source field when it cannot be read any more, and naming the
-// field when the file now gives other dims than the plan (it changed since the plan was made).
+// it). read_plan_inputs reads them once; these return that copy. InputError (exit 2) naming the
+// source field when it cannot be read any more, and naming the field when the file now gives
+// other dims than the plan (it changed since the plan was made).
 ModelSpec load_plan_model(const VerifyInputs& in);
 HardwareSpec load_plan_hardware(const VerifyInputs& in);
 
