@@ -310,6 +310,7 @@ class Builder {
       for (auto& p : worst_rank(shapes, [&](const MoeShape& s) { return pipelined(c_) ? pipelined_forward(c_, s, true) : ep_phases(c_, s, true); })) {
         Acc t = block;
         ffn_pair(c_, Fs, t);
+        shared_gate_saved(c_, t);
         if (p.disp == FP::Disp::None) t.append(p.terms);
         add(layer_home(true), t, p.disp, 1);
       }
@@ -319,6 +320,7 @@ class Builder {
       for (auto& p : back) {
         Acc t = block;
         ffn_pair(c_, Fs, t);
+        shared_gate_saved(c_, t);
         if (p.kind == MoePhase::Experts || p.kind == MoePhase::Round) ffn_backward_grads(c_, Fs, t);
         if (p.disp == FP::Disp::None) t.append(p.terms);
         add(layer_home(true), t, p.disp, 2);

@@ -91,6 +91,12 @@ void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t) {
   t.add(kAct, mul(c.T, 2 * width), kB16);
 }
 
+void shared_gate_saved(const Ctx& c, Acc& t) {
+  if (!c.m.shared_expert_gate || c.m.shared_expert_ffn_width <= 0) return;
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, c.T, kB16);
+}
+
 // ---- dispatch
 
 std::vector<MoeShape> moe_shapes(const Ctx& c, const MoeLoad& load) {

@@ -81,6 +81,9 @@ void ffn_pair(const Ctx& c, int64_t width, Acc& t);
 
 void ffn_backward_grads(const Ctx& c, int64_t width, Acc& t);
 
+// A gated shared expert's saved ungated output [T, H] and gate [T] (add_shared_gate_saved).
+void shared_gate_saved(const Ctx& c, Acc& t);
+
 struct MoeShape {
   int64_t T, H, E, k, F, sent, recv;
   int64_t foreign, lent;  // the rank's S_p and S_sent (0 without LLEP)

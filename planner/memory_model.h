@@ -45,6 +45,10 @@ void add_ring_attention(const Context& c, int64_t layer, bool backward, TermList
 void add_ffn_forward(const Context& c, const char* prefix, int64_t width, TermList& t);
 void add_ffn_saved(const Context& c, const char* prefix, int64_t width, TermList& t);
 void add_ffn_backward_grads(const Context& c, const char* prefix, int64_t width, TermList& t);
+// A gated shared expert (ModelSpec::shared_expert_gate): its backward needs the ungated output
+// [T, H] and the gate [T], saved beside the shared expert's own set while its layer's MoE block
+// is recomputed and back-propagated.
+void add_shared_gate_saved(const Context& c, TermList& t);
 // The residual stream around the FFN block: h1 = x + attn(x), and the norm-2 output.
 void add_ffn_block_inputs(const Context& c, TermList& t);
 // Gradients flowing through a layer's backward: dy [T, H] and the fp32 residual accumulator.

@@ -128,6 +128,13 @@ void add_ffn_backward_grads(const Context& c, const char* prefix, int64_t width,
   t.add(p + " d gate,up", {{"T", T}, {"2F", 2 * width}}, kBf16, kAct);
 }
 
+void add_shared_gate_saved(const Context& c, TermList& t) {
+  if (!c.model.shared_expert_gate || c.model.shared_expert_ffn_width <= 0) return;
+  const int64_t T = c.work.tokens;
+  t.add("shared expert output, ungated (saved for its gate)", {{"T", T}, {"H", c.model.hidden_size}}, kBf16, kAct);
+  t.add("shared expert gate (saved)", {{"T", T}}, kBf16, kAct);
+}
+
 void add_layer_grad_stream(const Context& c, TermList& t) {
   const int64_t T = c.work.tokens;
   const int64_t H = c.model.hidden_size;

@@ -346,12 +346,14 @@ class Builder {
       for (auto& p : moe_recompute_phases(c_, l)) {
         TermList t = block;
         add_ffn_saved(c_, "shared expert", Fs, t);
+        add_shared_gate_saved(c_, t);
         t.append(p.terms);
         emit(prefix + "recompute/" + p.suffix, join(folds, p.folds), rec, t);
       }
       for (auto& p : moe_backward_phases(c_, l)) {
         TermList t = block;
         add_ffn_saved(c_, "shared expert", Fs, t);
+        add_shared_gate_saved(c_, t);
         if (p.suffix == "moe/experts" || p.suffix.rfind("moe/dispatch/r", 0) == 0) add_ffn_backward_grads(c_, "shared expert", Fs, t);
         t.append(p.terms);
         emit(prefix + p.suffix, join(folds, p.folds), bwd, t);

@@ -41,7 +41,7 @@ const std::vector<std::string>& architecture_names() {
   static const std::vector<std::string> names{"deepseek_v2", "deepseek_v3", "kimi_k2",
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
                                               "glm4_moe",    "olmoe",       "llama4",
-                                              "minimax_m2",  "ernie4_5_moe"};
+                                              "minimax_m2",  "ernie4_5_moe", "qwen2_moe"};
   return names;
 }
 
@@ -64,6 +64,7 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"Llama4ForCausalLM", "llama4"},
       {"MiniMaxM2ForCausalLM", "minimax_m2"},
       {"Ernie4_5_MoeForCausalLM", "ernie4_5_moe"},
+      {"Qwen2MoeForCausalLM", "qwen2_moe"},
   };
   return classes;
 }
@@ -453,6 +454,49 @@ void import_qwen3_moe(Fields& f, ModelSpec& m) {
     m.layers[static_cast<size_t>(i)].window = AttentionWindow::Sliding;
     m.layers[static_cast<size_t>(i)].attention_window_tokens = window;
   }
+}
+
+// qwen2_moe (Qwen1.5-MoE, Qwen2-MoE): GQA with biases on q, k and v (qkv_bias, true by default)
+// and none on o; MoE every decoder_sparse_step layers except mlp_only_layers (dense FFN of
+// intermediate_size there); in every MoE layer one shared expert of
+// shared_expert_intermediate_size whose output a per-token sigmoid gate scales
+// (shared_expert_gate, [H -> 1]). Sliding windows are refused: the released models attend to the
+// whole context, and transformers' versions disagree on which layers a window applies to.
+void import_qwen2_moe(Fields& f, ModelSpec& m) {
+  const CommonDims d = read_common(f, true);
+  apply_common(m, d);
+  m.head_dim = read_head_dim(f, d);
+  m.v_head_dim = m.head_dim;
+  m.qkv_bias = f.optional_bool("qkv_bias", true);
+  read_experts(f, m, "num_experts", "num_experts_per_tok");
+  m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
+  m.num_shared_experts = 1;
+  m.shared_expert_ffn_width = f.required_int("shared_expert_intermediate_size", 1, kMaxDim);
+  m.shared_expert_gate = true;
+  if (f.optional_bool("use_sliding_window", false)) {
+    f.error("use_sliding_window", "must be false: sliding windows are not modelled for qwen2_moe (got true)");
+  }
+  if (const json* types = f.find("layer_types"); types != nullptr && types->is_array()) {
+    for (size_t i = 0; i < types->size(); ++i) {
+      if ((*types)[i] != "full_attention") {
+        f.error("layer_types", fmt::format("must be all \"full_attention\": windowed layers are not modelled for "
+                                           "qwen2_moe (got {} at layer {})",
+                                           describe_json_value((*types)[i]), i));
+        break;
+      }
+    }
+  }
+  const int64_t sparse_step = f.optional_int("decoder_sparse_step", 1, 1, kMaxLayers);
+  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, last_layer_index(f, d));
+  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = (i + 1) % sparse_step == 0;
+  if (mlp_only) {
+    for (int64_t i : *mlp_only) {
+      if (i < d.layers) is_moe[static_cast<size_t>(i)] = false;
+    }
+  }
+  if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
+  fill_layers(m, is_moe);
 }
 
 // gpt_oss: alternating sliding/full attention, sinks, biases everywhere, all layers MoE.
@@ -865,6 +909,8 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
     }
   } else if (*family == "qwen3_moe") {
     import_qwen3_moe(root, m);
+  } else if (*family == "qwen2_moe") {
+    import_qwen2_moe(root, m);
   } else if (*family == "gpt_oss") {
     import_gpt_oss(root, m);
   } else if (*family == "mixtral") {

@@ -40,7 +40,7 @@ const std::vector<std::string>& card_keys() {
       "attention_bias", "o_proj_bias", "qk_norm", "attention_sinks", "partial_rotary_factor",
       "sliding_window", "chunked_attention", "no_rope_layers",
       "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-      "n_shared_experts", "shared_expert_intermediate_size",
+      "n_shared_experts", "shared_expert_intermediate_size", "shared_expert_gate",
       "router_bias", "router_correction_bias", "expert_bias",
       "intermediate_size", "dense_layers", "num_nextn_predict_layers",
       "params_total_official", "params_active_official", "params_official_statement",
@@ -407,6 +407,10 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   if (shared_count && *shared_count == 0 && present("shared_expert_intermediate_size")) {
     p.error(pointer("shared_expert_intermediate_size"), "is set but n_shared_experts is 0");
   }
+  const auto shared_gate = bool_key("shared_expert_gate");
+  if (shared_gate && *shared_gate && shared_count && *shared_count == 0) {
+    p.error(pointer("shared_expert_gate"), "is true but n_shared_experts is 0: there is no shared expert to gate");
+  }
   const auto router_bias = bool_key("router_bias");
   const auto correction_bias = bool_key("router_correction_bias");
   const auto expert_bias = bool_key("expert_bias");
@@ -469,6 +473,7 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   m.expert_ffn_width = *expert_width;
   m.num_shared_experts = *shared_count;
   m.shared_expert_ffn_width = has_shared ? *shared_width : 0;
+  m.shared_expert_gate = *shared_gate;
   m.router_bias = *router_bias;
   m.router_correction_bias = *correction_bias;
   m.expert_bias = *expert_bias;

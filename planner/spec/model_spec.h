@@ -63,6 +63,10 @@ struct ModelSpec {
   int64_t expert_ffn_width = 0;         // F
   int64_t num_shared_experts = 0;
   int64_t shared_expert_ffn_width = 0;  // total width of the shared-expert MLP (all shared experts)
+  // A sigmoid gate on the shared experts' output, one logit per token from an [H -> 1] projection
+  // (Qwen2-MoE's shared_expert_gate): H parameters a MoE layer; its backward needs the ungated
+  // shared output [T, H] and the gate [T] (memory_terms_layer.cpp).
+  bool shared_expert_gate = false;
   bool router_bias = false;             // bias in the router logits (gpt-oss)
   bool router_correction_bias = false;  // selection-only bias per expert (DeepSeek-V3 noaux_tc)
   bool expert_bias = false;             // biases inside each expert's projections (gpt-oss)

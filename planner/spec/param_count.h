@@ -24,7 +24,7 @@ struct ParamCounts {
   int64_t dense_ffn_per_layer = 0;     // one dense layer's FFN
   int64_t router_per_layer = 0;        // router weights, bias and correction bias
   int64_t expert_params = 0;           // one routed expert
-  int64_t shared_experts_per_layer = 0;
+  int64_t shared_experts_per_layer = 0;  // their MLP and, where the model has one, their gate
   int64_t dense_layer_total = 0;       // attention + norms + dense FFN (0 when no layer is dense)
   int64_t moe_layer_total = 0;         // attention + norms + router + all experts + shared
   int64_t moe_layer_active = 0;        // attention + norms + router + top-k experts + shared

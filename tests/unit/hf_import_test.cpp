@@ -408,6 +408,78 @@ TEST(HfImport, Ernie45Moe) {
   EXPECT_NEAR(static_cast<double>(p.active - p.embedding), 3e9, 0.1e9);
 }
 
+// Qwen2-57B-A14B (qwen2_moe; see tests/data/hf/SOURCES.md): H 3584, 28 layers, 28/4 heads of 128.
+// attention = q 3584² + k, v 2·3584·512 + o 3584² + the q, k, v biases 3584 + 2·512 = 29,364,736;
+// norms 7,168; router 64·3584 = 229,376; one expert 3·3584·2560 = 27,525,120, 64 of them
+// 1,761,607,680; the shared expert 3·3584·20480 + its gate 3584 = 220,204,544. A MoE layer
+// 2,011,413,504, ×28 = 56,319,578,112; embedding and head 2·151936·3584 = 1,089,077,248; final norm
+// 3584: total 57,408,658,944 (Qwen: "57B"). Active: a layer with 8 experts 470,006,784, ×28 =
+// 13,160,189,952, + head and final norm = 13,704,732,160; with the embedding 14,249,270,784 ("A14B").
+TEST(HfImport, Qwen2Moe57B) {
+  const ModelSpec m = import_fixture("Qwen2-57B-A14B");
+  EXPECT_EQ(m.architecture, "qwen2_moe");
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_FALSE(m.o_bias);
+  EXPECT_EQ(m.num_shared_experts, 1);
+  EXPECT_EQ(m.shared_expert_ffn_width, 20480);
+  EXPECT_TRUE(m.shared_expert_gate);
+  EXPECT_FALSE(m.router_correction_bias);
+  EXPECT_EQ(m.dense_ffn_width, 0);  // intermediate_size is read only for mlp_only_layers
+  EXPECT_EQ(m.count_layers(FfnKind::Moe), 28);
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.attention_per_layer, 29364736);
+  EXPECT_EQ(p.shared_experts_per_layer, 220204544);
+  EXPECT_EQ(p.moe_layer_total, 2011413504);
+  EXPECT_EQ(p.moe_layer_active, 470006784);
+  EXPECT_EQ(p.total, 57408658944);
+  EXPECT_EQ(p.active, 13704732160);
+  EXPECT_EQ(p.active_with_embedding, 14249270784);
+}
+
+// Qwen1.5-MoE-A2.7B: H 2048, 24 layers, 16/16 heads of 128. attention 4·2048² + 3·2048 =
+// 16,783,360; norms 4,096; router 60·2048 = 122,880; experts 60·3·2048·1408 = 519,045,120; shared
+// 3·2048·5632 + 2048 = 34,605,056. A layer 570,560,512, ×24 = 13,693,452,288, + embedding and head
+// 2·151936·2048 = 622,329,856 + 2048: total 14,315,784,192 (Qwen: "14.3B"). Active with the
+// embedding: 24·(16,783,360 + 4,096 + 122,880 + 4·8,650,752 + 34,605,056) + 622,331,904 =
+// 2,689,173,504 ("2.7B activated").
+TEST(HfImport, Qwen15MoeA27B) {
+  const ModelSpec m = import_fixture("Qwen1.5-MoE-A2.7B");
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.moe_layer_total, 570560512);
+  EXPECT_EQ(p.total, 14315784192);
+  EXPECT_EQ(p.active_with_embedding, 2689173504);
+}
+
+// mlp_only_layers and decoder_sparse_step as qwen3_moe reads them; qkv_bias false drops the
+// biases; windows are refused, whichever key asks for them.
+TEST(HfImport, Qwen2MoeLayersBiasAndWindows) {
+  json config = fixture_json("Qwen1.5-MoE-A2.7B");
+  config["decoder_sparse_step"] = 2;
+  config["mlp_only_layers"] = {1};
+  config["qkv_bias"] = false;
+  const ModelSpec m = import_hf_config(config, "config.json");
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const bool moe = (i + 1) % 2 == 0 && i != 1;
+    EXPECT_EQ(m.layers[i].ffn, moe ? FfnKind::Moe : FfnKind::Dense) << "layer " << i;
+  }
+  EXPECT_EQ(m.dense_ffn_width, 5632);
+  EXPECT_FALSE(m.qkv_bias);
+  EXPECT_EQ(count_params(m).attention_per_layer, 4 * 2048 * 2048);
+  config = fixture_json("Qwen1.5-MoE-A2.7B");
+  config["use_sliding_window"] = true;
+  EXPECT_EQ(only_error(config),
+            "config.json: /use_sliding_window: must be false: sliding windows are not modelled for qwen2_moe (got true)");
+  config.erase("use_sliding_window");
+  config["layer_types"] = json::array();
+  for (int i = 0; i < 24; ++i) config["layer_types"].push_back(i == 3 ? "sliding_attention" : "full_attention");
+  EXPECT_EQ(only_error(config),
+            "config.json: /layer_types: must be all \"full_attention\": windowed layers are not modelled for qwen2_moe "
+            "(got \"sliding_attention\" at layer 3)");
+  config.erase("layer_types");
+  config.erase("shared_expert_intermediate_size");
+  EXPECT_NE(only_error(config).find("/shared_expert_intermediate_size: required key missing"), std::string::npos);
+}
+
 // The layer rule: moe_layer_end_index -1 is the last layer; an interval of 2 with a start of 3
 // makes layers 3, 5, 7, ... MoE; transformers' defaults (2 shared experts, tied) when absent.
 TEST(HfImport, Ernie45MoeLayersAndDefaults) {
@@ -578,7 +650,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 11u);
+  EXPECT_EQ(supported_hf_architectures().size(), 12u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -592,13 +664,13 @@ TEST(HfImport, ArchitecturesIsTheFallBack) {
 TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
-            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
+            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
-            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
+            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
-            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe");
+            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }

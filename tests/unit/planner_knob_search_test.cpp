@@ -75,6 +75,7 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelOnRandomConfigs) {
     m.num_experts = std::stoi(pick({"2", "4"}));
     m.top_k = std::stoi(pick({"1", "2"}));
     m.shared_expert_ffn_width = std::stoi(pick({"0", "8"}));
+    m.shared_expert_gate = m.shared_expert_ffn_width > 0 && trial % 2 == 0;  // Qwen2-MoE's (no draw: same configs)
     m.mtp_layers = std::stoi(pick({"0", "1"}));
     if (pick({"0", "1"}) == "1") m.layers[0].ffn = FfnKind::Dense, m.dense_ffn_width = 16;
     if (m.num_layers > 1 && pick({"0", "1"}) == "1") {
@@ -130,6 +131,16 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelOnTheReferenceModels) {
       if (std::string(schedule) == "flatpeak") flags.push_back({"--sco-layers", "5"});
       expect_fast_equals_real(m, h, flags, std::string(name) + " " + schedule);
     }
+}
+
+// A gated shared expert (Qwen2-MoE, imported from its config.json): its saved output and gate in
+// every MoE recompute and backward phase, in both models.
+TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelWithAGatedSharedExpert) {
+  const ModelSpec m = load_model(std::string(FLATPEAK_TEST_DATA_DIR) + "/hf/Qwen2-57B-A14B/config.json");
+  ASSERT_TRUE(m.shared_expert_gate);
+  const HardwareSpec h = load_hardware("H100-80GB");
+  for (const char* schedule : {"baseline", "practice", "flatpeak"})
+    expect_fast_equals_real(m, h, {{"--gpus", "16"}, {"--context", "32K"}, {"--schedule", schedule}}, schedule);
 }
 
 // The layer grads' copy-in moment (timeline.cpp backward_layer) taking bwd/Ll/attn: the tiny MoE

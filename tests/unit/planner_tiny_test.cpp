@@ -640,3 +640,40 @@ TEST(PlannerTiny, AlignmentRoundsEveryTensor) {
 
 }  // namespace
 }  // namespace flatpeak::planner::test
+
+namespace flatpeak::planner::test {
+
+// A gated shared expert (Qwen2-MoE) keeps its ungated output [T, H] and its gate [T] for its
+// backward: in every MoE recompute and backward phase, nowhere in the forward, and nothing else
+// changes.
+TEST(PlannerTiny, GatedSharedExpertSavesItsOutputAndGateForBackward) {
+  ModelSpec plain = tiny_moe(2);
+  plain.num_shared_experts = 1;
+  plain.shared_expert_ffn_width = 8;
+  ModelSpec gated = plain;
+  gated.shared_expert_gate = true;
+  const std::vector<std::pair<std::string, std::string>> flags{{"--gpus", "1"}, {"--context", "64"},
+                                                               {"--schedule", "practice"}};
+  const Plan a = plan_of(plain, tiny_gpu(), flags), b = plan_of(gated, tiny_gpu(), flags);
+  ASSERT_EQ(a.timeline.phases.size(), b.timeline.phases.size());
+  const int64_t saved = 64 * 8 * 2 + 64 * 2;  // bf16 [T, H] and [T]
+  int64_t with_gate = 0;
+  for (size_t i = 0; i < a.timeline.phases.size(); ++i) {
+    const Phase &x = a.timeline.phases[i], &y = b.timeline.phases[i];
+    ASSERT_EQ(x.name, y.name);
+    const bool moe_backward = x.name.rfind("bwd/L", 0) == 0 && x.name.find("/moe/") != std::string::npos;
+    const int64_t param_delta = y.terms.bytes(Space::Device) - x.terms.bytes(Space::Device) -
+                                (moe_backward ? saved : 0);
+    // The gate's H parameters a layer: params, grads and Adam state grow by a few bytes only.
+    EXPECT_GE(param_delta, 0) << x.name;
+    EXPECT_LT(param_delta, 2 * 8 * 64) << x.name;
+    if (moe_backward) {
+      EXPECT_EQ(term_bytes(y, "shared expert output, ungated (saved for its gate)"), 64 * 8 * 2) << y.name;
+      EXPECT_EQ(term_bytes(y, "shared expert gate (saved)"), 64 * 2) << y.name;
+      ++with_gate;
+    }
+  }
+  EXPECT_GE(with_gate, 4);  // recompute and backward phases of the MoE block
+}
+
+}  // namespace flatpeak::planner::test

@@ -120,6 +120,7 @@ ordered_json model_json(const ModelSpec& m) {
   moe["expert_ffn_width"] = m.expert_ffn_width;
   moe["num_shared_experts"] = m.num_shared_experts;
   moe["shared_expert_ffn_width"] = m.shared_expert_ffn_width;
+  moe["shared_expert_gate"] = m.shared_expert_gate;
   moe["router_bias"] = m.router_bias;
   moe["router_correction_bias"] = m.router_correction_bias;
   moe["expert_bias"] = m.expert_bias;
@@ -248,8 +249,9 @@ void print_table(const ModelSpec& m, const ParamCounts& p, std::ostream& out) {
   if (m.router_correction_bias) experts += "; router correction bias";
   if (m.expert_bias) experts += "; expert biases";
   dim("experts", experts);
-  dim("shared experts", m.num_shared_experts > 0 ? fmt::format("{}, FFN {} in all", m.num_shared_experts,
-                                                               m.shared_expert_ffn_width)
+  dim("shared experts", m.num_shared_experts > 0 ? fmt::format("{}, FFN {} in all{}", m.num_shared_experts,
+                                                               m.shared_expert_ffn_width,
+                                                               m.shared_expert_gate ? ", sigmoid-gated" : "")
                                                  : std::string("none"));
   dim("dense FFN", m.dense_ffn_width > 0 ? std::to_string(m.dense_ffn_width) : std::string("none"));
   dim("MTP layers", std::to_string(m.mtp_layers));
