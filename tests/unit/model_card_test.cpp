@@ -507,6 +507,19 @@ TEST_F(CardRules, SharedWidthExactlyWhenThereAreSharedExperts) {
                                "card.json: /shared_expert_intermediate_size: is set but n_shared_experts is 0"});
 }
 
+TEST_F(CardRules, SharedExpertGateNeedsASharedExpertAndCountsHParamsALayer) {
+  gqa["shared_expert_gate"] = true;
+  EXPECT_EQ(problems(gqa), std::vector<std::string>{"card.json: /shared_expert_gate: is true but n_shared_experts is 0: "
+                                                    "there is no shared expert to gate"});
+  const int64_t ungated = count_params(parse_model_card(mla, "card.json")).shared_experts_per_layer;
+  mla["shared_expert_gate"] = true;
+  const ModelSpec gated = parse_model_card(mla, "card.json");
+  EXPECT_TRUE(gated.shared_expert_gate);
+  EXPECT_EQ(count_params(gated).shared_experts_per_layer, ungated + gated.hidden_size);
+  mla["shared_expert_gate"] = "yes";
+  EXPECT_EQ(problems(mla).size(), 1u);
+}
+
 TEST_F(CardRules, WindowNeedsTokensAndLayers) {
   gqa["sliding_window"] = 128;
   EXPECT_EQ(problems(gqa), std::vector<std::string>{
@@ -550,13 +563,13 @@ TEST_F(CardRules, RequiredKeys) {
 TEST_F(CardRules, OptionalKeysHaveDocumentedDefaults) {
   for (const char* key : {"aliases", "source", "tie_word_embeddings", "attention_bias", "o_proj_bias", "qk_norm",
                           "attention_sinks", "partial_rotary_factor", "n_shared_experts", "router_bias",
-                          "router_correction_bias", "expert_bias", "dense_layers", "num_nextn_predict_layers",
+                          "router_correction_bias", "expert_bias", "shared_expert_gate", "dense_layers", "num_nextn_predict_layers",
                           "params_total_official", "params_active_official", "params_official_statement"}) {
     gqa.erase(key);
   }
   const ModelSpec m = parse_model_card(gqa, "card.json");
   EXPECT_FALSE(m.tie_word_embeddings || m.qkv_bias || m.o_bias || m.attention_sinks || m.router_bias ||
-               m.router_correction_bias || m.expert_bias);
+               m.router_correction_bias || m.expert_bias || m.shared_expert_gate);
   EXPECT_EQ(m.qk_norm, QkNorm::None);
   EXPECT_DOUBLE_EQ(m.partial_rotary_factor, 1.0);
   EXPECT_EQ(m.num_shared_experts, 0);
