@@ -69,10 +69,10 @@ class LayerCore final : public DecoderLayer::Engine {
   LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group)
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
         D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
-        FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0),
+        FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0), gated_(c.shared_gate),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
-        comm_(c.ep > 1 ? ep_group : nullptr) {
+        wsg_(cast(w.shared_gate)), comm_(c.ep > 1 ? ep_group : nullptr) {
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
       throw std::invalid_argument("decoder layer: ep = " + std::to_string(c.ep) + " needs a Communicator of that many ranks");
   }
@@ -362,11 +362,42 @@ class LayerCore final : public DecoderLayer::Engine {
         store_f32(sact_.data<S>() + t * FS_ + f, silu_f32(to_f32(gu[t * 2 * FS_ + f])) * to_f32(gu[t * 2 * FS_ + FS_ + f]));
   }
 
-  // target += act*up · W_downᵀ (the shared experts' output, a short-lived [T, H]).
+  // target += act*up · W_downᵀ (the shared experts' output, a short-lived [T, H]); gated, each
+  // token's row scaled by its gate (the saved output and gate when the recompute kept them).
   void add_shared_output(Tensor& target) {
-    Tensor out = act({T_, H_});
-    gemm_cpu(false, true, T_, H_, FS_, 1.0f, sact_.data<S>(), FS_, wsd_, FS_, false, out.data<S>(), H_);
-    for (int64_t i = 0; i < T_ * H_; ++i) store_f32(target.data<S>() + i, to_f32(target.data<S>()[i]) + to_f32(out.data<S>()[i]));
+    Tensor out;
+    const S* rows = sout_.empty() ? nullptr : sout_.data<S>();
+    if (rows == nullptr) {
+      out = act({T_, H_});
+      gemm_cpu(false, true, T_, H_, FS_, 1.0f, sact_.data<S>(), FS_, wsd_, FS_, false, out.data<S>(), H_);
+      rows = out.data<S>();
+    }
+    S* y = target.data<S>();
+    for (int64_t t = 0; t < T_; ++t) {
+      const float g = !gated_ ? 1.0f : sgate_.empty() ? shared_gate_of(t) : to_f32(sgate_.data<S>()[t]);
+      for (int64_t h = 0; h < H_; ++h)
+        store_f32(y + t * H_ + h, to_f32(y[t * H_ + h]) + (gated_ ? g * to_f32(rows[t * H_ + h]) : to_f32(rows[t * H_ + h])));
+    }
+  }
+
+  // Token t's shared-expert gate sigmoid(norm-2 output · shared_gate), in the storage dtype (so the
+  // no-grad forward and the saving forward scale by the same value).
+  float shared_gate_of(int64_t t) const {
+    const S* n2 = n2_.data<S>() + t * H_;
+    float z = 0.0f;
+    for (int64_t h = 0; h < H_; ++h) z += to_f32(n2[h]) * to_f32(wsg_[h]);
+    S g;
+    store_f32(&g, 1.0f / (1.0f + std::exp(-z)));
+    return to_f32(g);
+  }
+
+  // The recompute's saved ungated shared output [T, H] and gate [T] (activations), for the
+  // gate's backward and the shared experts' own.
+  void save_shared_output_and_gate() {
+    sout_ = act({T_, H_});
+    sgate_ = act({T_});
+    gemm_cpu(false, true, T_, H_, FS_, 1.0f, sact_.data<S>(), FS_, wsd_, FS_, false, sout_.data<S>(), H_);
+    for (int64_t t = 0; t < T_; ++t) store_f32(sgate_.data<S>() + t, shared_gate_of(t));
   }
 
   void free_routing() {
@@ -440,6 +471,7 @@ class LayerCore final : public DecoderLayer::Engine {
     n2_ = act({T_, H_});
     rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
     if (FS_ > 0) shared_forward();  // saved for backward
+    if (gated_) save_shared_output_and_gate();
     route();
     dispatch();
     sort_to_expert_input();
@@ -501,6 +533,13 @@ class LayerCore final : public DecoderLayer::Engine {
     if (FS_ > 0) {  // the shared experts' part of d norm-2 output
       gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, true, dn2acc.data<float>(), H_);
       dsgu.reset();
+    }
+    if (gated_) {  // the gate's: d logit (over the gate, mlp_backward) times its weight
+      float* acc = dn2acc.data<float>();
+      for (int64_t t = 0; t < T_; ++t) {
+        const float dz = to_f32(sgate_.data<S>()[t]);
+        for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += dz * to_f32(wsg_[h]);
+      }
     }
     return dn2acc;
   }
@@ -633,7 +672,7 @@ class LayerCore final : public DecoderLayer::Engine {
       rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, g_norm2);
       accumulate_residual(dh1);
     }
-    h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
+    h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset(), sout_.reset(), sgate_.reset();
   }
 
   // ---- a dense FFN layer (the SwiGLU MLP over every token in place of the MoE block)
@@ -648,6 +687,7 @@ class LayerCore final : public DecoderLayer::Engine {
     Tensor dsact = act({T_, FS_});
     Tensor dsgu = act({T_, 2 * FS_});
     gemm_cpu(false, false, T_, FS_, H_, 1.0f, dy, H_, wsd_, FS_, false, dsact.data<S>(), FS_);
+    if (gated_) gate_backward(gw, dsact);  // scales d act*up and the saved act*up by the gate
     gemm_cpu(true, false, H_, FS_, T_, 1.0f, dy, H_, sact_.data<S>(), FS_, true, g_down, FS_);
     const S* sg = sgu_.data<S>();
     for (int64_t t = 0; t < T_; ++t)
@@ -659,6 +699,33 @@ class LayerCore final : public DecoderLayer::Engine {
       }
     gemm_cpu(true, false, 2 * FS_, H_, T_, 1.0f, dsgu.data<S>(), 2 * FS_, n2_.data<S>(), H_, true, g_gate_up, H_);
     return dsgu;
+  }
+
+  // The gate's backward (y = g · shared output, g = sigmoid(z), z = norm-2 output · w): d g = dy ·
+  // the saved ungated output, d z = d g · g(1 - g), written over the saved gate (router_backward
+  // adds d z · w to d norm-2 output); dW_gate += d zᵀ · norm-2 output. The shared experts' own
+  // backward sees g · dy: d act*up = g · (dy · W_down) and dW_down = dyᵀ · (g · act*up), so their
+  // rows are scaled by g here (the saved act*up is not read again).
+  void gate_backward(const LayerWeightPtrs& gw, Tensor& dsact) {
+    S* g_gate = static_cast<S*>(gw.shared_gate);
+    const S* dy = dy_.data<S>();
+    const S* n2 = n2_.data<S>();
+    Tensor dw_t = f32({H_}, Category::Workspace);  // dW_gate's fp32 sum (registers on a GPU)
+    float* dw = dw_t.data<float>();
+    std::fill(dw, dw + H_, 0.0f);
+    for (int64_t t = 0; t < T_; ++t) {
+      const float g = to_f32(sgate_.data<S>()[t]);
+      float dg = 0.0f;
+      for (int64_t h = 0; h < H_; ++h) dg += to_f32(dy[t * H_ + h]) * to_f32(sout_.data<S>()[t * H_ + h]);
+      store_f32(sgate_.data<S>() + t, dg * g * (1.0f - g));
+      const float dz = to_f32(sgate_.data<S>()[t]);
+      for (int64_t h = 0; h < H_; ++h) dw[h] += dz * to_f32(n2[t * H_ + h]);
+      for (int64_t f = 0; f < FS_; ++f) {
+        store_f32(dsact.data<S>() + t * FS_ + f, g * to_f32(dsact.data<S>()[t * FS_ + f]));
+        store_f32(sact_.data<S>() + t * FS_ + f, g * to_f32(sact_.data<S>()[t * FS_ + f]));
+      }
+    }
+    for (int64_t h = 0; h < H_; ++h) store_f32(g_gate + h, to_f32(g_gate[h]) + dw[h]);
   }
 
   Tensor dense_forward_no_grad(const std::string& p) {
@@ -808,7 +875,8 @@ class LayerCore final : public DecoderLayer::Engine {
   const LayerScheduleConfig c_;
   const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here; FS_ shared or dense FFN width
   const bool dense_;  // a dense FFN layer: the SwiGLU MLP (shared_forward) in place of the MoE block
-  const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_;  // the caller's weights
+  const bool gated_;  // the shared experts' output scaled by a per-token sigmoid gate
+  const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_, *wsg_;  // the caller's weights
   Communicator* comm_;                // the EP group (EP > 1), else null
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
   int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)
@@ -816,6 +884,7 @@ class LayerCore final : public DecoderLayer::Engine {
   const Tensor* x_ = nullptr;  // the layer's input (boundary) of the current call
   Tensor dy_, res_acc_;
   Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_, sgu_, sact_;
+  Tensor sout_, sgate_;  // gated shared experts: their ungated output [T, H] and the gate [T] (then d gate logit), saved
   Tensor logits_, scores_, scattered_, topw_, topid_;
   std::unique_ptr<ByteBuffer> map_;
   std::vector<int64_t> counts_, offsets_;  // [E] copies per expert of this rank's tokens, send-order offsets

@@ -38,6 +38,10 @@ struct LayerScheduleConfig {
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
   int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
+  // The shared experts' output scaled per token by sigmoid(norm-2 output · shared_gate) (Qwen2-MoE;
+  // weight shared_gate [1, H]); needs shared_ffn > 0. The recompute keeps the ungated output
+  // [T, H] and the gate [T] (activations) for the backward.
+  bool shared_gate = false;
   // F_d > 0: a dense layer, one SwiGLU FFN of this width (weights ffn_gate_up [2F_d, H], ffn_down
   // [H, F_d]; phases .../ffn) in place of the MoE block; experts, shared_ffn 0 and ep 1 then.
   int64_t dense_ffn = 0;
@@ -58,11 +62,12 @@ struct LayerWeightPtrs {
   void *norm1 = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr, *norm2 = nullptr;
   // shared_*: the shared experts, or a dense layer's FFN (the same SwiGLU MLP over every token).
   void *router = nullptr, *w_gate_up = nullptr, *w_down = nullptr, *shared_gate_up = nullptr, *shared_down = nullptr;
+  void* shared_gate = nullptr;  // [1, H] with LayerScheduleConfig::shared_gate
 };
 
 // Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
 // norm2 [H], router [E, H], w_gate_up [E/ep, 2F, H], w_down [E/ep, H, F]; with shared experts
-// shared_gate_up [2F_s, H], shared_down [H, F_s].
+// shared_gate_up [2F_s, H], shared_down [H, F_s], and with their gate shared_gate [1, H].
 struct LayerWeightShape {
   std::string name;
   std::vector<int64_t> shape;

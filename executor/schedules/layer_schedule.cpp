@@ -49,6 +49,7 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
   if (c.shared_ffn > 0) {
     add("shared_gate_up", 2 * c.shared_ffn * H, inv_h, 0.0f);
     add("shared_down", H * c.shared_ffn, 1.0f / std::sqrt(static_cast<float>(c.shared_ffn)), 0.0f);
+    if (c.shared_gate) add("shared_gate", H, inv_h, 0.0f);
   }
   return out;
 }

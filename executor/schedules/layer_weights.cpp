@@ -24,6 +24,8 @@ void check_layer_config(const LayerScheduleConfig& c) {
     if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
     if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
   }
+  if (c.shared_gate && (c.dense_ffn > 0 || c.shared_ffn <= 0))
+    throw std::invalid_argument("layer schedule: shared_gate gates shared experts: it needs shared_ffn > 0 in a MoE layer");
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }
@@ -50,6 +52,7 @@ std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) 
   if (c.shared_ffn > 0) {
     w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
     w.push_back({"shared_down", {H, c.shared_ffn}});
+    if (c.shared_gate) w.push_back({"shared_gate", {1, H}});
   }
   return w;
 }
@@ -73,6 +76,7 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   // A dense layer's FFN is the same SwiGLU MLP over every token as the shared experts: one slot.
   if (name == "shared_gate_up" || name == "ffn_gate_up") return w.shared_gate_up;
   if (name == "shared_down" || name == "ffn_down") return w.shared_down;
+  if (name == "shared_gate") return w.shared_gate;
   throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
 }
 

@@ -85,6 +85,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
     l.top_k = m.top_k;
     l.expert_ffn = m.expert_ffn_width;
     l.shared_ffn = m.shared_expert_ffn_width;
+    l.shared_gate = m.shared_expert_gate && l.shared_ffn > 0;
   }
   l.dtype = DType::BF16;
   check_layer_config(l);

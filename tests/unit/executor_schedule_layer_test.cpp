@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <string>
 
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/layer_schedule.h"
@@ -23,9 +26,10 @@ LayerScheduleConfig small(DType dtype) {
 
 TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
   for (DType dtype : {DType::BF16, DType::F32})
-  for (int64_t shared : {0, 12}) {
+  for (int64_t shared : {0, 12, -12}) {  // -12: 12, gated (Qwen2-MoE)
     LayerScheduleConfig c = small(dtype);
-    c.shared_ffn = shared;
+    c.shared_ffn = std::abs(shared);
+    c.shared_gate = shared < 0;
     TrackingAllocator a1({512}), a2({512});
     const LayerScheduleResult ckpt = run_layer_schedule(a1, c, {});
     c.checkpointed = false;
@@ -34,7 +38,7 @@ TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
     EXPECT_EQ(ckpt.y.size(), c.tokens * c.hidden);
     EXPECT_EQ(ckpt.y.dtype, dtype);
     EXPECT_TRUE(ckpt.y == naive.y);
-    ASSERT_EQ(ckpt.grads.size(), shared > 0 ? 12u : 10u);
+    ASSERT_EQ(ckpt.grads.size(), shared > 0 ? 12u : shared < 0 ? 13u : 10u);
     int64_t elements = 0;
     for (const auto& [name, g] : ckpt.grads) {
       EXPECT_TRUE(g == naive.grads.at(name)) << name;
@@ -67,9 +71,12 @@ double loss_of(const LayerScheduleConfig& c, const LayerInputs& in) {
 }
 
 TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
+  for (bool gated : {false, true}) {
+  SCOPED_TRACE(gated ? "gated shared expert" : "shared expert");
   LayerScheduleConfig c;
   c.tokens = 7; c.hidden = 8; c.q_heads = 4; c.kv_heads = 2; c.head_dim = 3;
   c.experts = 4; c.top_k = 2; c.expert_ffn = 5; c.shared_ffn = 3; c.dtype = DType::F32; c.seed = 3;
+  c.shared_gate = gated;
   const LayerInputs in = make_layer_inputs(c);
   TrackingAllocator a({1});
   const LayerScheduleResult got = run_layer_schedule(a, c, in);
@@ -90,6 +97,31 @@ TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
     }
   }
   EXPECT_GE(checked, 30);
+  }
+}
+
+// The gate's saved ungated output [T, H] and gate [T] are live in every MoE phase of the
+// recompute and the backward (the planner's add_shared_gate_saved), and only there.
+TEST(ExecutorScheduleLayer, GatedSharedExpertKeepsItsOutputAndGateThroughTheMoeBackward) {
+  LayerScheduleConfig c = small(DType::BF16);
+  c.shared_ffn = 12;
+  LayerScheduleConfig gated = c;
+  gated.shared_gate = true;
+  TrackingAllocator a({512}), b({512});
+  run_layer_schedule(a, c, {}, false);
+  run_layer_schedule(b, gated, {}, false);
+  std::map<std::string, int64_t> plain;
+  for (const auto& r : a.phase_records())
+    if (r.space == MemorySpace::Device) plain[r.phase] = r.bytes_at_peak[static_cast<size_t>(Category::Activations)];
+  int moe_phases = 0;
+  for (const auto& r : b.phase_records()) {
+    if (r.space != MemorySpace::Device || r.phase == "init") continue;
+    const bool saved = r.phase.rfind("bwd/", 0) == 0 && r.phase.find("/moe/") != std::string::npos;
+    const int64_t extra = r.bytes_at_peak[static_cast<size_t>(Category::Activations)] - plain.at(r.phase);
+    EXPECT_EQ(extra, saved ? 64 * 32 * 2 + 512 : 0) << r.phase;  // [T, H] bf16 4096, [T] bf16 128 aligned to 512
+    moe_phases += saved ? 1 : 0;
+  }
+  EXPECT_EQ(moe_phases, 6);  // recompute dispatch, experts, combine; backward combine, experts, dispatch
 }
 
 // bwd/L0/attn with T = 64, H = 32, a = 4, g = 2, d = 8 (bf16, fp32 where stated), alignment 512:

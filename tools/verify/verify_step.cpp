@@ -86,14 +86,6 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
                         "plan with fewer GPUs or a smaller --ep"});
   if (s.q_heads <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_heads", the + " needs num_heads, num_kv_heads and head_dim", ""});
-  // The decoder layer runs an ungated shared expert; the planner keeps a gated one's output and
-  // gate for its backward, which a run without the gate would not show.
-  if (in.model && in.model->shared_expert_gate)
-    errs.add(Diagnostic{in.file, "/inputs/model/source",
-                        the + " runs an ungated shared expert; " + in.model->name +
-                            " gates its shared expert's output per token (shared_expert_gate), which the executor does "
-                            "not run",
-                        ""});
 }
 
 ModelSpec layer_model(const VerifyContext& ctx) {
@@ -139,6 +131,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   c.top_k = in.top_k;
   c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : scaled_with_h(in, s, in.expert_ffn_width);
   c.shared_ffn = scaled_with_h(in, s, in.shared_expert_ffn);
+  c.shared_gate = card.shared_expert_gate && c.shared_ffn > 0;
   return c;
 }
 
