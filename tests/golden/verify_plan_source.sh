@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `verify` reads a plan's model and hardware where the planner read them: a Hugging Face
 # config.json or a card file named by /inputs/{model,hardware}/source, not only a built-in card
-# (CTest golden.verify_plan_source). A file gone since the plan was made, or changed, is an
-# input error (exit 2) naming the field.
+# (CTest golden.verify_plan_source); a relative source from where verify runs, else beside the
+# plan. A file gone since the plan was made, or changed, is an input error (exit 2) naming the field.
 #   verify_plan_source.sh FLATPEAK REPO_ROOT
 set -u
 flatpeak=$1 root=$2
@@ -23,6 +23,13 @@ rc=$?
 rc=$?
 [ $rc = 0 ] || fail "verify of a plan from files exited $rc (expected 0): $(cat ok.err)"
 grep -q "verdict: pass" ok.out || fail "no pass verdict: $(tail -3 ok.out)"
+
+# Verified from another folder: the relative sources are found beside the plan.
+mkdir elsewhere
+(cd elsewhere && "$flatpeak" verify ../plan.json --component vocab --max-ranks 1 >../beside.out 2>../beside.err)
+rc=$?
+[ $rc = 0 ] || fail "verify from another folder exited $rc (expected 0): $(cat beside.err)"
+grep -q "verdict: pass" beside.out || fail "no pass verdict from another folder: $(tail -3 beside.out)"
 
 # The config changed since: the field it changed is named.
 sed 's/"hidden_size": 2048/"hidden_size": 4096/' "$root/tests/data/hf/DeepSeek-V2-Lite/config.json" >model/config.json

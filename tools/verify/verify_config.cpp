@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <string>
+#include <system_error>
 
 #include "run_spec.h"
 #include "spec/errors.h"
@@ -162,20 +165,35 @@ namespace {
 
 bool is_embedded(const std::string& source) { return source.rfind("embedded:", 0) == 0; }
 
+// Where a plan's relative source path is read: from where verify runs, as the planner read it
+// from where it ran; when nothing is there, beside the plan file (a plan written next to its
+// config and verified from elsewhere). The dims check in the loaders below catches a different
+// file of the same name.
+std::string resolve_plan_source(const VerifyInputs& in, const std::string& source) {
+  namespace fs = std::filesystem;
+  const fs::path path(source);
+  std::error_code ec;
+  if (path.is_absolute() || fs::exists(path, ec)) return source;
+  const fs::path beside = fs::path(in.file).parent_path() / path;
+  if (!fs::path(in.file).parent_path().empty() && fs::exists(beside, ec)) return beside.string();
+  return source;
+}
+
 // Loads `source` (a file) with `load`, turning its InputError into one that names the plan's
 // source field: the reason, and what to do about it.
 template <class Spec, class Load>
 Spec load_plan_source(const VerifyInputs& in, const std::string& pointer, const std::string& source,
                       Load load) {
   try {
-    return load(source);
+    return load(resolve_plan_source(in, source));
   } catch (const InputError& e) {
     std::string reason;
     for (const Diagnostic& d : e.diagnostics()) reason += (reason.empty() ? "" : "; ") + d.to_string();
     throw InputError(Diagnostic{
         in.file, pointer,
         "names '" + source + "', which cannot be read as it was when the plan was made: " + reason,
-        "run verify from the folder the plan was made in, or plan again with the file's absolute path"});
+        "run verify from the folder the plan was made in (a relative path is also looked for beside the "
+        "plan), or plan again with the file's absolute path"});
   }
 }
 
