@@ -270,6 +270,7 @@ std::vector<MoeTerms> ep_backward(const Ctx& c, const MoeShape& s) {
       common(a);
       a.add(kDsp, mul(s.recv, s.H), kB16);
       a.add(kDsp, mul(s.recv, s.H), kB16);
+      if (c.m.shared_expert_ffn_width > 0) a.add(kDsp, mul(s.T, s.H), kF32);  // accumulator begun by the shared experts
       foreign_grads(c, s, a);
       b = larger(a, b);
     }

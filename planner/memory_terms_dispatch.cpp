@@ -220,7 +220,10 @@ std::vector<PhaseTerms> ep_backward(const Context& c, const MoeShape& s) {
   }
   {
     // EP > 1: d expert input back to source-major order (both copies live), then the reversed
-    // all-to-all into the d dispatch rows and the fp32 accumulator.
+    // all-to-all into the d dispatch rows and the fp32 accumulator. With shared experts the
+    // accumulator exists from the end of moe/experts (their backward starts it: d norm-2 output
+    // gathers their part, the router's and the dispatch rows'), so it is live at the first moment
+    // too; without, the router's backward makes it after the d expert input is freed.
     TermList b = c.list();
     common(b);
     b.add(s.regroup ? "d expert input (send order)" : "d expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
@@ -232,6 +235,8 @@ std::vector<PhaseTerms> ep_backward(const Context& c, const MoeShape& s) {
       common(a);
       a.add("d expert input", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
       a.add("d expert input (send order)", {{"R", s.rows_recv}, {"H", s.H}}, kBf16, kDsp);
+      if (c.model.shared_expert_ffn_width > 0)
+        a.add("d norm-2 output accumulator (begun by the shared experts)", {{"T", s.T}, {"H", s.H}}, kFp32, kDsp);
       add_foreign_weight_grads(c, s, a);
       b = larger(std::move(a), std::move(b));
     }

@@ -505,14 +505,32 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // ---- backward
 
-  // d top-k weights from each copy's d prob (send order), d logits (softmax over the kept k),
-  // the d norm-2 output accumulator [T, H] fp32 = d logits · W_router (+ the shared experts'
-  // part), dW_router. Returns the accumulator (category dispatch). d top-k weights and d logits
-  // are written over the router scores and logits, which the backward no longer reads (so the
-  // router's backward adds nothing beside the accumulator). `dprob_owner` (one rank's d prob
-  // buffer) is freed once read.
-  Tensor router_backward(const float* dprob_send_order, Tensor& dprob_owner, Tensor& dsgu, S* g_wr) {
+  // The d norm-2 output accumulator [T, H] fp32 (category dispatch) started by the shared
+  // experts (d gate,up · W_gate_up, and their gate's d logit · its weight) as their backward ends
+  // in moe/experts, at one rank and at EP > 1 alike (so d gate,up is freed there, and the sum
+  // runs in the same order on every path); the router and the dispatch rows add to it later.
+  Tensor shared_backward_into_accumulator(Tensor& dsgu) {
     Tensor dn2acc = f32({T_, H_}, kDsp);
+    gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, false, dn2acc.data<float>(), H_);
+    dsgu.reset();
+    if (gated_) {  // the gate's: d logit (over the gate, gate_backward) times its weight
+      float* acc = dn2acc.data<float>();
+      for (int64_t t = 0; t < T_; ++t) {
+        const float dz = to_f32(sgate_.data<S>()[t]);
+        for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += dz * to_f32(wsg_[h]);
+      }
+    }
+    return dn2acc;
+  }
+
+  // d top-k weights from each copy's d prob (send order), d logits (softmax over the kept k),
+  // d logits · W_router into the d norm-2 output accumulator [T, H] fp32 (made here when the
+  // shared experts did not start it), dW_router. d top-k weights and d logits are written over
+  // the router scores and logits, which the backward no longer reads (so the router's backward
+  // adds nothing beside the accumulator). `dprob_owner` (one rank's d prob buffer) is freed once read.
+  void router_backward(const float* dprob_send_order, Tensor& dprob_owner, Tensor& dn2acc, S* g_wr) {
+    const bool started = !dn2acc.empty();
+    if (!started) dn2acc = f32({T_, H_}, kDsp);
     {
       float* dtopw = scores_.data<float>();  // [T, k] of the [T, E]
       for_each_copy([&](int64_t t, int64_t s, int64_t row) { dtopw[t * K_ + s] = dprob_send_order[row]; });
@@ -527,21 +545,9 @@ class LayerCore final : public DecoderLayer::Engine {
         for (int64_t s = 0; s < K_; ++s)
           dz[t * E_ + ids[t * K_ + s]] = w[t * K_ + s] * (dtopw[t * K_ + s] - dot);
       }
-      gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_, H_, false, dn2acc.data<float>(), H_);
+      gemm_cpu(false, false, T_, H_, E_, 1.0f, static_cast<const float*>(dz), E_, wr_, H_, started, dn2acc.data<float>(), H_);
       gemm_cpu(true, false, E_, H_, T_, 1.0f, static_cast<const float*>(dz), E_, n2_.data<S>(), H_, true, g_wr, H_);
     }
-    if (FS_ > 0) {  // the shared experts' part of d norm-2 output
-      gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, true, dn2acc.data<float>(), H_);
-      dsgu.reset();
-    }
-    if (gated_) {  // the gate's: d logit (over the gate, mlp_backward) times its weight
-      float* acc = dn2acc.data<float>();
-      for (int64_t t = 0; t < T_; ++t) {
-        const float dz = to_f32(sgate_.data<S>()[t]);
-        for (int64_t h = 0; h < H_; ++h) acc[t * H_ + h] += dz * to_f32(wsg_[h]);
-      }
-    }
-    return dn2acc;
   }
 
   // acc += each token's k copies of d dispatch rows (send order), in slot order.
@@ -638,9 +644,10 @@ class LayerCore final : public DecoderLayer::Engine {
     }
     dfc1.reset(), ein_.reset(), fc1_.reset(), actp_.reset();
     Tensor dn2acc;
+    if (FS_ > 0) dn2acc = shared_backward_into_accumulator(dsgu);
     if (!comm_) {
       // One rank: the router's backward here, off the dispatch peak.
-      dn2acc = router_backward(dprob.data<float>(), dprob, dsgu, g_wr);
+      router_backward(dprob.data<float>(), dprob, dn2acc, g_wr);
     }
 
     a_.set_phase(p + "moe/dispatch");  // peak: d expert input, d dispatch rows, d norm-2 output accumulator
@@ -651,7 +658,7 @@ class LayerCore final : public DecoderLayer::Engine {
       ep_rows_->ungroup(dein.data<S>(), dsrc.data<S>(), H_);
       dein.reset();
       Tensor none;
-      dn2acc = router_backward(pprobs_.data<float>(), none, dsgu, g_wr);
+      router_backward(pprobs_.data<float>(), none, dn2acc, g_wr);
       Tensor ddisp = dsp({TK_, H_});
       ep_rows_->exchange(*comm_, dsrc.raw(), ddisp.raw(), H_, c_.dtype, false);
       dsrc.reset();
@@ -702,15 +709,15 @@ class LayerCore final : public DecoderLayer::Engine {
   }
 
   // The gate's backward (y = g · shared output, g = sigmoid(z), z = norm-2 output · w): d g = dy ·
-  // the saved ungated output, d z = d g · g(1 - g), written over the saved gate (router_backward
-  // adds d z · w to d norm-2 output); dW_gate += d zᵀ · norm-2 output. The shared experts' own
+  // the saved ungated output, d z = d g · g(1 - g), written over the saved gate
+  // (shared_backward_into_accumulator adds d z · w to d norm-2 output); dW_gate += d zᵀ · norm-2 output. The shared experts' own
   // backward sees g · dy: d act*up = g · (dy · W_down) and dW_down = dyᵀ · (g · act*up), so their
   // rows are scaled by g here (the saved act*up is not read again).
   void gate_backward(const LayerWeightPtrs& gw, Tensor& dsact) {
     S* g_gate = static_cast<S*>(gw.shared_gate);
     const S* dy = dy_.data<S>();
     const S* n2 = n2_.data<S>();
-    Tensor dw_t = f32({H_}, Category::Workspace);  // dW_gate's fp32 sum (registers on a GPU)
+    Tensor dw_t = f32({H_}, Category::Workspace);  // dW_gate's fp32 sum over the tokens (op scratch)
     float* dw = dw_t.data<float>();
     std::fill(dw, dw + H_, 0.0f);
     for (int64_t t = 0; t < T_; ++t) {

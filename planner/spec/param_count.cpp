@@ -106,7 +106,7 @@ ParamCounts count_params(const ModelSpec& m) {
   p.expert_params = c.mul(3, H, m.expert_ffn_width);
   if (m.expert_bias) p.expert_params = c.sum(p.expert_params, m.expert_ffn_width, m.expert_ffn_width, H);
   p.shared_experts_per_layer = c.mul(3, H, m.shared_expert_ffn_width);
-  if (m.shared_expert_gate) p.shared_experts_per_layer = c.add(p.shared_experts_per_layer, H);  // [H -> 1]
+  if (m.shared_expert_gate && m.shared_expert_ffn_width > 0) p.shared_experts_per_layer = c.add(p.shared_experts_per_layer, H);  // [H -> 1]
 
   const int64_t dense_layers = m.count_layers(FfnKind::Dense);
   const int64_t moe_layers = m.count_layers(FfnKind::Moe);

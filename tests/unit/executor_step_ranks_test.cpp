@@ -205,16 +205,24 @@ TEST(ExecutorStepRanks, FsdpGradAndParamBytesAreHandDerived) {
 // the one-rank layer's); an expert's weight grads sum every source's rows in one GEMM, rounded to
 // bf16 once instead of once per rank, so they differ by bf16 rounding of the partial sums: within
 // 2^-6 of the largest expert grad (the sum of 4 ranks' roundings, each ≤ 2^-9 relative, with room);
-// params within 2·lr (AdamW's first step moves by lr·g/(|g| + eps)).
+// params within 2·lr (AdamW's first step moves by lr·g/(|g| + eps)). The last case adds a gated
+// shared expert (Qwen2-MoE): its part of d norm-2 output is summed first on every path, so the
+// dense grads stay bitwise at EP > 1 too.
 TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
   struct Case {
     int64_t ep;
     OptimizerPlacement placement;
+    bool gated_shared = false;
   };
   for (const Case k : {Case{kRanks, OptimizerPlacement::Device}, Case{kRanks, OptimizerPlacement::Stream}, Case{2, OptimizerPlacement::Device},
-                       Case{2, OptimizerPlacement::Serial}}) {
+                       Case{2, OptimizerPlacement::Serial}, Case{kRanks, OptimizerPlacement::Device, true}}) {
     const OptimizerPlacement placement = k.placement;
     StepScheduleConfig c = config(5);
+    if (k.gated_shared) {
+      c.model.num_shared_experts = 1;
+      c.model.shared_expert_ffn_width = 12;
+      c.model.shared_expert_gate = true;
+    }
     c.model.num_experts = 8;
     c.ep = k.ep;
     c.offloaded = {true, false, false};
@@ -248,8 +256,8 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
     int64_t held = 0;
     double largest_seen = 0.0;
     for (int r = 0; r < kRanks; ++r) {
-      const std::string what = "EP " + std::to_string(k.ep) + " placement " + std::to_string(static_cast<int>(placement)) + " rank " +
-                               std::to_string(r);
+      const std::string what = "EP " + std::to_string(k.ep) + " placement " + std::to_string(static_cast<int>(placement)) +
+                               (k.gated_shared ? " gated shared expert" : "") + " rank " + std::to_string(r);
       const StepScheduleResult& g = got[static_cast<size_t>(r)];
       EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
       const SliceDiff dense = compare_slices(g, ref, [&](int64_t j) { return !is_expert(j); });

@@ -34,6 +34,7 @@ Command make_reach_command();
 Command make_sweep_command();
 Command make_compare_command();
 Command make_verify_command();
+Command make_trace_command();
 
 // "flatpeak: error: ..." (and "flatpeak: hint: ...") on stderr, one line each per diagnostic.
 void print_input_error(const InputError& error);

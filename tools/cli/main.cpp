@@ -49,6 +49,7 @@ std::vector<Command> command_table() {
       make_sweep_command(),
       make_compare_command(),
       make_verify_command(),
+      make_trace_command(),
   };
 }
 

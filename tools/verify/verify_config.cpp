@@ -167,8 +167,8 @@ bool is_embedded(const std::string& source) { return source.rfind("embedded:", 0
 
 // Where a plan's relative source path is read: from where verify runs, as the planner read it
 // from where it ran; when nothing is there, beside the plan file (a plan written next to its
-// config and verified from elsewhere). The dims check in the loaders below catches a different
-// file of the same name.
+// config and verified from elsewhere). The loaders below compare the dims the plan records
+// (layers, H, V, experts, k, F, heads, head dim) with the file's.
 std::string resolve_plan_source(const VerifyInputs& in, const std::string& source) {
   namespace fs = std::filesystem;
   const fs::path path(source);
@@ -189,11 +189,13 @@ Spec load_plan_source(const VerifyInputs& in, const std::string& pointer, const 
   } catch (const InputError& e) {
     std::string reason;
     for (const Diagnostic& d : e.diagnostics()) reason += (reason.empty() ? "" : "; ") + d.to_string();
+    const bool relative = !std::filesystem::path(source).is_absolute();
     throw InputError(Diagnostic{
         in.file, pointer,
         "names '" + source + "', which cannot be read as it was when the plan was made: " + reason,
-        "run verify from the folder the plan was made in (a relative path is also looked for beside the "
-        "plan), or plan again with the file's absolute path"});
+        relative ? "run verify from the folder the plan was made in (a relative path is also looked for beside "
+                   "the plan), or plan again with the file's absolute path"
+                 : "restore the file, or plan again from where it is now"});
   }
 }
 

@@ -117,6 +117,11 @@ ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, 
   model.layers.resize(static_cast<size_t>(s.layers));
   model.num_experts = s.num_experts;
   model.expert_ffn_width = s.expert_ffn;
+  // The dispatch schedule runs the routed experts alone: the shared experts (their activations,
+  // and the d norm-2 accumulator their backward begins at EP > 1) are the layer's and the step's.
+  model.num_shared_experts = 0;
+  model.shared_expert_ffn_width = 0;
+  model.shared_expert_gate = false;
   const HardwareSpec hardware = load_plan_hardware(in);
   FlagList flags{{"--gpus", std::to_string(s.ep)},          {"--context", std::to_string(s.tokens)},
                  {"--schedule", in.schedule},               {"--gpus-per-node", std::to_string(s.ep)}};
