@@ -135,7 +135,24 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
     out.phases.push_back(std::move(phase));
   }
   errs.throw_if_any();
-  for (TracePhase& p : out.phases) p.bytes.resize(out.categories.size(), 0);
+  // Columns in traces/README.md's order (a parsed object lists its keys sorted), any others after.
+  static const std::vector<std::string> kOrder = {"params", "grads", "optimizer", "fsdp", "boundaries", "activations", "dispatch", "vocab"};
+  std::vector<size_t> order(out.categories.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const auto rank = [&](size_t c) {
+    const auto it = std::find(kOrder.begin(), kOrder.end(), out.categories[c]);
+    return it == kOrder.end() ? kOrder.size() : static_cast<size_t>(it - kOrder.begin());
+  };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rank(a) < rank(b); });
+  std::vector<std::string> names;
+  for (size_t c : order) names.push_back(out.categories[c]);
+  out.categories = names;
+  for (TracePhase& p : out.phases) {
+    p.bytes.resize(order.size(), 0);
+    std::vector<int64_t> sorted;
+    for (size_t c : order) sorted.push_back(p.bytes[c]);
+    p.bytes = sorted;
+  }
   if (std::any_of(out.phases.begin(), out.phases.end(), [](const TracePhase& p) { return p.other > 0; }))
     out.categories.push_back("other");
   for (TracePhase& p : out.phases)
@@ -153,7 +170,7 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
       return "?";
     };
     out.title = fmt::format("{} on {} x {}, S = {}, schedule {}", text("model", "name"), text("run", "gpus"),
-                            text("hardware", "name"), text("run", "context"), text("run", "schedule"));
+                            text("hardware", "name"), text("run", "context_tokens"), text("run", "schedule"));
   }
   if (space == "device" && document.contains("gpu") && document["gpu"].is_object() && document["gpu"].contains("budget_bytes") &&
       document["gpu"]["budget_bytes"].is_number_integer())
@@ -281,8 +298,11 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
   const std::vector<size_t> used = used_categories(t);
   const size_t n = t.phases.size(), peak = peak_index(t);
   const double gib_bytes = double(int64_t{1} << 30);
-  const double left = 80, top = 70, plot_h = 320, bar_w = 16, gap = 4, label_h = 230;
-  const double plot_w = std::max(520.0, static_cast<double>(n) * (bar_w + gap) + gap);
+  // One slot a phase (at least 20 px), the bar 80 % of it up to 40 px.
+  const double left = 80, top = 86, plot_h = 320, label_h = 230;
+  const double plot_w = std::max(560.0, static_cast<double>(n) * 20.0);
+  const double slot = plot_w / static_cast<double>(n), bar_w = std::min(40.0, 0.8 * slot);
+  const auto bar_x = [&](size_t i) { return left + static_cast<double>(i) * slot + (slot - bar_w) / 2; };
   const double width = left + plot_w + 30, height = top + plot_h + label_h;
   const int64_t highest = std::max(t.phases[peak].total, t.budget.value_or(0));
   const double step = tick_step_gib(std::max(1e-9, static_cast<double>(highest) / gib_bytes * 1.05));
@@ -294,12 +314,13 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
                      width, height, width, height);
   out << fmt::format("<rect width=\"{:.0f}\" height=\"{:.0f}\" fill=\"white\"/>\n", width, height);
   out << fmt::format("<text x=\"{:.0f}\" y=\"20\" font-size=\"14\">{}</text>\n", left,
-                     xml_escape("flatpeak " + t.source + " " + space + " memory per phase: " + t.title));
+                     xml_escape("flatpeak: " + t.source + " " + space + " memory per phase"));
+  out << fmt::format("<text x=\"{:.0f}\" y=\"38\">{}</text>\n", left, xml_escape(t.title));
   // Legend.
   double lx = left;
   for (size_t c : used) {
-    out << fmt::format("<rect x=\"{:.0f}\" y=\"32\" width=\"10\" height=\"10\" fill=\"{}\"/>", lx, color_of(t.categories[c], c));
-    out << fmt::format("<text x=\"{:.0f}\" y=\"41\">{}</text>\n", lx + 14, xml_escape(t.categories[c]));
+    out << fmt::format("<rect x=\"{:.0f}\" y=\"50\" width=\"10\" height=\"10\" fill=\"{}\"/>", lx, color_of(t.categories[c], c));
+    out << fmt::format("<text x=\"{:.0f}\" y=\"59\">{}</text>\n", lx + 14, xml_escape(t.categories[c]));
     lx += 24 + 7.0 * static_cast<double>(t.categories[c].size());
   }
   // Axis and grid.
@@ -314,7 +335,7 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
   // Bars: categories stacked from the bottom in the file's order, a tooltip per phase.
   for (size_t i = 0; i < n; ++i) {
     const TracePhase& p = t.phases[i];
-    const double x = left + gap + static_cast<double>(i) * (bar_w + gap);
+    const double x = bar_x(i);
     std::string tip = p.name + (p.folds.empty() ? "" : " (" + p.folds + ")") + ": " + gib(p.total) + " GiB";
     for (size_t c : used)
       if (p.bytes[c] > 0) tip += "\n  " + t.categories[c] + " " + gib(p.bytes[c]);
@@ -323,7 +344,7 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
     for (size_t c : used) {
       if (p.bytes[c] == 0) continue;
       const double gib_c = static_cast<double>(p.bytes[c]) / gib_bytes;
-      out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"{:.0f}\" height=\"{:.2f}\" fill=\"{}\"/>", x, y_of(below + gib_c),
+      out << fmt::format("<rect x=\"{:.1f}\" y=\"{:.2f}\" width=\"{:.1f}\" height=\"{:.2f}\" fill=\"{}\"/>", x, y_of(below + gib_c),
                          bar_w, y_of(below) - y_of(below + gib_c), color_of(t.categories[c], c));
       below += gib_c;
     }
@@ -333,9 +354,9 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
                        lx2, ly, lx2, ly, i == peak ? " font-weight=\"bold\"" : "", xml_escape(p.name));
   }
   // The peak, and a plan's budget.
-  const double px = left + gap + static_cast<double>(peak) * (bar_w + gap) + bar_w / 2;
+  const double px = bar_x(peak) + bar_w / 2;
   const double pgib = static_cast<double>(t.phases[peak].total) / gib_bytes;
-  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">peak {}</text>\n", px, y_of(pgib) - 5, gib(t.phases[peak].total));
+  out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">peak {} GiB</text>\n", px, y_of(pgib) - 5, gib(t.phases[peak].total));
   if (t.budget) {
     const double by = y_of(static_cast<double>(*t.budget) / gib_bytes);
     out << fmt::format("<line x1=\"{:.0f}\" y1=\"{:.1f}\" x2=\"{:.0f}\" y2=\"{:.1f}\" stroke=\"#c00000\" stroke-dasharray=\"6 4\"/>", left, by,
