@@ -476,9 +476,9 @@ void import_qwen2_moe(Fields& f, ModelSpec& m) {
   if (f.optional_bool("use_sliding_window", false)) {
     f.error("use_sliding_window", "must be false: sliding windows are not modelled for qwen2_moe (got true)");
   }
-  if (const json* types = f.find("layer_types"); types != nullptr && !types->is_array()) {
+  if (const json* types = f.find("layer_types"); types != nullptr && !types->is_null() && !types->is_array()) {
     f.error("layer_types", fmt::format("must be a list of layer kinds (got {})", describe_json_value(*types)));
-  } else if (types != nullptr) {
+  } else if (types != nullptr && types->is_array()) {
     for (size_t i = 0; i < types->size(); ++i) {
       if ((*types)[i] != "full_attention") {
         f.error("layer_types", fmt::format("must be all \"full_attention\": windowed layers are not modelled for "

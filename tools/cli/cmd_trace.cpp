@@ -55,7 +55,9 @@ struct Timeline {
   std::string title;                    // what it is of: the plan's model and run, or the file
   std::vector<std::string> categories;  // union over the phases, first-seen order
   std::vector<TracePhase> phases;
-  std::optional<int64_t> budget;        // a plan's GPU budget (device space only)
+  // A plan's GPU budget (device space only) and what of it the timeline may use: the budget less
+  // the runtime overhead and the fragmentation reserve (the plan fits when its peak is within it).
+  std::optional<int64_t> budget, usable;
 };
 
 // The timeline object of `document` (a plan or a trace file) and the pointer it sits at.
@@ -87,20 +89,33 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
     fail(at + "/phases", "must be a non-empty array (got " + (phases == tl->end() ? std::string("nothing") : describe_json_value(*phases)) + ")");
   errs.throw_if_any();
 
-  Timeline out;
+  const auto unit = tl->find("unit");
+  if (unit != tl->end() && *unit != "bytes") fail(at + "/unit", "must be \"bytes\" (got " + describe_json_value(*unit) + ")");
   const auto source = tl->find("source");
-  out.source = source != tl->end() && source->is_string() ? source->get<std::string>() : "predicted";
+  if (source != tl->end() && *source != "predicted" && *source != "measured")
+    fail(at + "/source", "must be \"predicted\" or \"measured\" (got " + describe_json_value(*source) + ")");
+  errs.throw_if_any();
+
+  Timeline out;
+  out.source = source != tl->end() ? source->get<std::string>() : "predicted";
   std::map<std::string, size_t> column;
   for (size_t i = 0; i < phases->size(); ++i) {
     const json& p = (*phases)[i];
     const std::string pp = at + "/phases/" + std::to_string(i);
-    if (!p.is_object() || !p.contains("name") || !p["name"].is_string()) {
-      fail(pp + "/name", "must be a string (got " + (p.is_object() && p.contains("name") ? describe_json_value(p["name"]) : std::string("nothing")) + ")");
+    if (!p.is_object()) {
+      fail(pp, "must be an object with a name and bytes by category (got " + describe_json_value(p) + ")");
+      continue;
+    }
+    if (!p.contains("name") || !p["name"].is_string()) {
+      fail(pp + "/name", "must be a string (got " + (p.contains("name") ? describe_json_value(p["name"]) : std::string("nothing")) + ")");
       continue;
     }
     TracePhase phase;
     phase.name = p["name"].get<std::string>();
-    if (p.contains("folds") && p["folds"].is_string()) phase.folds = p["folds"].get<std::string>();
+    if (p.contains("folds")) {
+      if (p["folds"].is_string()) phase.folds = p["folds"].get<std::string>();
+      else fail(pp + "/folds", "must be a string (got " + describe_json_value(p["folds"]) + ")");
+    }
     const auto cols = p.find(space);
     if (cols == p.end() || !cols->is_object()) {
       fail(pp + "/" + space, "must be an object of bytes by category (got " + (cols == p.end() ? std::string("nothing") : describe_json_value(*cols)) + ")");
@@ -153,8 +168,12 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
     for (size_t c : order) sorted.push_back(p.bytes[c]);
     p.bytes = sorted;
   }
-  if (std::any_of(out.phases.begin(), out.phases.end(), [](const TracePhase& p) { return p.other > 0; }))
-    out.categories.push_back("other");
+  // Bytes the total holds beyond its listed categories, as one more column (named apart from them).
+  if (std::any_of(out.phases.begin(), out.phases.end(), [](const TracePhase& p) { return p.other > 0; })) {
+    std::string name = "unlisted";
+    while (std::find(out.categories.begin(), out.categories.end(), name) != out.categories.end()) name += "'";
+    out.categories.push_back(name);
+  }
   for (TracePhase& p : out.phases)
     if (out.categories.size() > p.bytes.size()) p.bytes.push_back(p.other);
 
@@ -172,9 +191,18 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
     out.title = fmt::format("{} on {} x {}, S = {}, schedule {}", text("model", "name"), text("run", "gpus"),
                             text("hardware", "name"), text("run", "context_tokens"), text("run", "schedule"));
   }
-  if (space == "device" && document.contains("gpu") && document["gpu"].is_object() && document["gpu"].contains("budget_bytes") &&
-      document["gpu"]["budget_bytes"].is_number_integer())
-    out.budget = document["gpu"]["budget_bytes"].get<int64_t>();
+  if (space == "device" && document.contains("gpu") && document["gpu"].is_object()) {
+    const json& g = document["gpu"];
+    const auto bytes = [&](const char* key) -> std::optional<int64_t> {
+      if (!g.contains(key) || !g[key].is_number_integer() || g[key].get<int64_t>() < 0) return std::nullopt;
+      return g[key].get<int64_t>();
+    };
+    const auto budget = bytes("budget_bytes"), overhead = bytes("overhead_bytes"), reserve = bytes("fragmentation_bytes");
+    if (budget && overhead && reserve && *budget >= *overhead + *reserve) {
+      out.budget = budget;
+      out.usable = *budget - *overhead - *reserve;
+    }
+  }
   return out;
 }
 
@@ -200,7 +228,8 @@ void print_table(const Timeline& t, const std::string& space, std::ostream& out)
   const size_t peak = peak_index(t);
   size_t name_width = 5;
   for (const auto& p : t.phases) name_width = std::max(name_width, p.name.size());
-  out << fmt::format("{} {} memory per phase (GiB): {}\n", t.source, space, t.title);
+  out << fmt::format("{} {} memory per phase (GiB{}): {}\n", t.source, space, space == "host" ? ", one GPU's process" : "",
+                     t.title);
   std::string header = fmt::format("  {:<{}}", "phase", name_width);
   for (size_t c : used) header += fmt::format(" {:>12}", t.categories[c]);
   header += fmt::format(" {:>12}  {}", "total", "folds");
@@ -214,12 +243,14 @@ void print_table(const Timeline& t, const std::string& space, std::ostream& out)
     out << line << "\n";
   }
   out << fmt::format("peak (*): {} GiB at {}", gib(t.phases[peak].total), t.phases[peak].name);
-  if (t.budget) out << fmt::format("; GPU budget {} GiB", gib(*t.budget));
+  if (t.budget)
+    out << fmt::format("; GPU budget {} GiB, of which {} GiB for the timeline (less overhead and fragmentation reserve)",
+                       gib(*t.budget), gib(*t.usable));
   out << "\n";
 }
 
 std::string csv_field(const std::string& text) {
-  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
   std::string quoted = "\"";
   for (char ch : text) quoted += ch == '"' ? std::string("\"\"") : std::string(1, ch);
   return quoted + "\"";
@@ -256,7 +287,9 @@ void print_chrome(const Timeline& t, const std::string& space, std::ostream& out
   ordered_json zero;
   for (const auto& c : t.categories) zero[c] = 0;
   events.push_back({{"name", space + " bytes"}, {"ph", "C"}, {"ts", static_cast<int64_t>(t.phases.size()) * 1000}, {"pid", 1}, {"tid", 1}, {"args", zero}});
-  out << ordered_json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(1) << "\n";
+  // Text that is not UTF-8 (a file name given so) is written with replacement characters.
+  out << ordered_json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump(1, ' ', false, ordered_json::error_handler_t::replace)
+      << "\n";
 }
 
 std::string xml_escape(const std::string& text) {
@@ -267,7 +300,8 @@ std::string xml_escape(const std::string& text) {
       case '<': out += "&lt;"; break;
       case '>': out += "&gt;"; break;
       case '"': out += "&quot;"; break;
-      default: out += ch;
+      default:  // XML 1.0 has no other control characters
+        out += static_cast<unsigned char>(ch) < 0x20 && ch != '\t' && ch != '\n' && ch != '\r' ? '?' : ch;
     }
   }
   return out;
@@ -304,8 +338,8 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
   const double slot = plot_w / static_cast<double>(n), bar_w = std::min(40.0, 0.8 * slot);
   const auto bar_x = [&](size_t i) { return left + static_cast<double>(i) * slot + (slot - bar_w) / 2; };
   const double width = left + plot_w + 30, height = top + plot_h + label_h;
-  const int64_t highest = std::max(t.phases[peak].total, t.budget.value_or(0));
-  const double step = tick_step_gib(std::max(1e-9, static_cast<double>(highest) / gib_bytes * 1.05));
+  const int64_t highest = std::max(t.phases[peak].total, t.usable.value_or(0));
+  const double step = tick_step_gib(std::max(0.01, static_cast<double>(highest) / gib_bytes * 1.05));
   const double top_gib = std::max(step, std::ceil(static_cast<double>(highest) / gib_bytes * 1.05 / step) * step);
   const auto y_of = [&](double gib) { return top + plot_h - gib / top_gib * plot_h; };
 
@@ -357,12 +391,13 @@ void print_svg(const Timeline& t, const std::string& space, std::ostream& out) {
   const double px = bar_x(peak) + bar_w / 2;
   const double pgib = static_cast<double>(t.phases[peak].total) / gib_bytes;
   out << fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">peak {} GiB</text>\n", px, y_of(pgib) - 5, gib(t.phases[peak].total));
-  if (t.budget) {
-    const double by = y_of(static_cast<double>(*t.budget) / gib_bytes);
+  if (t.usable) {  // the line the bars must stay under for the plan to fit
+    const double by = y_of(static_cast<double>(*t.usable) / gib_bytes);
     out << fmt::format("<line x1=\"{:.0f}\" y1=\"{:.1f}\" x2=\"{:.0f}\" y2=\"{:.1f}\" stroke=\"#c00000\" stroke-dasharray=\"6 4\"/>", left, by,
                        left + plot_w, by);
-    out << fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" text-anchor=\"end\" fill=\"#c00000\">GPU budget {} GiB</text>\n", left + plot_w,
-                       by - 4, gib(*t.budget));
+    out << fmt::format("<text x=\"{:.0f}\" y=\"{:.1f}\" text-anchor=\"end\" fill=\"#c00000\">GPU budget {} GiB less overhead and "
+                       "fragmentation reserve: {} GiB</text>\n",
+                       left + plot_w, by - 4, gib(*t.budget), gib(*t.usable));
   }
   out << "</svg>\n";
 }
