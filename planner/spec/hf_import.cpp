@@ -418,6 +418,21 @@ void import_deepseek(Fields& f, ModelSpec& m, const std::string& family) {
   fill_layers(m, is_moe);
 }
 
+// Qwen's MoE layers (qwen2_moe, qwen3_moe): every decoder_sparse_step-th layer (i + 1 a multiple
+// of it) except those in mlp_only_layers.
+std::vector<bool> qwen_moe_layers(Fields& f, const CommonDims& d) {
+  const int64_t sparse_step = f.optional_int("decoder_sparse_step", 1, 1, kMaxLayers);
+  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, last_layer_index(f, d));
+  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = (i + 1) % sparse_step == 0;
+  if (mlp_only) {
+    for (int64_t i : *mlp_only) {
+      if (i < d.layers) is_moe[static_cast<size_t>(i)] = false;
+    }
+  }
+  return is_moe;
+}
+
 // qwen3_moe: GQA with per-head QK norm; MoE every decoder_sparse_step layers except mlp_only_layers.
 void import_qwen3_moe(Fields& f, ModelSpec& m) {
   const CommonDims d = read_common(f, true);
@@ -430,22 +445,13 @@ void import_qwen3_moe(Fields& f, ModelSpec& m) {
   m.qk_norm = QkNorm::PerHead;
   read_experts(f, m, "num_experts", "num_experts_per_tok");
   m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
-  const int64_t sparse_step = f.optional_int("decoder_sparse_step", 1, 1, kMaxLayers);
-  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, last_layer_index(f, d));
+  const std::vector<bool> is_moe = qwen_moe_layers(f, d);
   const bool use_sliding = f.optional_bool("use_sliding_window", false);
   int64_t window = 0;
   int64_t max_window_layers = d.layers;
   if (use_sliding) {
     window = f.required_int("sliding_window", 1, int64_t{1} << 40);
     max_window_layers = f.optional_int("max_window_layers", d.layers, 0, kMaxLayers);
-  }
-
-  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
-  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = (i + 1) % sparse_step == 0;
-  if (mlp_only) {
-    for (int64_t i : *mlp_only) {
-      if (i < d.layers) is_moe[static_cast<size_t>(i)] = false;
-    }
   }
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
@@ -488,15 +494,7 @@ void import_qwen2_moe(Fields& f, ModelSpec& m) {
       }
     }
   }
-  const int64_t sparse_step = f.optional_int("decoder_sparse_step", 1, 1, kMaxLayers);
-  const auto mlp_only = f.optional_int_list("mlp_only_layers", 0, last_layer_index(f, d));
-  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
-  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = (i + 1) % sparse_step == 0;
-  if (mlp_only) {
-    for (int64_t i : *mlp_only) {
-      if (i < d.layers) is_moe[static_cast<size_t>(i)] = false;
-    }
-  }
+  const std::vector<bool> is_moe = qwen_moe_layers(f, d);
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
 }
