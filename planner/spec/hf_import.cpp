@@ -41,13 +41,15 @@ const std::vector<std::string>& architecture_names() {
   static const std::vector<std::string> names{"deepseek_v2", "deepseek_v3", "kimi_k2",
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
                                               "glm4_moe",    "olmoe",       "llama4",
-                                              "minimax_m2",  "ernie4_5_moe", "qwen2_moe"};
+                                              "minimax_m2",  "ernie4_5_moe", "qwen2_moe",
+                                              "qwen3_vl_moe"};
   return names;
 }
 
 // model_type spellings beyond the canonical names, and `architectures` class names (fall-back).
 const std::map<std::string, std::string>& model_type_aliases() {
-  static const std::map<std::string, std::string> aliases{{"llama4_text", "llama4"}};
+  static const std::map<std::string, std::string> aliases{{"llama4_text", "llama4"},
+                                                          {"qwen3_vl_moe_text", "qwen3_vl_moe"}};
   return aliases;
 }
 
@@ -65,6 +67,7 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"MiniMaxM2ForCausalLM", "minimax_m2"},
       {"Ernie4_5_MoeForCausalLM", "ernie4_5_moe"},
       {"Qwen2MoeForCausalLM", "qwen2_moe"},
+      {"Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"},
   };
   return classes;
 }
@@ -893,20 +896,31 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
   m.source = file;
 
   Fields root(config, "", out);
-  if (*family == "llama4") {
+  // Vision-language wrappers: the language model under text_config (the vision tower beside it is
+  // not counted), or a config of the text model alone (its own model_type); import_text gets the
+  // text model's fields and the wrapper's tie_word_embeddings.
+  const auto from_text_config = [&](const char* text_model_type, const auto& import_text) {
     const json* text = root.find("text_config");
     const auto model_type = config.find("model_type");
-    const bool text_only = model_type != config.end() && *model_type == "llama4_text";
-    if (text_only) {
-      import_llama4(root, m, false);
+    if (model_type != config.end() && *model_type == text_model_type) {
+      import_text(root, false);
     } else if (text == nullptr) {
       out.add_missing("/text_config", "text_config", &config);
     } else if (!text->is_object()) {
       out.add("/text_config", fmt::format("must be an object (got {})", describe_json_value(*text)));
     } else {
       Fields text_fields(*text, "/text_config", out);
-      import_llama4(text_fields, m, root.optional_bool("tie_word_embeddings", false));
+      import_text(text_fields, root.optional_bool("tie_word_embeddings", false));
     }
+  };
+  if (*family == "llama4") {
+    from_text_config("llama4_text", [&](Fields& f, bool tied_outer) { import_llama4(f, m, tied_outer); });
+  } else if (*family == "qwen3_vl_moe") {
+    // Qwen3-VL's language model is Qwen3-MoE's (its M-RoPE changes no shape).
+    from_text_config("qwen3_vl_moe_text", [&](Fields& f, bool tied_outer) {
+      import_qwen3_moe(f, m);
+      if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
+    });
   } else if (*family == "qwen3_moe") {
     import_qwen3_moe(root, m);
   } else if (*family == "qwen2_moe") {

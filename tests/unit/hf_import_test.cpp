@@ -639,6 +639,31 @@ TEST(HfImport, Llama4TextOnlyConfigAndExplicitMoeLayers) {
   EXPECT_EQ(m.layers[3].ffn, FfnKind::Dense);
 }
 
+// Qwen3-VL-30B-A3B (qwen3_vl_moe; tests/data/hf/SOURCES.md): the language model under text_config
+// is Qwen3-30B-A3B's shape (48 layers, H 2048, 32/4 heads of 128, 128 experts top-8 of 768, per-head
+// QK norm, untied), so its counts are that card's, exactly; the vision tower is not counted. A
+// config of the text model alone (model_type qwen3_vl_moe_text) reads the same; the wrapper's
+// tie_word_embeddings applies when the text model does not say.
+TEST(HfImport, Qwen3VlMoeTextModel) {
+  const ModelSpec m = import_fixture("Qwen3-VL-30B-A3B-Instruct");
+  EXPECT_EQ(m.architecture, "qwen3_vl_moe");
+  EXPECT_EQ(m.qk_norm, QkNorm::PerHead);
+  EXPECT_FALSE(m.tie_word_embeddings);
+  const ParamCounts p = count_params(m), card = count_params(load_model("Qwen3-30B-A3B"));
+  EXPECT_EQ(p.total, card.total);
+  EXPECT_EQ(p.total, 30532122624);
+  EXPECT_EQ(p.active, card.active);
+  json text = fixture_json("Qwen3-VL-30B-A3B-Instruct")["text_config"];  // model_type qwen3_vl_moe_text
+  EXPECT_EQ(count_params(import_hf_config(text, "config.json")).total, p.total);
+  json tied = fixture_json("Qwen3-VL-30B-A3B-Instruct");
+  tied["tie_word_embeddings"] = true;
+  EXPECT_TRUE(import_hf_config(tied, "config.json").tie_word_embeddings);
+  tied["text_config"]["tie_word_embeddings"] = false;
+  EXPECT_FALSE(import_hf_config(tied, "config.json").tie_word_embeddings);
+  tied.erase("text_config");
+  EXPECT_EQ(only_error(tied), "config.json: /text_config: required key missing");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Recognition and errors, with their exact text.
 
@@ -650,7 +675,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 12u);
+  EXPECT_EQ(supported_hf_architectures().size(), 13u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -664,13 +689,16 @@ TEST(HfImport, ArchitecturesIsTheFallBack) {
 TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
-            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
+            "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
+            "qwen3_vl_moe");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
-            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
+            "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
+            "qwen3_vl_moe");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
-            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe");
+            "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
+            "qwen3_vl_moe");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }
