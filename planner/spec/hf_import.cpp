@@ -131,8 +131,8 @@ class Collector {
   std::map<const json*, std::set<std::string>> read_;
 };
 
-// Typed, range-checked access to the keys of one JSON object (the config, or Llama 4's
-// text_config). Errors go to the collector; the returned value is then a harmless placeholder.
+// Typed, range-checked access to the keys of one JSON object (the config, or a vision-language
+// wrapper's text_config). Errors go to the collector; the returned value is then a harmless placeholder.
 class Fields {
  public:
   Fields(const json& object, std::string base, Collector& out)

@@ -660,6 +660,11 @@ TEST(HfImport, Qwen3VlMoeTextModel) {
   EXPECT_TRUE(import_hf_config(tied, "config.json").tie_word_embeddings);
   tied["text_config"]["tie_word_embeddings"] = false;
   EXPECT_FALSE(import_hf_config(tied, "config.json").tie_word_embeddings);
+  tied["tie_word_embeddings"] = false;
+  tied["text_config"]["tie_word_embeddings"] = true;  // the text model's own word wins
+  EXPECT_TRUE(import_hf_config(tied, "config.json").tie_word_embeddings);
+  tied["text_config"] = json::array();
+  EXPECT_EQ(only_error(tied), "config.json: /text_config: must be an object (got [])");
   tied.erase("text_config");
   EXPECT_EQ(only_error(tied), "config.json: /text_config: required key missing");
 }
