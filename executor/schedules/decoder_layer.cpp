@@ -374,9 +374,9 @@ class LayerCore final : public DecoderLayer::Engine {
     }
     S* y = target.data<S>();
     for (int64_t t = 0; t < T_; ++t) {
+      // 1 when ungated (1·x is x exactly, so the ungated sum is unchanged).
       const float g = !gated_ ? 1.0f : sgate_.empty() ? shared_gate_of(t) : to_f32(sgate_.data<S>()[t]);
-      for (int64_t h = 0; h < H_; ++h)
-        store_f32(y + t * H_ + h, to_f32(y[t * H_ + h]) + (gated_ ? g * to_f32(rows[t * H_ + h]) : to_f32(rows[t * H_ + h])));
+      for (int64_t h = 0; h < H_; ++h) store_f32(y + t * H_ + h, to_f32(y[t * H_ + h]) + g * to_f32(rows[t * H_ + h]));
     }
   }
 
@@ -710,8 +710,8 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // The gate's backward (y = g · shared output, g = sigmoid(z), z = norm-2 output · w): d g = dy ·
   // the saved ungated output, d z = d g · g(1 - g), written over the saved gate
-  // (shared_backward_into_accumulator adds d z · w to d norm-2 output); dW_gate += d zᵀ · norm-2 output. The shared experts' own
-  // backward sees g · dy: d act*up = g · (dy · W_down) and dW_down = dyᵀ · (g · act*up), so their
+  // (shared_backward_into_accumulator adds d z · w to d norm-2 output); dW_gate += d zᵀ · norm-2
+  // output. The shared experts' own backward sees g · dy: d act*up = g · (dy · W_down) and dW_down = dyᵀ · (g · act*up), so their
   // rows are scaled by g here (the saved act*up is not read again).
   void gate_backward(const LayerWeightPtrs& gw, Tensor& dsact) {
     S* g_gate = static_cast<S*>(gw.shared_gate);
