@@ -42,14 +42,15 @@ const std::vector<std::string>& architecture_names() {
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
                                               "glm4_moe",    "olmoe",       "llama4",
                                               "minimax_m2",  "ernie4_5_moe", "qwen2_moe",
-                                              "qwen3_vl_moe"};
+                                              "qwen3_vl_moe", "glm4v_moe",  "dots1"};
   return names;
 }
 
 // model_type spellings beyond the canonical names, and `architectures` class names (fall-back).
 const std::map<std::string, std::string>& model_type_aliases() {
   static const std::map<std::string, std::string> aliases{{"llama4_text", "llama4"},
-                                                          {"qwen3_vl_moe_text", "qwen3_vl_moe"}};
+                                                          {"qwen3_vl_moe_text", "qwen3_vl_moe"},
+                                                          {"glm4v_moe_text", "glm4v_moe"}};
   return aliases;
 }
 
@@ -68,6 +69,8 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"Ernie4_5_MoeForCausalLM", "ernie4_5_moe"},
       {"Qwen2MoeForCausalLM", "qwen2_moe"},
       {"Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"},
+      {"Glm4vMoeForConditionalGeneration", "glm4v_moe"},
+      {"Dots1ForCausalLM", "dots1"},
   };
   return classes;
 }
@@ -502,6 +505,43 @@ void import_qwen2_moe(Fields& f, ModelSpec& m) {
   fill_layers(m, is_moe);
 }
 
+// layer_types, when given and not null: one "sliding_attention" or "full_attention" a layer,
+// written into `sliding`; absent or null leaves `sliding` as the family's default.
+void read_layer_types(Fields& f, const CommonDims& d, std::vector<bool>& sliding) {
+  const json* types = f.find("layer_types");
+  if (types == nullptr || types->is_null()) return;
+  if (!types->is_array()) {
+    f.error("layer_types", fmt::format("must be an array of \"sliding_attention\" or \"full_attention\" (got {})",
+                                       describe_json_value(*types)));
+  } else if (!f.ok({"num_hidden_layers"})) {
+    // the length check needs a valid layer count
+  } else if (static_cast<int64_t>(types->size()) != d.layers) {
+    f.error("layer_types", fmt::format("must have one entry per layer (got {} entries, num_hidden_layers = {})",
+                                       types->size(), d.layers));
+  } else {
+    for (size_t i = 0; i < types->size(); ++i) {
+      const json& t = (*types)[i];
+      if (t == "sliding_attention") {
+        sliding[i] = true;
+      } else if (t == "full_attention") {
+        sliding[i] = false;
+      } else {
+        f.error_item("layer_types", i,
+                     fmt::format("must be \"sliding_attention\" or \"full_attention\" (got {})", describe_json_value(t)));
+      }
+    }
+  }
+}
+
+void apply_sliding_window(ModelSpec& m, const std::vector<bool>& sliding, int64_t window) {
+  for (size_t i = 0; i < sliding.size() && i < m.layers.size(); ++i) {
+    if (sliding[i]) {
+      m.layers[i].window = AttentionWindow::Sliding;
+      m.layers[i].attention_window_tokens = window;
+    }
+  }
+}
+
 // gpt_oss: alternating sliding/full attention, sinks, biases everywhere, all layers MoE.
 void import_gpt_oss(Fields& f, ModelSpec& m) {
   const CommonDims d = read_common(f, true);
@@ -523,35 +563,8 @@ void import_gpt_oss(Fields& f, ModelSpec& m) {
   // layer_types names each layer; without it the HF default alternates, starting with sliding.
   std::vector<bool> sliding(static_cast<size_t>(d.layers));
   for (size_t i = 0; i < sliding.size(); ++i) sliding[i] = i % 2 == 0;
-  if (const json* types = f.find("layer_types"); types != nullptr && !types->is_null()) {
-    if (!types->is_array()) {
-      f.error("layer_types", fmt::format("must be an array of \"sliding_attention\" or \"full_attention\" (got {})",
-                                         describe_json_value(*types)));
-    } else if (!f.ok({"num_hidden_layers"})) {
-      // the length check needs a valid layer count
-    } else if (static_cast<int64_t>(types->size()) != d.layers) {
-      f.error("layer_types", fmt::format("must have one entry per layer (got {} entries, num_hidden_layers = {})",
-                                         types->size(), d.layers));
-    } else {
-      for (size_t i = 0; i < types->size(); ++i) {
-        const json& t = (*types)[i];
-        if (t == "sliding_attention") {
-          sliding[i] = true;
-        } else if (t == "full_attention") {
-          sliding[i] = false;
-        } else {
-          f.error_item("layer_types", i,
-                  fmt::format("must be \"sliding_attention\" or \"full_attention\" (got {})", describe_json_value(t)));
-        }
-      }
-    }
-  }
-  for (size_t i = 0; i < sliding.size(); ++i) {
-    if (sliding[i]) {
-      m.layers[i].window = AttentionWindow::Sliding;
-      m.layers[i].attention_window_tokens = window;
-    }
-  }
+  read_layer_types(f, d, sliding);
+  apply_sliding_window(m, sliding, window);
 }
 
 // mixtral: GQA, every layer MoE; sliding_window (may be null) applies to all layers.
@@ -598,6 +611,50 @@ void import_glm4_moe(Fields& f, ModelSpec& m) {
   for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = i >= first_dense;
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
+}
+
+// dots1 (rednote dots.llm1): Qwen3's attention (GQA with per-head QK norm; attention_bias on q, k,
+// v and o) and DeepSeek-V3's MoE (its router always carries the noaux correction bias;
+// n_shared_experts shared experts of the routed width; a dense prefix of first_k_dense_replace
+// layers, default 0). Windows follow transformers' Dots1Config: layer_types when given, else a
+// layer at or past max_window_layers (default 62) attends within sliding_window tokens (default
+// 4096; null: no window). The released 62-layer models attend to the whole context.
+void import_dots1(Fields& f, ModelSpec& m) {
+  const CommonDims d = read_common(f, true);
+  apply_common(m, d);
+  m.head_dim = read_head_dim(f, d);
+  m.v_head_dim = m.head_dim;
+  const bool bias = f.optional_bool("attention_bias", false);
+  m.qkv_bias = bias;
+  m.o_bias = bias;
+  m.qk_norm = QkNorm::PerHead;
+  read_experts(f, m, "n_routed_experts", "num_experts_per_tok");
+  m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
+  // Dots1Config has no default for it (transformers cannot build the model without it).
+  m.num_shared_experts = f.required_int("n_shared_experts", 0, kMaxExperts);
+  m.shared_expert_ffn_width = m.num_shared_experts * m.expert_ffn_width;
+  m.router_correction_bias = true;
+  const int64_t first_dense = f.optional_int("first_k_dense_replace", 0, 0, kMaxLayers);
+  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
+    f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
+                                                 first_dense, d.layers));
+  }
+  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = i >= first_dense;
+  if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
+  fill_layers(m, is_moe);
+
+  const json* window_raw = f.find("sliding_window");
+  const bool windowed = window_raw == nullptr || !window_raw->is_null();
+  const int64_t window = f.optional_int("sliding_window", 4096, 1, int64_t{1} << 40);
+  const int64_t max_window_layers = f.optional_int("max_window_layers", 62, 0, kMaxLayers);
+  std::vector<bool> sliding(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) sliding[static_cast<size_t>(i)] = windowed && i >= max_window_layers;
+  read_layer_types(f, d, sliding);
+  if (!windowed && std::any_of(sliding.begin(), sliding.end(), [](bool b) { return b; })) {
+    f.error("sliding_window", "must be set when layer_types names a \"sliding_attention\" layer (got null)");
+  }
+  apply_sliding_window(m, sliding, window);
 }
 
 // olmoe: GQA/MHA with QK RMSNorm over the whole q and k projections; every layer MoE.
@@ -921,6 +978,12 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
       import_qwen3_moe(f, m);
       if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
     });
+  } else if (*family == "glm4v_moe") {
+    // GLM-4.5V's language model is GLM-4.5-Air's glm4_moe (its M-RoPE sections change no shape).
+    from_text_config("glm4v_moe_text", [&](Fields& f, bool tied_outer) {
+      import_glm4_moe(f, m);
+      if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
+    });
   } else if (*family == "qwen3_moe") {
     import_qwen3_moe(root, m);
   } else if (*family == "qwen2_moe") {
@@ -937,6 +1000,8 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
     import_minimax_m2(root, m);
   } else if (*family == "ernie4_5_moe") {
     import_ernie4_5_moe(root, m);
+  } else if (*family == "dots1") {
+    import_dots1(root, m);
   } else {
     import_deepseek(root, m, *family);
   }

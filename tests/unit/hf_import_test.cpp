@@ -669,6 +669,90 @@ TEST(HfImport, Qwen3VlMoeTextModel) {
   EXPECT_EQ(only_error(tied), "config.json: /text_config: required key missing");
 }
 
+// GLM-4.5V (glm4v_moe; tests/data/hf/SOURCES.md): its language model is glm4_moe's (GLM-4.5-Air's
+// dims: 46 layers, layer 0 dense of 10944, then 128 experts top-8 of 1408 and one shared expert, 96
+// query and 8 kv heads of 128 with q/k/v biases and none on o, vocab 151552, untied, no MTP). The
+// published checkpoint's tensor list gives the language model's count exactly:
+//   embedding and lm head 2 · 151552 · 4096 = 1,241,513,984; attention a layer: q 4096·12288 +
+//   12288, k and v 4096·1024 + 1024 each, o 12288·4096, two norms 2·4096 = 109,068,288 (× 46);
+//   the dense FFN 3 · 4096 · 10944 = 134,479,872; a MoE layer 128 · 3 · 4096 · 1408 (experts) +
+//   128 · 4096 (router) + 128 (correction bias) + 3 · 4096 · 1408 (shared) = 2,232,424,576 (× 45);
+//   final norm 4096: 106,852,251,264. The vision tower's tensors add 858,681,856, the file's total
+//   107,710,933,120; the tower is not counted.
+TEST(HfImport, Glm45vTextModel) {
+  const ModelSpec m = import_fixture("GLM-4.5V");
+  EXPECT_EQ(m.architecture, "glm4v_moe");
+  EXPECT_EQ(m.num_layers, 46);
+  EXPECT_EQ(m.count_layers(FfnKind::Dense), 1);
+  EXPECT_EQ(m.num_kv_heads, 8);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_FALSE(m.o_bias);
+  EXPECT_EQ(m.qk_norm, QkNorm::None);
+  EXPECT_DOUBLE_EQ(m.partial_rotary_factor, 0.5);
+  EXPECT_EQ(m.mtp_layers, 0);
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.total, 106852251264);
+  EXPECT_EQ(p.total + 858681856, 107710933120);
+  EXPECT_EQ(p.active, 12803372672);  // GLM: "12B active"
+  json text = fixture_json("GLM-4.5V")["text_config"];  // model_type glm4v_moe_text
+  EXPECT_EQ(count_params(import_hf_config(text, "config.json")).total, p.total);
+  json tied = fixture_json("GLM-4.5V");
+  tied["text_config"].erase("tie_word_embeddings");
+  tied["tie_word_embeddings"] = true;  // the wrapper's word when the text model does not say
+  EXPECT_TRUE(import_hf_config(tied, "config.json").tie_word_embeddings);
+  tied["text_config"]["num_nextn_predict_layers"] = 1;
+  EXPECT_EQ(import_hf_config(tied, "config.json").mtp_layers, 1);
+  tied.erase("text_config");
+  EXPECT_EQ(only_error(tied), "config.json: /text_config: required key missing");
+}
+
+// dots.llm1 (dots1; tests/data/hf/SOURCES.md): Qwen3's attention (32 heads of 128, kv 32, per-head
+// QK norm, no biases) with DeepSeek-V3's MoE (128 experts top-6 of 1408, 2 shared experts, the
+// correction bias; layer 0 dense of 10944), vocab 152064, untied:
+//   embedding and lm head 2 · 152064 · 4096 = 1,245,708,288; attention a layer 4 · 4096 · 4096 + QK
+//   norms 2 · 128 + two layer norms 2 · 4096 = 67,117,312 (× 62); the dense FFN 3 · 4096 · 10944 =
+//   134,479,872; a MoE layer 128 · 3 · 4096 · 1408 + 128 · 4096 + 128 + 2 · 3 · 4096 · 1408 =
+//   2,316,837,248 (× 61); final norm 4096: 142,774,381,696 ("142B"). Active: six experts, not 128:
+//   13,393,734,784, with the embedding 14,016,588,928 ("14B activated").
+TEST(HfImport, Dots1) {
+  const ModelSpec m = import_fixture("dots.llm1.inst");
+  EXPECT_EQ(m.architecture, "dots1");
+  EXPECT_EQ(m.count_layers(FfnKind::Dense), 1);
+  EXPECT_EQ(m.count_layers(FfnKind::Moe), 61);
+  EXPECT_EQ(m.qk_norm, QkNorm::PerHead);
+  EXPECT_EQ(m.shared_expert_ffn_width, 2 * 1408);
+  EXPECT_TRUE(m.router_correction_bias);
+  EXPECT_EQ(count_window(m, AttentionWindow::Full), 62);  // max_window_layers 62 of 62 layers
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.total, 142774381696);
+  EXPECT_EQ(p.active, 13393734784);
+  EXPECT_EQ(p.active_with_embedding, 14016588928);
+
+  json config = fixture_json("dots.llm1.inst");
+  config["max_window_layers"] = 60;  // sliding_window absent: transformers' default 4096
+  ModelSpec w = import_hf_config(config, "config.json");
+  EXPECT_EQ(count_window(w, AttentionWindow::Sliding), 2);
+  EXPECT_EQ(w.layers[61].attention_window_tokens, 4096);
+  config["sliding_window"] = 1024;
+  EXPECT_EQ(import_hf_config(config, "config.json").layers[60].attention_window_tokens, 1024);
+  config["sliding_window"] = nullptr;  // no window at all
+  EXPECT_EQ(count_window(import_hf_config(config, "config.json"), AttentionWindow::Full), 62);
+  config["layer_types"] = json::array();
+  for (int i = 0; i < 62; ++i) config["layer_types"].push_back(i == 5 ? "sliding_attention" : "full_attention");
+  EXPECT_EQ(only_error(config),
+            "config.json: /sliding_window: must be set when layer_types names a \"sliding_attention\" layer (got null)");
+  config["sliding_window"] = 512;
+  w = import_hf_config(config, "config.json");  // layer_types wins over max_window_layers
+  EXPECT_EQ(count_window(w, AttentionWindow::Sliding), 1);
+  EXPECT_EQ(w.layers[5].attention_window_tokens, 512);
+  config["layer_types"][3] = "chunked_attention";
+  EXPECT_EQ(only_error(config),
+            "config.json: /layer_types/3: must be \"sliding_attention\" or \"full_attention\" (got \"chunked_attention\")");
+  config = fixture_json("dots.llm1.inst");
+  config.erase("n_shared_experts");
+  EXPECT_EQ(only_error(config), "config.json: /n_shared_experts: required key missing");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Recognition and errors, with their exact text.
 
@@ -680,7 +764,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 13u);
+  EXPECT_EQ(supported_hf_architectures().size(), 15u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -695,15 +779,15 @@ TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
             "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe");
+            "qwen3_vl_moe, glm4v_moe, dots1");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
             "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe");
+            "qwen3_vl_moe, glm4v_moe, dots1");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
             "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe");
+            "qwen3_vl_moe, glm4v_moe, dots1");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }
@@ -826,7 +910,8 @@ void expect_model_or_input_error(const std::function<ModelSpec()>& load, const s
 TEST(HfImport, MutatedAndTruncatedConfigsNeverEscapeAsOtherErrors) {
   const std::vector<std::string> models = {"DeepSeek-V3", "GLM-4.5",       "Mixtral-8x7B",  "OLMoE-1B-7B",
                                            "Qwen3-235B-A22B", "Qwen3-30B-A3B", "gpt-oss-120b", "gpt-oss-20b",
-                                           "Kimi-K2",     "DeepSeek-V2-Lite", "Llama-4-Scout", "Llama-4-Maverick"};
+                                           "Kimi-K2",     "DeepSeek-V2-Lite", "Llama-4-Scout", "Llama-4-Maverick",
+                                           "GLM-4.5V",    "dots.llm1.inst"};
   const std::vector<json> replacements = {
       json(nullptr), json("x"),     json(true), json::array(), json::object(), json(0),
       json(-1),      json(1e30),    json(1.5),  json(int64_t{9223372036854775807}),
