@@ -45,6 +45,7 @@ ojson model_json(const ModelSpec& m) {
   j["expert_ffn_width"] = m.expert_ffn_width;
   j["num_shared_experts"] = m.num_shared_experts;
   j["shared_expert_ffn_width"] = m.shared_expert_ffn_width;
+  j["shared_expert_gate"] = m.shared_expert_gate;
   j["mtp_layers"] = m.mtp_layers;
   int64_t window = 0;
   for (const auto& l : m.layers)
@@ -237,6 +238,7 @@ const std::vector<PlanObject>& plan_json_objects() {
         {"expert_ffn_width", K::Integer},
         {"num_shared_experts", K::Integer},
         {"shared_expert_ffn_width", K::Integer},
+        {"shared_expert_gate", K::Bool},
         {"mtp_layers", K::Integer},
         {"attention_window_tokens", K::Integer},
         {"layers", K::String}}},

@@ -56,4 +56,18 @@ rc=$?
 [ $rc = 2 ] || fail "a missing hardware card exited $rc (expected 2): $(cat hw.err)"
 grep -q "/inputs/hardware/source: names 'lab.json', which cannot be read" hw.err ||
   fail "the hardware source field is not named: $(cat hw.err)"
+# A card whose shared experts' gate was switched off since the plan: the field is named.
+sed -e 's/"name": "GLM-4.5"/"name": "GLM-4.5-gated"/' -e 's/"n_shared_experts": 1,/"n_shared_experts": 1, "shared_expert_gate": true,/' \
+  "$root/models/GLM-4.5.json" >gated.json
+grep -q '"shared_expert_gate": true' gated.json || fail "could not write the gated card"
+"$flatpeak" plan --model gated.json --gpu H200 --gpus 16 --context 16K --format json >gated_plan.json 2>gated_plan.err
+rc=$?
+[ $rc = 0 ] || [ $rc = 3 ] || fail "plan of the gated card exited $rc: $(cat gated_plan.err)"  # 3: does not fit
+grep -q '"shared_expert_gate": true' gated_plan.json || fail "the plan does not record the gate"
+sed -i 's/ "shared_expert_gate": true,//' gated.json
+"$flatpeak" verify gated_plan.json --component vocab --max-ranks 2 >ungated.out 2>ungated.err
+rc=$?
+[ $rc = 2 ] || fail "a card that lost its gate exited $rc (expected 2): $(cat ungated.err)"
+grep -q "/inputs/model/shared_expert_gate: is true, but 'gated.json' now gives false: the file changed" ungated.err ||
+  fail "the gate is not named: $(cat ungated.err)"
 echo "verify_plan_source: ok"

@@ -93,7 +93,15 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
   if (r.has("/inputs/model/num_heads")) in.num_heads = r.integer("/inputs/model/num_heads", 1, kMaxDim);
   if (r.has("/inputs/model/num_kv_heads")) in.num_kv_heads = r.integer("/inputs/model/num_kv_heads", 1, kMaxDim);
   if (r.has("/inputs/model/head_dim")) in.head_dim = r.integer("/inputs/model/head_dim", 1, kMaxDim);
-  if (r.has("/inputs/model/shared_expert_ffn_width")) in.shared_expert_ffn = r.integer("/inputs/model/shared_expert_ffn_width", 0, kMaxDim);
+  if (r.has("/inputs/model/shared_expert_ffn_width")) {
+    in.shared_expert_ffn = r.integer("/inputs/model/shared_expert_ffn_width", 0, kMaxDim);
+    in.has_shared_expert_ffn = true;
+  }
+  if (r.has("/inputs/model/shared_expert_gate")) {
+    const json& v = plan.at(json::json_pointer("/inputs/model/shared_expert_gate"));
+    if (v.is_boolean()) in.shared_expert_gate = v.get<bool>();
+    else r.errs.add(Diagnostic{file, "/inputs/model/shared_expert_gate", "must be true or false (got " + v.dump() + ")", ""});
+  }
   in.expert_ffn_width = r.integer("/inputs/model/expert_ffn_width", 0, kMaxDim);
   in.gpus = r.integer("/inputs/run/gpus", 1, kMaxGpus);
   in.ep = r.integer("/inputs/run/ep", 1, kMaxGpus);
@@ -168,7 +176,7 @@ bool is_embedded(const std::string& source) { return source.rfind("embedded:", 0
 // Where a plan's relative source path is read: from where verify runs, as the planner read it
 // from where it ran; when nothing is there, beside the plan file (a plan written next to its
 // config and verified from elsewhere). The loaders below compare the dims the plan records
-// (layers, H, V, experts, k, F, heads, head dim) with the file's.
+// (layers, H, V, experts, k, F, heads, head dim, the shared experts' width and gate) with the file's.
 std::string resolve_plan_source(const VerifyInputs& in, const std::string& source) {
   namespace fs = std::filesystem;
   const fs::path path(source);
@@ -227,6 +235,14 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
   if (in.num_kv_heads > 0)
     expect_same(errs, in, "/inputs/model/num_kv_heads", src, in.num_kv_heads, model.num_kv_heads);
   if (in.head_dim > 0) expect_same(errs, in, "/inputs/model/head_dim", src, in.head_dim, model.head_dim);
+  if (in.has_shared_expert_ffn)
+    expect_same(errs, in, "/inputs/model/shared_expert_ffn_width", src, in.shared_expert_ffn, model.shared_expert_ffn_width);
+  if (in.shared_expert_gate && *in.shared_expert_gate != model.shared_expert_gate) {
+    errs.add(Diagnostic{in.file, "/inputs/model/shared_expert_gate",
+                        std::string("is ") + (*in.shared_expert_gate ? "true" : "false") + ", but '" + src + "' now gives " +
+                            (model.shared_expert_gate ? "true" : "false") + ": the file changed since the plan was made",
+                        "plan again from the file as it is"});
+  }
   errs.throw_if_any();
   return model;
 }

@@ -38,6 +38,8 @@ struct VerifyInputs {
   // shared_expert_ffn_width); 0 where the plan does not say.
   std::string attention = "gqa";
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0, shared_expert_ffn = 0;
+  bool has_shared_expert_ffn = false;       // the plan records shared_expert_ffn_width
+  std::optional<bool> shared_expert_gate;  // /inputs/model/shared_expert_gate, where the plan says
   int64_t expert_ffn_width = 0;        // /inputs/model/expert_ffn_width
   std::string schedule;  // baseline | practice | flatpeak
   bool mtp = false;                // /inputs/run/mtp (absent: false): MTP modules trained
