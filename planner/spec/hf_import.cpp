@@ -586,15 +586,17 @@ void import_mixtral(Fields& f, ModelSpec& m) {
 }
 
 // glm4_moe: GQA with q/k/v bias, optional per-head QK norm, partial RoPE, shared experts,
-// dense prefix, MTP layers; the router always carries the noaux correction bias.
-void import_glm4_moe(Fields& f, ModelSpec& m) {
+// dense prefix, MTP layers; the router always carries the noaux correction bias. GLM-4.5V's text
+// model (`vision_text`) differs in two defaults of transformers' Glm4vMoeTextConfig: attention_bias
+// true, and no QK norm whatever use_qk_norm says (its attention is Glm4Attention, which has none).
+void import_glm4_moe(Fields& f, ModelSpec& m, bool vision_text = false) {
   const CommonDims d = read_common(f, true);
   apply_common(m, d);
   m.head_dim = read_head_dim(f, d);
   m.v_head_dim = m.head_dim;
-  m.qkv_bias = f.optional_bool("attention_bias", false);
+  m.qkv_bias = f.optional_bool("attention_bias", vision_text);
   m.o_bias = false;  // Glm4MoeAttention: o_proj has no bias whatever attention_bias says
-  m.qk_norm = f.optional_bool("use_qk_norm", false) ? QkNorm::PerHead : QkNorm::None;
+  if (!vision_text) m.qk_norm = f.optional_bool("use_qk_norm", false) ? QkNorm::PerHead : QkNorm::None;
   m.partial_rotary_factor = f.optional_fraction("partial_rotary_factor", 0.5);
   read_experts(f, m, "n_routed_experts", "num_experts_per_tok");
   m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
@@ -616,9 +618,10 @@ void import_glm4_moe(Fields& f, ModelSpec& m) {
 // dots1 (rednote dots.llm1): Qwen3's attention (GQA with per-head QK norm; attention_bias on q, k,
 // v and o) and DeepSeek-V3's MoE (its router always carries the noaux correction bias;
 // n_shared_experts shared experts of the routed width; a dense prefix of first_k_dense_replace
-// layers, default 0). Windows follow transformers' Dots1Config: layer_types when given, else a
-// layer at or past max_window_layers (default 62) attends within sliding_window tokens (default
-// 4096; null: no window). The released 62-layer models attend to the whole context.
+// layers, default 0). Windows as transformers' Dots1Config and Dots1Attention decide them: the
+// layers layer_types names "sliding_attention", else those at or past max_window_layers (default
+// 62), attend within sliding_window tokens (default 4096; null: no layer is windowed). The
+// released 62-layer models attend to the whole context.
 void import_dots1(Fields& f, ModelSpec& m) {
   const CommonDims d = read_common(f, true);
   apply_common(m, d);
@@ -644,17 +647,23 @@ void import_dots1(Fields& f, ModelSpec& m) {
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
 
+  // A null sliding_window: no layer is windowed, whatever layer_types says (the attention's
+  // window is the config's value, None).
   const json* window_raw = f.find("sliding_window");
   const bool windowed = window_raw == nullptr || !window_raw->is_null();
   const int64_t window = f.optional_int("sliding_window", 4096, 1, int64_t{1} << 40);
-  const int64_t max_window_layers = f.optional_int("max_window_layers", 62, 0, kMaxLayers);
-  std::vector<bool> sliding(static_cast<size_t>(d.layers));
-  for (int64_t i = 0; i < d.layers; ++i) sliding[static_cast<size_t>(i)] = windowed && i >= max_window_layers;
-  read_layer_types(f, d, sliding);
-  if (!windowed && std::any_of(sliding.begin(), sliding.end(), [](bool b) { return b; })) {
-    f.error("sliding_window", "must be set when layer_types names a \"sliding_attention\" layer (got null)");
+  int64_t max_window_layers = 62;
+  if (const json* mwl = f.find("max_window_layers"); mwl != nullptr && mwl->is_null()) {
+    // transformers compares each layer index with it when layer_types is not given (a TypeError).
+    if (windowed && !f.has("layer_types"))
+      f.error("max_window_layers", "must be an integer when sliding_window is set and layer_types is not given (got null)");
+  } else {
+    max_window_layers = f.optional_int("max_window_layers", 62, 0, kMaxLayers);
   }
-  apply_sliding_window(m, sliding, window);
+  std::vector<bool> sliding(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) sliding[static_cast<size_t>(i)] = i >= max_window_layers;
+  read_layer_types(f, d, sliding);
+  if (windowed) apply_sliding_window(m, sliding, window);
 }
 
 // olmoe: GQA/MHA with QK RMSNorm over the whole q and k projections; every layer MoE.
@@ -981,7 +990,7 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
   } else if (*family == "glm4v_moe") {
     // GLM-4.5V's language model is GLM-4.5-Air's glm4_moe (its M-RoPE sections change no shape).
     from_text_config("glm4v_moe_text", [&](Fields& f, bool tied_outer) {
-      import_glm4_moe(f, m);
+      import_glm4_moe(f, m, true);
       if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
     });
   } else if (*family == "qwen3_moe") {

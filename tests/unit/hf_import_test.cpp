@@ -674,9 +674,9 @@ TEST(HfImport, Qwen3VlMoeTextModel) {
 // query and 8 kv heads of 128 with q/k/v biases and none on o, vocab 151552, untied, no MTP). The
 // published checkpoint's tensor list gives the language model's count exactly:
 //   embedding and lm head 2 · 151552 · 4096 = 1,241,513,984; attention a layer: q 4096·12288 +
-//   12288, k and v 4096·1024 + 1024 each, o 12288·4096, two norms 2·4096 = 109,068,288 (× 46);
-//   the dense FFN 3 · 4096 · 10944 = 134,479,872; a MoE layer 128 · 3 · 4096 · 1408 (experts) +
-//   128 · 4096 (router) + 128 (correction bias) + 3 · 4096 · 1408 (shared) = 2,232,424,576 (× 45);
+//   12288, k and v 4096·1024 + 1024 each, o 12288·4096, two norms 2·4096 = 109,074,432 (× 46);
+//   the dense FFN 3 · 4096 · 10944 = 134,479,872; a MoE block 128 · 3 · 4096 · 1408 (experts) +
+//   128 · 4096 (router) + 128 (correction bias) + 3 · 4096 · 1408 (shared) = 2,232,418,432 (× 45);
 //   final norm 4096: 106,852,251,264. The vision tower's tensors add 858,681,856, the file's total
 //   107,710,933,120; the tower is not counted.
 TEST(HfImport, Glm45vTextModel) {
@@ -702,6 +702,12 @@ TEST(HfImport, Glm45vTextModel) {
   EXPECT_TRUE(import_hf_config(tied, "config.json").tie_word_embeddings);
   tied["text_config"]["num_nextn_predict_layers"] = 1;
   EXPECT_EQ(import_hf_config(tied, "config.json").mtp_layers, 1);
+  // Glm4vMoeTextConfig's defaults: q/k/v biases; its attention has no QK norm whatever the key says.
+  tied["text_config"].erase("attention_bias");
+  tied["text_config"]["use_qk_norm"] = true;
+  const ModelSpec defaults = import_hf_config(tied, "config.json");
+  EXPECT_TRUE(defaults.qkv_bias);
+  EXPECT_EQ(defaults.qk_norm, QkNorm::None);
   tied.erase("text_config");
   EXPECT_EQ(only_error(tied), "config.json: /text_config: required key missing");
 }
@@ -711,8 +717,8 @@ TEST(HfImport, Glm45vTextModel) {
 // correction bias; layer 0 dense of 10944), vocab 152064, untied:
 //   embedding and lm head 2 · 152064 · 4096 = 1,245,708,288; attention a layer 4 · 4096 · 4096 + QK
 //   norms 2 · 128 + two layer norms 2 · 4096 = 67,117,312 (× 62); the dense FFN 3 · 4096 · 10944 =
-//   134,479,872; a MoE layer 128 · 3 · 4096 · 1408 + 128 · 4096 + 128 + 2 · 3 · 4096 · 1408 =
-//   2,316,837,248 (× 61); final norm 4096: 142,774,381,696 ("142B"). Active: six experts, not 128:
+//   134,479,872; a MoE block 128 · 3 · 4096 · 1408 + 128 · 4096 + 128 + 2 · 3 · 4096 · 1408 =
+//   2,249,719,936 (× 61); final norm 4096: 142,774,381,696 ("142B"). Active: six experts, not 128:
 //   13,393,734,784, with the embedding 14,016,588,928 ("14B activated").
 TEST(HfImport, Dots1) {
   const ModelSpec m = import_fixture("dots.llm1.inst");
@@ -739,8 +745,7 @@ TEST(HfImport, Dots1) {
   EXPECT_EQ(count_window(import_hf_config(config, "config.json"), AttentionWindow::Full), 62);
   config["layer_types"] = json::array();
   for (int i = 0; i < 62; ++i) config["layer_types"].push_back(i == 5 ? "sliding_attention" : "full_attention");
-  EXPECT_EQ(only_error(config),
-            "config.json: /sliding_window: must be set when layer_types names a \"sliding_attention\" layer (got null)");
+  EXPECT_EQ(count_window(import_hf_config(config, "config.json"), AttentionWindow::Full), 62);  // still none
   config["sliding_window"] = 512;
   w = import_hf_config(config, "config.json");  // layer_types wins over max_window_layers
   EXPECT_EQ(count_window(w, AttentionWindow::Sliding), 1);
@@ -748,6 +753,12 @@ TEST(HfImport, Dots1) {
   config["layer_types"][3] = "chunked_attention";
   EXPECT_EQ(only_error(config),
             "config.json: /layer_types/3: must be \"sliding_attention\" or \"full_attention\" (got \"chunked_attention\")");
+  config = fixture_json("dots.llm1.inst");
+  config["max_window_layers"] = nullptr;  // transformers compares each layer index with it
+  EXPECT_EQ(only_error(config), "config.json: /max_window_layers: must be an integer when sliding_window is set "
+                                "and layer_types is not given (got null)");
+  config["sliding_window"] = nullptr;
+  EXPECT_EQ(count_window(import_hf_config(config, "config.json"), AttentionWindow::Full), 62);
   config = fixture_json("dots.llm1.inst");
   config.erase("n_shared_experts");
   EXPECT_EQ(only_error(config), "config.json: /n_shared_experts: required key missing");

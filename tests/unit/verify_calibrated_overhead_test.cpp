@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include "plan.h"
 #include "run_spec.h"
 #include "spec/errors.h"
@@ -31,10 +33,10 @@ HardwareSpec calibrated_h200() {
                                "cublas_workspace_bytes": 33554432, "nccl_bytes": 66445568} })");
   // Written to a file and loaded from it, as flatpeak_calibrate leaves it: verify reads the card
   // again from the plan's /inputs/hardware/source.
-  // One file a test: ctest runs this file's tests as separate processes at once, and a shared
-  // name let one test read the card while another was rewriting it.
-  const std::string path = ::testing::TempDir() + "H200.calibrated." +
-                           ::testing::UnitTest::GetInstance()->current_test_info()->name() + ".json";
+  // One file a process: ctest runs this file's tests as separate processes at once (and two build
+  // trees may share the folder), and a shared name let one test read the card while another was
+  // rewriting it.
+  const std::string path = ::testing::TempDir() + "H200.calibrated." + std::to_string(::getpid()) + ".json";
   std::ofstream(path) << card.dump(2);
   return load_hardware(path);
 }
