@@ -439,16 +439,33 @@ std::vector<bool> qwen_moe_layers(Fields& f, const CommonDims& d) {
   return is_moe;
 }
 
-// qwen3_moe: GQA with per-head QK norm; MoE every decoder_sparse_step layers except mlp_only_layers.
-void import_qwen3_moe(Fields& f, ModelSpec& m) {
-  const CommonDims d = read_common(f, true);
-  apply_common(m, d);
+// Qwen3's attention (qwen3_moe, dots1): GQA with per-head QK norm, attention_bias on q, k, v and o.
+void read_qwen3_attention(Fields& f, const CommonDims& d, ModelSpec& m) {
   m.head_dim = read_head_dim(f, d);
   m.v_head_dim = m.head_dim;
   const bool bias = f.optional_bool("attention_bias", false);
   m.qkv_bias = bias;
   m.o_bias = bias;
   m.qk_norm = QkNorm::PerHead;
+}
+
+// MoE from layer first_k_dense_replace on (glm4_moe, dots1), the layers before it dense.
+std::vector<bool> dense_prefix_layers(Fields& f, const CommonDims& d, int64_t default_first_dense) {
+  const int64_t first_dense = f.optional_int("first_k_dense_replace", default_first_dense, 0, kMaxLayers);
+  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
+    f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
+                                                 first_dense, d.layers));
+  }
+  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
+  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = i >= first_dense;
+  return is_moe;
+}
+
+// qwen3_moe: GQA with per-head QK norm; MoE every decoder_sparse_step layers except mlp_only_layers.
+void import_qwen3_moe(Fields& f, ModelSpec& m) {
+  const CommonDims d = read_common(f, true);
+  apply_common(m, d);
+  read_qwen3_attention(f, d, m);
   read_experts(f, m, "num_experts", "num_experts_per_tok");
   m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
   const std::vector<bool> is_moe = qwen_moe_layers(f, d);
@@ -604,13 +621,7 @@ void import_glm4_moe(Fields& f, ModelSpec& m, bool vision_text = false) {
   m.shared_expert_ffn_width = m.num_shared_experts * m.expert_ffn_width;
   m.router_correction_bias = true;
   m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
-  const int64_t first_dense = f.optional_int("first_k_dense_replace", 1, 0, kMaxLayers);
-  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
-    f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
-                                                 first_dense, d.layers));
-  }
-  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
-  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = i >= first_dense;
+  const std::vector<bool> is_moe = dense_prefix_layers(f, d, 1);
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
 }
@@ -625,25 +636,14 @@ void import_glm4_moe(Fields& f, ModelSpec& m, bool vision_text = false) {
 void import_dots1(Fields& f, ModelSpec& m) {
   const CommonDims d = read_common(f, true);
   apply_common(m, d);
-  m.head_dim = read_head_dim(f, d);
-  m.v_head_dim = m.head_dim;
-  const bool bias = f.optional_bool("attention_bias", false);
-  m.qkv_bias = bias;
-  m.o_bias = bias;
-  m.qk_norm = QkNorm::PerHead;
+  read_qwen3_attention(f, d, m);
   read_experts(f, m, "n_routed_experts", "num_experts_per_tok");
   m.expert_ffn_width = f.required_int("moe_intermediate_size", 1, kMaxDim);
   // Dots1Config has no default for it (transformers cannot build the model without it).
   m.num_shared_experts = f.required_int("n_shared_experts", 0, kMaxExperts);
   m.shared_expert_ffn_width = m.num_shared_experts * m.expert_ffn_width;
   m.router_correction_bias = true;
-  const int64_t first_dense = f.optional_int("first_k_dense_replace", 0, 0, kMaxLayers);
-  if (f.ok({"num_hidden_layers", "first_k_dense_replace"}) && first_dense > d.layers) {
-    f.error("first_k_dense_replace", fmt::format("must be in 0..num_hidden_layers (got {}, num_hidden_layers = {})",
-                                                 first_dense, d.layers));
-  }
-  std::vector<bool> is_moe(static_cast<size_t>(d.layers));
-  for (int64_t i = 0; i < d.layers; ++i) is_moe[static_cast<size_t>(i)] = i >= first_dense;
+  const std::vector<bool> is_moe = dense_prefix_layers(f, d, 0);
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
 
