@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "spec/sizes.h"
+
 namespace flatpeak::planner {
 
 const char* to_string(PeakKind kind) {
@@ -194,6 +196,18 @@ Plan make_plan_fixed(const ModelSpec& model, const HardwareSpec& hardware, const
                                          "GEMMs get fewer than m = {} rows per round",
                                          load.chunk_cap_rows, want, m));
     }
+  }
+  if (p.model.tie_word_embeddings) {
+    // planner/README.md "Tied embeddings": the head's W and dW are counted at the loss as for an
+    // untied head, but the reduction of that dW into the embedding's shard is not (and the step
+    // component, which refuses a tied head, cannot measure it). 4·V·H bytes: FSDP2's root unit
+    // keeping the tied table (bf16) and its unsharded gradient (bf16) through the backward, or
+    // an fp32 reduce-scatter input of the table beside the last layer's backward. V, H < 2^30.
+    const int64_t extra = 4 * p.model.vocab_size * p.model.hidden_size;
+    p.warnings.push_back(fmt::format("tie_word_embeddings: this plan does not reduce the LM head's gradient into the "
+                                     "tied embedding's shard; expect up to 4 x V x H bytes = {} more per GPU in the "
+                                     "backward (planner/README.md, \"Tied embeddings\")",
+                                     format_bytes(extra)));
   }
   return p;
 }

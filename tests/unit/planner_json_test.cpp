@@ -1,7 +1,10 @@
 // The plan JSON interface scripts rely on, flag validation in one pass, and overflow guarding.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include "planner_test_util.h"
+#include "spec/sizes.h"
 
 namespace flatpeak::planner::test {
 namespace {
@@ -103,6 +106,20 @@ TEST(PlannerJson, ContextAboveMaxPositionsIsAWarning) {
   const Plan p = plan_of(m, tiny_gpu(), {{"--gpus", "2"}, {"--context", "16"}});
   ASSERT_EQ(p.warnings.size(), 1u);
   EXPECT_EQ(p.warnings[0], "context S = 16 exceeds the model's max_position_embeddings = 8");
+}
+
+// A tied head: the part of its memory the plan leaves out is said, with its size (4·V·H bytes).
+TEST(PlannerJson, TiedEmbeddingsAreAWarning) {
+  ModelSpec m = tiny_moe();
+  m.tie_word_embeddings = true;
+  const Plan p = plan_of(m, tiny_gpu(), {{"--gpus", "2"}, {"--context", "16"}});
+  ASSERT_EQ(p.warnings.size(), 1u);
+  EXPECT_EQ(p.warnings[0], fmt::format("tie_word_embeddings: this plan does not reduce the LM head's gradient into the "
+                                       "tied embedding's shard; expect up to 4 x V x H bytes = {} more per GPU in the "
+                                       "backward (planner/README.md, \"Tied embeddings\")",
+                                       format_bytes(4 * m.vocab_size * m.hidden_size)));
+  m.tie_word_embeddings = false;
+  EXPECT_TRUE(plan_of(m, tiny_gpu(), {{"--gpus", "2"}, {"--context", "16"}}).warnings.empty());
 }
 
 TEST(PlannerJson, SizesThatOverflowInt64AreInputErrors) {
