@@ -802,10 +802,9 @@ void import_ernie4_5_moe(Fields& f, ModelSpec& m) {
 // intermediate_size beside the routed experts of the same width, dense layers of width
 // intermediate_size_mlp. RoPE layers attend within attention_chunk_size chunks; NoPE layers
 // (no_rope_layers[i] == 0) see the whole context. use_qk_norm is an L2 norm without weights.
-void import_llama4(Fields& f, ModelSpec& m, bool tied_outer) {
+void import_llama4(Fields& f, ModelSpec& m) {
   const CommonDims d = read_common(f, true);
   apply_common(m, d);
-  if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
   m.head_dim = read_head_dim(f, d);
   m.v_head_dim = m.head_dim;
   const bool bias = f.optional_bool("attention_bias", false);
@@ -964,35 +963,30 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
   Fields root(config, "", out);
   // Vision-language wrappers: the language model under text_config (the vision tower beside it is
   // not counted), or a config of the text model alone (its own model_type); import_text gets the
-  // text model's fields and the wrapper's tie_word_embeddings.
+  // text model's fields. The text model's tie_word_embeddings wins; without it, the wrapper's.
   const auto from_text_config = [&](const char* text_model_type, const auto& import_text) {
     const json* text = root.find("text_config");
     const auto model_type = config.find("model_type");
     if (model_type != config.end() && *model_type == text_model_type) {
-      import_text(root, false);
+      import_text(root);
     } else if (text == nullptr) {
       out.add_missing("/text_config", "text_config", &config);
     } else if (!text->is_object()) {
       out.add("/text_config", fmt::format("must be an object (got {})", describe_json_value(*text)));
     } else {
       Fields text_fields(*text, "/text_config", out);
-      import_text(text_fields, root.optional_bool("tie_word_embeddings", false));
+      import_text(text_fields);
+      if (!text_fields.has("tie_word_embeddings")) m.tie_word_embeddings = root.optional_bool("tie_word_embeddings", false);
     }
   };
   if (*family == "llama4") {
-    from_text_config("llama4_text", [&](Fields& f, bool tied_outer) { import_llama4(f, m, tied_outer); });
+    from_text_config("llama4_text", [&](Fields& f) { import_llama4(f, m); });
   } else if (*family == "qwen3_vl_moe") {
     // Qwen3-VL's language model is Qwen3-MoE's (its M-RoPE changes no shape).
-    from_text_config("qwen3_vl_moe_text", [&](Fields& f, bool tied_outer) {
-      import_qwen3_moe(f, m);
-      if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
-    });
+    from_text_config("qwen3_vl_moe_text", [&](Fields& f) { import_qwen3_moe(f, m); });
   } else if (*family == "glm4v_moe") {
     // GLM-4.5V's language model is GLM-4.5-Air's glm4_moe (its M-RoPE sections change no shape).
-    from_text_config("glm4v_moe_text", [&](Fields& f, bool tied_outer) {
-      import_glm4_moe(f, m, true);
-      if (!f.has("tie_word_embeddings")) m.tie_word_embeddings = tied_outer;
-    });
+    from_text_config("glm4v_moe_text", [&](Fields& f) { import_glm4_moe(f, m, true); });
   } else if (*family == "qwen3_moe") {
     import_qwen3_moe(root, m);
   } else if (*family == "qwen2_moe") {
