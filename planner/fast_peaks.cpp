@@ -106,14 +106,15 @@ class Builder {
     all_grads_ = c.w.accumulation_steps > 1;
     staged_ = c.r.optimizer != OptimizerPlacement::Gpu && c.w.gpus > 1;  // reduce_scatter_output_staged
     head_ = c.w.head_unit;
-    // reduced_before(l) for every l: MTP modules from the last, then the head, then L-1 down.
+    // reduced_before(l) for every l, the unit in flight counted: with MTP the head first, then
+    // the modules from the last; the head; then L-1 down.
     reduced_.assign(static_cast<size_t>(L_ + M_), 0);
-    int64_t sum = 0;
+    int64_t sum = M_ > 0 ? shard(head_) : 0;
     for (int64_t j = L_ + M_ - 1; j >= L_; --j) {
       reduced_[static_cast<size_t>(j)] = sum;
       sum += shard(unit(j));
     }
-    sum += shard(head_);
+    if (M_ == 0) sum += shard(head_);
     for (int64_t i = L_ - 1; i >= 0; --i) {
       reduced_[static_cast<size_t>(i)] = sum;
       sum += shard(unit(i));
@@ -150,6 +151,7 @@ class Builder {
       Acc backward = state(grads(before));
       const FP::HeadRoles head = fsdp(backward, 0, -1, 0, unit(0));
       backward.add(kAct, mul(c_.T, c_.H), kB16);
+      if (M_ > 0) mtp_embedding_grad(backward);
       Acc copy = state(grads(before));
       fsdp(copy, -1, -1, 0, 0);
       Acc shard = state(grads(all));
@@ -161,6 +163,7 @@ class Builder {
         fsdp(landing, 0, -1, -1, unit(0));
         landing.add(Category::Fsdp, reduced_shard(unit(0)), kF32);
         landing.add(kAct, mul(c_.T, c_.H), kB16);
+        if (M_ > 0) mtp_embedding_grad(landing);
         most = &landing;
       }
       for (const Acc* m : {&backward, &copy, &shard})
@@ -179,9 +182,16 @@ class Builder {
   int64_t reduced_shard(int64_t u) const { return c_.w.units[static_cast<size_t>(u)].reduced_shard_params; }
   int64_t reduced_before(int64_t l) const { return reduced_[static_cast<size_t>(l)]; }
   int64_t in_flight_before(int64_t l) const {
-    if (l >= L_) return l + 1 < L_ + M_ ? unit(l + 1) : -1;
+    if (l >= L_) return head_;
     return l + 1 < L_ ? unit(l + 1) : head_;
   }
+
+  // add_mtp_pending and add_mtp_embedding_grad (timeline.cpp).
+  void mtp_pending(int64_t mtp_losses, int64_t hiddens, Acc& t) const {
+    for (int64_t j = 0; j <= mtp_losses; ++j) loss_saved(c_, t);
+    t.add(Category::Boundaries, mul(c_.T, c_.H), kB16, hiddens);
+  }
+  void mtp_embedding_grad(Acc& t) const { t.add(kAct, mul(c_.T, c_.H), kB16); }
 
   Acc state(int64_t grad_params) const {
     Acc t = c_.acc();
@@ -244,14 +254,15 @@ class Builder {
     return c_.w.moe_index[static_cast<size_t>(l)] % static_cast<int64_t>(c_.w.moe_loads.size());
   }
 
-  // A layer's transient terms depend only on its kind: MTP or not, FFN kind, its attention
-  // window (with CP > 1) and its routing; computed once per kind, forward and backward together.
-  using Kind = std::tuple<bool, int, int, int64_t, int64_t>;
+  // A layer's transient terms depend only on its kind: a decoder layer, an MTP module or the
+  // last MTP module, FFN kind, its attention window (with CP > 1) and its routing; computed once
+  // per kind, forward and backward together.
+  using Kind = std::tuple<int, int, int, int64_t, int64_t>;
   int32_t kind_of(int64_t l) {
     const LayerSpec s = c_.spec(l);
     const bool moe = moe_layer(l);
     const bool window = c_.r.cp > 1 && s.window != AttentionWindow::Full && s.attention_window_tokens > 0;
-    const Kind key{l >= L_, moe ? 1 : 0, window ? static_cast<int>(s.window) : 0, window ? s.attention_window_tokens : 0,
+    const Kind key{l < L_ ? 0 : l + 1 < L_ + M_ ? 1 : 2, moe ? 1 : 0, window ? static_cast<int>(s.window) : 0, window ? s.attention_window_tokens : 0,
                    moe ? load_index(l) : -1};
     auto it = kind_index_.find(key);
     if (it != kind_index_.end()) return it->second;
@@ -336,6 +347,15 @@ class Builder {
     }
     Acc bwd_attn = c_.acc();
     attention_backward(c_, l, bwd_attn);
+    if (mtp) {  // or eh_proj's backward, whichever holds more (a tie: the attention's)
+      bwd_attn.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+      Acc eh_proj = c_.acc();
+      eh_proj.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+      eh_proj.add(kAct, mul(c_.T, c_.H), kB16);
+      eh_proj.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+      if (eh_proj.total() > bwd_attn.total()) bwd_attn = eh_proj;
+      if (l == L_ + M_ - 1) mtp_embedding_grad(bwd_attn);
+    }
     add(layer_home(false), bwd_attn, FP::Disp::None, 2);
     out.back().or_copy_in = true;
     // Its alternative, the grads' copy-in (base 3): d x_l [T, H] the only activation.
@@ -358,27 +378,32 @@ class Builder {
     e.kind = kind_of(l);
     e.load_index = moe_layer(l) ? static_cast<int32_t>(load_index(l)) : 0;
     Acc base = state(grads(0));
-    const int64_t next = l + 1 < L_ + M_ ? unit(l + 1) : head_;
+    const int64_t next = l + 1 < L_ ? unit(l + 1) : head_;
     const FP::HeadRoles head = fsdp(base, unit(l), next, -1, -1);
-    if (l >= L_) loss_saved(c_, base);
+    if (l >= L_) mtp_pending(l - L_, l - L_, base);
     set_base(e, 0, base, head);
     order_.push_back(FP::Step{FP::Step::Type::Forward, static_cast<int32_t>(l)});
   }
 
   void backward_layer(int64_t l) {
     FP::Layer& e = layers_[static_cast<size_t>(l)];
-    const bool mtp = l >= L_;
-    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : head_) : (l > 0 ? unit(l - 1) : 0);
+    const bool mtp = l >= L_, last_module = mtp && l == L_ + M_ - 1;
+    const int64_t prev = mtp ? head_ : (l > 0 ? unit(l - 1) : 0);
+    auto pending = [&](Acc& base) {
+      if (mtp) mtp_pending(l - L_, l - L_, base);
+      if (M_ > 0 && !last_module) mtp_embedding_grad(base);
+    };
     for (int b = 1; b <= 2; ++b) {
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, unit(l), prev, b == 2 ? unit(l) : -1, in_flight_before(l));
-      if (mtp) loss_saved(c_, base);
+      pending(base);
       set_base(e, b, base, head);
     }
     {  // 3: the grads' copy-in (timeline.cpp): the layer released, its grads and fp32 input live
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, -1, prev, unit(l), unit(l));
-      if (mtp) loss_saved(c_, base);
+      pending(base);
+      if (last_module) mtp_embedding_grad(base);
       set_base(e, 3, base, head);
     }
     const int64_t landing = in_flight_before(l);
@@ -387,7 +412,7 @@ class Builder {
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, unit(l), -1, -1, landing);
       base.add(Category::Fsdp, reduced_shard(landing), kF32);
-      if (mtp) loss_saved(c_, base);
+      pending(base);
       set_base(e, 4, base, head);
     }
     order_.push_back(FP::Step{FP::Step::Type::Backward, static_cast<int32_t>(l)});
@@ -395,7 +420,7 @@ class Builder {
 
   void loss_forward(int64_t index) {
     Acc base = state(grads(0));
-    if (index > 0) loss_saved(c_, base);
+    if (index > 0) mtp_pending(index - 1, index, base);
     const uint8_t home = home_bit(PeakKind::Vocab);
     if (c_.r.vocab == VocabMode::Materialized) {
       Acc t = c_.acc();
@@ -411,11 +436,19 @@ class Builder {
   }
 
   void loss_backward(int64_t index) {
-    const int64_t after = index > 0 ? L_ + index - 1 : L_ - 1;
-    Acc base = state(grads(index > 0 ? reduced_before(after) : reduced_before(L_ - 1) - shard(head_)));
-    if (index > 0) loss_saved(c_, base);
-    const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
-    const FP::HeadRoles head = fsdp(base, -1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1));
+    const int64_t k = index - 1;  // the MTP module of this loss (index > 0)
+    int64_t reduced = reduced_before(L_ - 1) - shard(head_);
+    if (index > 0) reduced = reduced_before(L_ + k) - (k == M_ - 1 ? shard(head_) : 0);
+    else if (M_ > 0) reduced = reduced_before(L_ - 1);
+    Acc base = state(grads(reduced));
+    if (index > 0) mtp_pending(k, index, base);
+    if (index == 0 ? M_ > 0 : k < M_ - 1) {  // d of this loss's input from the next module; d embedding
+      base.add(kAct, mul(c_.T, c_.H), kB16);
+      mtp_embedding_grad(base);
+    }
+    const int64_t next = index > 0 ? unit(L_ + k) : unit(L_ - 1);
+    const int64_t in_flight = index > 0 ? (k + 1 < M_ ? unit(L_ + k + 1) : -1) : (M_ > 0 ? unit(L_) : -1);
+    const FP::HeadRoles head = fsdp(base, -1, next, -1, in_flight);
     const uint8_t home = home_bit(PeakKind::Vocab);
     if (c_.r.vocab == VocabMode::Materialized) {
       Acc t = c_.acc();
@@ -503,14 +536,14 @@ int64_t FastPeaks::boundary_count(Bnd rule, int64_t l, int64_t n, int64_t prefet
     case Bnd::Forward: {
       const int64_t i = std::min(l, last);
       int64_t count = (i + 1) - std::min(n, i + 1);
-      if (l >= L_) count += l - L_ + 1 + 1;  // MTP inputs, + final hidden
-      else count += l < n ? 1 : 0;          // this layer's copy in flight
+      if (l >= L_) count += l - L_ + 1 + 1 + (n > 0 ? 1 : 0);  // MTP inputs, final hidden, x_0 fetched
+      else count += l < n ? 1 : 0;                            // this layer's copy in flight
       return count;
     }
     case Bnd::Backward: {
       const int64_t i = std::min(l, last);
       int64_t count = (i + 1) - std::min(n, i + 1);
-      if (l >= L_) return count + (l - L_ + 1);
+      if (l >= L_) return count + (l - L_ + 1) + 1 + (n > 0 ? 1 : 0);
       return count + (l < n ? 1 : 0) + std::max<int64_t>(0, std::min(l, n) - std::max<int64_t>(0, l - prefetch));
     }
     case Bnd::Loss: return L_ - std::min(n, L_) + l + 1;  // resident_upto(L-1) + extra + final hidden
@@ -609,9 +642,10 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
   auto boundaries = [&](Bnd rule, int64_t l) -> int64_t {
     switch (rule) {
       case Bnd::None: return 0;
-      case Bnd::Forward: return resident(l) + (l >= L_ ? 1 : off(l));
+      // An MTP module: h_L and, with x_0 offloaded, its fetched copy.
+      case Bnd::Forward: return resident(l) + (l >= L_ ? 1 + off(0) : off(l));
       case Bnd::Backward: {
-        if (l >= L_) return resident(l);
+        if (l >= L_) return resident(l) + 1 + off(0);
         const int64_t lo = std::max<int64_t>(0, l - k.sco_prefetch);
         return resident(l) + off(l) + (prefix[static_cast<size_t>(l)] - prefix[static_cast<size_t>(lo)]);
       }
@@ -690,7 +724,7 @@ FastSummary FastPeaks::evaluate(const PeakKnobs& k) const {
         const Extra& y = kind[xi + 1];
         const int64_t l = e.layer;
         // Boundaries then: the resident ones and those the previous layer's prefetch fetched.
-        int64_t fetched = resident(l);
+        int64_t fetched = resident(l) + (l >= L_ ? 1 : 0);  // an MTP module: h_L
         if (l + 1 < L_) {
           const int64_t first = std::max<int64_t>(0, l + 1 - k.sco_prefetch);
           fetched += prefix[static_cast<size_t>(l + 1)] - prefix[static_cast<size_t>(first)];

@@ -22,9 +22,12 @@ void add_grad_shards(const Context& c, int64_t params, const Dtype& dtype, TermL
 
 int64_t reduced_grad_bytes(const Workload& w, int64_t mtp_modules, int64_t params, int64_t bytes_per_param, int64_t alignment) {
   const int64_t L = static_cast<int64_t>(w.moe_index.size()) - mtp_modules;
-  std::vector<int64_t> order;  // units in the order backward reduces them
+  // Units in the order backward reduces them: with MTP the head first (after the last module's
+  // loss; the later losses' grads are reduced into the same shard), then the modules from the last.
+  std::vector<int64_t> order;
+  if (mtp_modules > 0) order.push_back(w.head_unit);
   for (int64_t j = L + mtp_modules - 1; j >= L; --j) order.push_back(w.layer_unit(j));
-  order.push_back(w.head_unit);
+  if (mtp_modules == 0) order.push_back(w.head_unit);
   for (int64_t l = L - 1; l >= 0; --l) order.push_back(w.layer_unit(l));
   order.push_back(0);
   int64_t sum = 0, bytes = 0;

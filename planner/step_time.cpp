@@ -452,9 +452,11 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
     }
   }
   out.head_extra_s = total - head_ref_s_;
-  // FSDP with the head unit's share: Ring-DTP gathers only a V/R shard of the LM head.
+  // FSDP with the head unit's share: Ring-DTP gathers only a V/R shard of the LM head. With MTP
+  // every loss gathers the head for its forward and its backward and reduce-scatters its grads
+  // (timeline.cpp: an MTP module runs between two uses).
   const double head_params = d(R > 1 ? ceil_div(fsdp_head_params_, R) : fsdp_head_params_);
-  out.fsdp_bytes = fsdp_rest_bytes_ + (N_ > 1 ? head_params * (2 * 2 + 4) * d(N_ - 1) / d(N_) : 0);
+  out.fsdp_bytes = fsdp_rest_bytes_ + (N_ > 1 ? d(losses_) * head_params * (2 * 2 + 4) * d(N_ - 1) / d(N_) : 0);
   out.fsdp_busy_s = link_seconds(out.fsdp_bytes, N_, false);
   out.fsdp_exposed_s = std::max(0.0, out.fsdp_busy_s - compute_ref_s_);
   return out;

@@ -1,6 +1,11 @@
 // Composes the phases of one step (the worst micro-batch, then the optimizer step):
-//   fwd/embed, fwd/L<l>/..., loss/..., [fwd/MTP<j>/..., loss/mtp<j>/...], bwd/MTP<j>/...,
+//   fwd/embed, fwd/L<l>/..., loss/fwd..., [fwd/MTP<j>/..., loss/mtp<j>/fwd...],
+//   [loss/mtp<j>/bwd..., bwd/MTP<j>/...] from the last module, loss/bwd...,
 //   bwd/L<l>/recompute/..., bwd/L<l>/moe/..., bwd/L<l>/attn, bwd/embed, opt/...
+// MTP modules (planner/README.md "Multi-token prediction"): each loss's backward is deferred until
+// the modules after it are done; module j's output h^j stays until its loss's backward; every
+// loss's backward reduce-scatters the LM head's grads (the shard accumulates), and the modules'
+// gradient into the shifted embedding waits in one [T, H] buffer for bwd/embed.
 // Layers with the same signature (FFN kind, attention window, routing) are folded into one
 // representative: the last in forward order, which has the most boundaries resident both at the
 // end of the forward pass and at the start of the backward pass.
@@ -139,20 +144,22 @@ class Builder {
     for (auto& p : phases) phases_.push_back(std::move(p));
   }
 
-  // Grad shards already reduce-scattered when the backward of layer l starts (reduction order:
-  // MTP modules from the last, the head, layers from L-1 down), and the unit in flight.
+  // Grad shards already reduce-scattered when the backward of layer l starts, the unit in flight
+  // counted (reduction order, reduced_grad_bytes: with MTP the head first, after the last module's
+  // loss, then the modules from the last; the head; layers from L-1 down).
   int64_t reduced_before(int64_t l) const {
     int64_t sum = 0;
     auto shard = [&](int64_t unit_index) { return c_.work.units[static_cast<size_t>(unit_index)].shard_params; };
     for (int64_t j = L_ + M_ - 1; j > l && j >= L_; --j) sum += shard(unit(j));
-    if (l < L_) {
-      sum += shard(c_.work.head_unit);
+    sum += shard(c_.work.head_unit);
+    if (l < L_)
       for (int64_t i = L_ - 1; i > l; --i) sum += shard(unit(i));
-    }
     return sum;
   }
+  // The unit whose reduce-scatter is in flight as layer l's backward starts: the head after every
+  // loss's backward (an MTP module runs right after its loss's), else the layer after l.
   int64_t in_flight_before(int64_t l) const {
-    if (l >= L_) return l + 1 < L_ + M_ ? unit(l + 1) : -1;
+    if (l >= L_) return c_.work.head_unit;
     return l + 1 < L_ ? unit(l + 1) : c_.work.head_unit;
   }
 
@@ -203,11 +210,13 @@ class Builder {
   void forward_layer(int64_t l, const std::string& folds_override = "") {
     const bool mtp = l >= L_;
     TermList base = persistent_state(grads(0));
-    const int64_t next = l + 1 < L_ + M_ ? unit(l + 1) : c_.work.head_unit;
+    // The next unit to run: the next layer, else the head (a loss follows the last layer and every
+    // MTP module; a module is gathered as its forward starts).
+    const int64_t next = l + 1 < L_ ? unit(l + 1) : c_.work.head_unit;
     add_fsdp(c_, FsdpLive{unit(l), next, -1, -1}, base);
-    const bool in_flight = !mtp && offloaded_[static_cast<size_t>(l)];
+    const bool in_flight = mtp ? offloaded_x0() : offloaded_[static_cast<size_t>(l)];
     add_boundaries(c_, resident_upto(l), in_flight ? 1 : 0, mtp, base);
-    if (mtp) add_loss_saved(c_, "main loss ", base);  // the main loss's backward runs after MTP's
+    if (mtp) add_mtp_pending(l - L_, l - L_, base);  // the losses before it wait for their backward
     const std::string prefix = "fwd/" + layer_name(l) + "/";
     const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
     TermList attn = c_.list();
@@ -237,22 +246,55 @@ class Builder {
     return a + " x " + b;
   }
 
+  // What MTP adds while module k runs (forward or backward) or its loss does: the saved sets of
+  // the losses whose backward is still to come (the main loss and MTP losses 0..mtp_losses-1),
+  // and the outputs h^0..h^(hiddens-1) of earlier modules (a later module's input and their own
+  // loss's final-norm backward need them).
+  void add_mtp_pending(int64_t mtp_losses, int64_t hiddens, TermList& t) const {
+    add_loss_saved(c_, "main loss ", t);
+    for (int64_t j = 0; j < mtp_losses; ++j) add_loss_saved(c_, "MTP" + std::to_string(j) + " loss ", t);
+    t.add("MTP module outputs h^j (for later modules and their losses)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}},
+          kBf16, Category::Boundaries, hiddens);
+  }
+  // The modules' gradient into the shifted embedding, kept for bwd/embed (one buffer: each module's
+  // is added at its shift).
+  void add_mtp_embedding_grad(TermList& t) const {
+    t.add("MTP d shifted embedding (for bwd/embed)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
+          Category::Activations);
+  }
+  // An MTP module's embedding input is x_0 shifted: with x_0 offloaded, a copy is fetched for the
+  // module's forward and again for its backward.
+  bool offloaded_x0() const { return L_ > 0 && offloaded_[0]; }
+
   // Terms of losses whose backward has not run yet while `index` runs (MTP losses run first).
   void loss_forward(const std::string& name, int64_t index) {
     TermList base = persistent_state(grads(0));
     add_boundaries(c_, resident_upto(L_ - 1) + index, 0, true, base);
-    if (index > 0) add_loss_saved(c_, "main loss ", base);
+    if (index > 0) add_mtp_pending(index - 1, index, base);
     for (auto& p : loss_forward_phases(c_)) emit(name + "/" + p.suffix, p.folds, base, p.terms);
   }
 
   void loss_backward(const std::string& name, int64_t index) {
-    // Main loss: the MTP modules are reduced; an MTP loss: the modules after it.
-    const int64_t after = index > 0 ? L_ + index - 1 : L_ - 1;
-    TermList base = persistent_state(grads(index > 0 ? reduced_before(after) : reduced_before(L_ - 1) - head_shard()));
+    // Units reduced: for the main loss, the head (with MTP, reduced after each MTP loss) and the
+    // modules; for MTP loss k, the head once a later loss has run, and the modules after k.
+    const int64_t k = index - 1;
+    int64_t reduced = reduced_before(L_ - 1) - head_shard();
+    if (index > 0) reduced = reduced_before(L_ + k) - (k == M_ - 1 ? head_shard() : 0);
+    else if (M_ > 0) reduced = reduced_before(L_ - 1);
+    TermList base = persistent_state(grads(reduced));
     add_boundaries(c_, resident_upto(L_ - 1) + (index > 0 ? index : 0), 0, true, base);
-    if (index > 0) add_loss_saved(c_, "main loss ", base);
-    const int64_t next = index > 0 ? unit(L_ + index - 1) : unit(L_ - 1);
-    add_fsdp(c_, FsdpLive{-1, next, -1, index > 0 ? in_flight_before(after) : (M_ > 0 ? unit(L_) : -1)}, base);
+    if (index > 0) add_mtp_pending(k, index, base);
+    // The gradient of this loss's input from the module after it (d h^k from module k+1's
+    // hnorm, d h_L from module 0's), waiting to be added to the final norm's; and the modules'
+    // embedding gradient once the last module's backward has run.
+    if (index == 0 ? M_ > 0 : k < M_ - 1) {
+      base.add("d loss input from the next MTP module", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
+               Category::Activations);
+      add_mtp_embedding_grad(base);
+    }
+    const int64_t next = index > 0 ? unit(L_ + k) : unit(L_ - 1);
+    const int64_t in_flight = index > 0 ? (k + 1 < M_ ? unit(L_ + k + 1) : -1) : (M_ > 0 ? unit(L_) : -1);
+    add_fsdp(c_, FsdpLive{-1, next, -1, in_flight}, base);
     auto phases = loss_backward_phases(c_);
     if (phases.empty()) {
       // Gradients were computed in the forward pass; the backward only scales them. What is left
@@ -281,20 +323,30 @@ class Builder {
     const bool mtp = l >= L_;
     const std::string prefix = "bwd/" + layer_name(l) + "/";
     const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
-    // Next unit in backward order: the previous layer; after the first MTP module, the head
-    // (the main loss backward follows); after L0, the embedding.
-    const int64_t prev = mtp ? (l > L_ ? unit(l - 1) : c_.work.head_unit) : (l > 0 ? unit(l - 1) : 0);
-    // Boundaries: inputs 0..l not offloaded, plus this layer's fetched input and the prefetch.
+    // Next unit in backward order: the previous layer; after an MTP module, the head (a loss's
+    // backward follows); after L0, the embedding.
+    const int64_t prev = mtp ? c_.work.head_unit : (l > 0 ? unit(l - 1) : 0);
+    // Boundaries: inputs 0..l not offloaded, plus this layer's fetched input and the prefetch (an
+    // MTP module: x_0 fetched for its embedding input, and h_L).
     int64_t in_flight = 0;
     if (!mtp) {
       in_flight += offloaded_[static_cast<size_t>(l)] ? 1 : 0;
       for (int64_t i = std::max<int64_t>(0, l - c_.run.sco_prefetch); i < l; ++i) in_flight += offloaded_[static_cast<size_t>(i)] ? 1 : 0;
+    } else {
+      in_flight += offloaded_x0() ? 1 : 0;
     }
+    // Beside every moment: MTP's pending losses and outputs, and the modules' embedding gradient
+    // (from the end of the last module's backward; the last module adds it in its attn phase).
+    const bool last_module = mtp && l == L_ + M_ - 1;
+    auto add_pending = [&](TermList& base) {
+      if (mtp) add_mtp_pending(l - L_, l - L_, base);
+      if (M_ > 0 && !last_module) add_mtp_embedding_grad(base);
+    };
     auto base_of = [&](bool with_grad) {
       TermList base = persistent_state(grads(reduced_before(l)));
       add_fsdp(c_, FsdpLive{unit(l), prev, with_grad ? unit(l) : -1, in_flight_before(l)}, base);
-      add_boundaries(c_, resident_upto(l), in_flight, false, base);
-      if (mtp) add_loss_saved(c_, "main loss ", base);
+      add_boundaries(c_, resident_upto(l), in_flight, mtp, base);
+      add_pending(base);
       return base;
     };
     const TermList rec = base_of(false);
@@ -321,8 +373,8 @@ class Builder {
       TermList landing = persistent_state(grads(reduced_before(l)));
       add_fsdp(c_, FsdpLive{unit(l), -1, -1, landing_unit}, landing);
       add_reduce_scatter_output(c_, landing_unit, landing);
-      add_boundaries(c_, resident_upto(l), fetched, false, landing);
-      if (mtp) add_loss_saved(c_, "main loss ", landing);
+      add_boundaries(c_, resident_upto(l), fetched, mtp, landing);
+      add_pending(landing);
       landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
                   Category::Activations);
       TermList recompute = rec;
@@ -369,6 +421,18 @@ class Builder {
     }
     TermList attn = c_.list();
     add_attention_backward(c_, l, attn);
+    if (mtp) {
+      // After the attention backward, eh_proj's: its input (kept since the recompute), d of its
+      // output and d of its input [T, 2H] (then the norms' backward, which holds less). The
+      // phase holds the larger (a tie keeps the attention backward).
+      attn.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+      TermList eh_proj = c_.list();
+      eh_proj.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+      eh_proj.add("d eh_proj output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+      eh_proj.add("d eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+      if (eh_proj.bytes(Space::Device) > attn.bytes(Space::Device)) attn = eh_proj;
+      if (last_module) add_mtp_embedding_grad(attn);
+    }
     // The layer's last moment: once its backward is done, the gathered layer released and the
     // previous unit's reduce-scatter input freed, its unsharded grads are copied into its fp32
     // reduce-scatter input (FSDP2's copy-in), both live beside the prefetched next unit and the
@@ -378,8 +442,9 @@ class Builder {
     // every expert in the unit at EP = 1).
     TermList copy = persistent_state(grads(reduced_before(l)));
     add_fsdp(c_, FsdpLive{-1, prev, unit(l), unit(l)}, copy);
-    add_boundaries(c_, resident_upto(l), in_flight, false, copy);
-    if (mtp) add_loss_saved(c_, "main loss ", copy);
+    add_boundaries(c_, resident_upto(l), in_flight, mtp, copy);
+    add_pending(copy);
+    if (last_module) add_mtp_embedding_grad(copy);
     copy.add("d layer input (to the next layer's backward)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
              Category::Activations);
     TermList backward = bwd;
@@ -402,6 +467,7 @@ class Builder {
     TermList backward = persistent_state(grads(before));
     add_fsdp(c_, FsdpLive{0, -1, 0, unit(0)}, backward);
     backward.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
+    if (M_ > 0) add_mtp_embedding_grad(backward);  // scattered into the table's grads with the shifted ids
     TermList copy = persistent_state(grads(before));
     add_fsdp(c_, FsdpLive{-1, -1, 0, 0}, copy);
     TermList shard = persistent_state(grads(all));
@@ -414,6 +480,7 @@ class Builder {
       add_reduce_scatter_output(c_, unit(0), landing);
       landing.add("d embedding output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
                   Category::Activations);
+      if (M_ > 0) add_mtp_embedding_grad(landing);
       most = &landing;
     }
     for (const TermList* m : {&backward, &copy, &shard})

@@ -598,6 +598,47 @@ TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {
   EXPECT_FALSE(has_phase(off, "loss/mtp0/bwd"));
 }
 
+// What the MTP schedule holds (planner/README.md "Multi-token prediction"), [T, H] bf16 = 16 x 8 x 2
+// = 256 bytes: the module's backward keeps h_L (its hnorm's input) and receives the head's fp32
+// reduce-scatter input [8 + 32 x 8] x 4 from its loss; eh_proj's input [T, 2H] lasts to the
+// module's attn phase; the module's gradient of the shifted embedding waits for bwd/embed beside
+// every decoder layer's backward, and d h_L waits for the main loss's backward.
+TEST(PlannerTiny, MtpModuleHoldsWhatItsBackwardNeeds) {
+  ModelSpec m = tiny_moe();
+  m.mtp_layers = 1;
+  const Plan p = plan_of(m, tiny_gpu(), kBase);
+  const int64_t th = 16 * 8 * 2;
+  for (const char* name : {"bwd/MTP0/recompute/attn", "bwd/MTP0/moe/experts", "bwd/MTP0/attn"})
+    EXPECT_EQ(term_bytes(phase(p, name), "final hidden h_L"), th) << name;
+  EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/moe/experts"), "reduce-scatter input head"), (8 + 32 * 8) * 4);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/attn"), "MTP eh_proj input"), 2 * th);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/attn"), "MTP d shifted embedding (for bwd/embed)"), th);
+  EXPECT_EQ(term_bytes(phase(p, "loss/bwd"), "d loss input from the next MTP module"), th);
+  for (const char* name : {"loss/bwd", "bwd/L1/recompute/attn", "bwd/L0/moe/experts", "bwd/L0/attn"})
+    EXPECT_EQ(term_bytes(phase(p, name), "MTP d shifted embedding (for bwd/embed)"), th) << name;
+  // The main loss's input comes from the last decoder layer: the head is prefetched there.
+  EXPECT_EQ(term_bytes(phase(p, "fwd/L1/attn"), "prefetched params head"), (8 + 32 * 8) * 2);
+}
+
+// With three modules a loss's saved state and its module's output h^j wait for the modules after
+// it: module 2 runs beside the main loss's and MTP losses 0 and 1's saved sets and h^0, h^1.
+TEST(PlannerTiny, MtpLossesWaitForTheModulesAfterThem) {
+  ModelSpec m = tiny_moe();
+  m.mtp_layers = 3;
+  const Plan p = plan_of(m, tiny_gpu(), kBase);
+  const int64_t th = 16 * 8 * 2;
+  for (const char* name : {"fwd/MTP2/attn", "bwd/MTP2/attn"}) {
+    EXPECT_EQ(term_bytes(phase(p, name), "MTP module outputs h^j (for later modules and their losses)"), 2 * th) << name;
+    EXPECT_EQ(term_bytes(phase(p, name), "MTP1 loss lse (saved)"), 16 * 4) << name;
+    EXPECT_EQ(term_bytes(phase(p, name), "main loss lse (saved)"), 16 * 4) << name;
+    EXPECT_THROW(term_bytes(phase(p, name), "MTP2 loss lse (saved)"), std::runtime_error) << name;
+  }
+  // Loss 0's backward: h^0 and d h^0 from module 1, beside the main loss's saved set.
+  EXPECT_EQ(term_bytes(phase(p, "loss/mtp0/bwd"), "MTP module outputs h^j (for later modules and their losses)"), th);
+  EXPECT_EQ(term_bytes(phase(p, "loss/mtp0/bwd"), "d loss input from the next MTP module"), th);
+  EXPECT_THROW(term_bytes(phase(p, "loss/mtp2/bwd"), "d loss input from the next MTP module"), std::runtime_error);
+}
+
 TEST(PlannerTiny, AllTechniquesTogetherLowerEveryComponentAtLength) {
   const auto flags = std::vector<std::pair<std::string, std::string>>{{"--gpus", "2"}, {"--context", "64K"}};
   const Plan base = plan_of(tiny_moe(4), tiny_gpu(), flags);

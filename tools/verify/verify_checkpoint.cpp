@@ -91,6 +91,7 @@ FlagList checkpoint_prediction_flags(const ScaledConfig& s, VerifyReport& report
   } else {
     flags = {{"--sco", "off"}};  // practice: synchronous offload of every layer; otherwise kept
   }
+  flags.push_back(kWithoutMtp);
   return flags;
 }
 

@@ -46,6 +46,11 @@ using FlagList = std::vector<std::pair<std::string, std::string>>;
 // executor sizes.
 ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s);
 
+// The flag of the predictions of the components that do not run MTP modules (every one but the
+// optimizer's): the plan without them, since what the modules hold beside the decoder layers and
+// the main loss (planner/README.md "Multi-token prediction") is the step's, not the component's.
+inline const std::pair<std::string, std::string> kWithoutMtp{"--mtp", "off"};
+
 // The planner's timeline (traces/README.md JSON) for the scaled configuration on one rank, with the
 // plan's vocabulary knobs and `extra` flags (a component's own knobs) on top; `adjust` applied.
 nlohmann::ordered_json predicted_timeline(const VerifyContext& ctx, const FlagList& extra);

@@ -141,7 +141,7 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   check_layer_supported(in, s, "layer");
   // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
   const ModelSpec model = layer_model(ctx);
-  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, model, {});
+  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, model, {kWithoutMtp});
   const exec::LayerScheduleConfig c = layer_schedule_config(in, s);
   if (match_dense_attention_to_the_run_layer(predicted, model, c.layer_index) > 0)
     report.notes.push_back("layer: the dense layers' attention phases are compared with those of the run MoE layer L" +

@@ -26,7 +26,7 @@ exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const Sc
 void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
-  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {kWithoutMtp});
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   const exec::VocabScheduleConfig c = vocab_schedule_config(in, s);
   const exec::VocabScheduleResult got = exec::run_vocab_schedule(alloc, c);

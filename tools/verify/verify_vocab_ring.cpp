@@ -111,7 +111,8 @@ RingVerifySetup ring_verify_setup(const VerifyContext& ctx, int64_t ranks) {
   const std::string rotation_name = rotation == exec::RingRotation::Weights ? "weights" : "activations";
 
   RingVerifySetup setup;
-  setup.predicted = predicted_timeline(ctx, {{"--gpus", std::to_string(ranks)},
+  setup.predicted = predicted_timeline(ctx, {kWithoutMtp,
+                                             {"--gpus", std::to_string(ranks)},
                                              {"--gpus-per-node", std::to_string(ranks)},
                                              {"--ring-size", std::to_string(R)},
                                              {"--ring-rotate", rotation_name},
