@@ -76,7 +76,8 @@ struct Lone {
 // The largest value over a set of phases whose boundary count depends on (n, p) for first-n
 // offload sets, in O(1): decoder-layer passes use prefix and suffix maxima of the piecewise
 // count (forward: 1 below n, l+1-n from n on; backward: l+1 below p, p+1 below n+p, l+1-n after);
-// MTP modules and losses count L - n plus a constant; the rest counts nothing.
+// losses count L - n plus a constant; MTP module passes (which always involve the LM head unit)
+// are specials; the rest counts nothing.
 class Envelope {
  public:
   explicit Envelope(int64_t layers) : L_(layers), fwd_v_(static_cast<size_t>(layers), kNone), bwd_v_(static_cast<size_t>(layers), kNone) {}
@@ -351,9 +352,10 @@ class Structure {
     auto off = [&](int64_t l) { return prefix_[static_cast<size_t>(l + 1)] - prefix_[static_cast<size_t>(l)]; };
     switch (rule) {
       case Bnd::None: return 0;
-      case Bnd::Forward: return resident(layer) + (layer >= L_ ? 1 : off(layer));
+      // An MTP module: h_L and, with x_0 offloaded, its fetched copy (FastPeaks::evaluate).
+      case Bnd::Forward: return resident(layer) + (layer >= L_ ? 1 + off(0) : off(layer));
       case Bnd::Backward: {
-        if (layer >= L_) return resident(layer);
+        if (layer >= L_) return resident(layer) + 1 + off(0);
         const int64_t lo = std::max<int64_t>(0, layer - p);
         return resident(layer) + off(layer) + (prefix_[static_cast<size_t>(layer)] - prefix_[static_cast<size_t>(lo)]);
       }
@@ -429,7 +431,9 @@ class Structure {
     for (auto& e : env_voc_) e.set_one(one);
     auto put = [&](int group, Bnd bnd, int64_t layer, int64_t value, FastPeaks::HeadRoles head) {
       if (value == kNone) return;
-      if (head.bf16 != 0 || head.fp32 != 0) {
+      // An MTP module's count has a term in n > 0 (x_0 fetched), which no envelope keeps.
+      const bool mtp_pass = (bnd == Bnd::Forward || bnd == Bnd::Backward) && layer >= L_;
+      if (head.bf16 != 0 || head.fp32 != 0 || mtp_pass) {
         specials_.push_back(Special{value, bnd, layer, head, group});
         return;
       }
@@ -437,14 +441,8 @@ class Structure {
       switch (bnd) {
         case Bnd::None: e.add_flat(value); break;
         case Bnd::Loss: e.add_resident(value, layer + 1); break;
-        case Bnd::Forward:
-          if (layer >= L_) e.add_resident(value, layer - L_ + 2);
-          else e.add_forward(layer, value);
-          break;
-        case Bnd::Backward:
-          if (layer >= L_) e.add_resident(value, layer - L_ + 1);
-          else e.add_backward(layer, value);
-          break;
+        case Bnd::Forward: e.add_forward(layer, value); break;
+        case Bnd::Backward: e.add_backward(layer, value); break;
       }
     };
     for (const Pass& ps : passes_) {

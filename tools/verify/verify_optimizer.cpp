@@ -17,8 +17,8 @@ namespace flatpeak::cli {
 
 namespace {
 
-// MTP modules are trained when the model has them: the planner's default, which verify keeps.
-bool trains_mtp(const ModelSpec& model) { return model.mtp_layers > 0; }
+// MTP modules are trained when the plan trained them (/inputs/run/mtp) and the model has them.
+bool trains_mtp(const VerifyInputs& in, const ModelSpec& model) { return in.mtp && model.mtp_layers > 0; }
 
 // One row per predicted opt/ phase of `space`: the sum of `categories` (the optimizer component's
 // own terms, as in the plan's peaks.optimizer.component_bytes) against the maximum of the
@@ -84,9 +84,9 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   // Keep the number of buckets: the plan's rank holds rank_shard_params(N, EP) parameters, the
   // scaled one rank_shard_params of the scaled model on one rank.
   const ModelSpec plan_model = load_plan_model(in);
-  const int64_t plan_params = exec::rank_shard_params(plan_model, in.gpus, in.ep, trains_mtp(plan_model));
+  const int64_t plan_params = exec::rank_shard_params(plan_model, in.gpus, in.ep, trains_mtp(in, plan_model));
   const ModelSpec model = scaled_model(in, s);
-  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
+  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(in, model));
   // ceil(P / bucket) without P + bucket - 1, which overflowed for a bucket near 2^63.
   const int64_t buckets = std::max<int64_t>(1, plan_params / plan_bucket_params + (plan_params % plan_bucket_params != 0 ? 1 : 0));
   s.bucket_count = buckets;
@@ -100,8 +100,8 @@ void verify_optimizer(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
   const ModelSpec model = scaled_model(in, s);
-  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(model));
-  FlagList flags{{"--optimizer", s.optimizer}};
+  const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(in, model));
+  FlagList flags{{"--optimizer", s.optimizer}, {"--mtp", trains_mtp(in, model) ? "on" : "off"}};
   if (s.optimizer == "stream") {
     flags.emplace_back("--bucket-params", std::to_string(s.bucket_params));
     flags.emplace_back("--bucket-depth", std::to_string(s.bucket_depth));
@@ -111,7 +111,7 @@ void verify_optimizer(const VerifyContext& ctx, VerifyReport& report) {
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
   exec::OptimizerScheduleConfig c;
   c.params = params;
-  c.grad_units = exec::rank_shard_units(model, 1, 1, trains_mtp(model));  // one grad shard per unit
+  c.grad_units = exec::rank_shard_units(model, 1, 1, trains_mtp(in, model));  // one grad shard per unit
   c.placement = s.optimizer == "gpu"      ? exec::OptimizerPlacement::Device
                 : s.optimizer == "serial" ? exec::OptimizerPlacement::Serial
                                           : exec::OptimizerPlacement::Stream;

@@ -208,7 +208,7 @@ void verify_vocab_cuda(const VerifyContext& ctx, VerifyReport& report) {
     return;
   }
   const exec::VocabScheduleConfig config = vocab_schedule_config(in, ctx.scaled);
-  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {});
+  const nlohmann::ordered_json predicted = predicted_timeline(ctx, {kWithoutMtp});
   require_free("the vocab component", cuda::vocab_schedule_cuda_peak_bytes(config, in.alignment_bytes) +
                                           cuda::CublasContext::kDefaultWorkspaceBytes);
 
