@@ -407,7 +407,10 @@ class Builder {
       set_base(e, 3, base, head);
     }
     const int64_t landing = in_flight_before(l);
-    e.landing = landing >= 0 && staged_;
+    // With MTP the head lands again into its fp32 shard through an output (head_reduced_through_an_output).
+    const bool head_again =
+        M_ > 0 && landing == head_ && !last_module && c_.r.optimizer == OptimizerPlacement::Gpu && c_.w.gpus > 1;
+    e.landing = landing >= 0 && (staged_ || head_again);
     if (e.landing) {  // 4: the unit in flight lands (timeline.cpp): the layer gathered, its output staged
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, unit(l), -1, -1, landing);

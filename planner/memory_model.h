@@ -88,6 +88,12 @@ bool reduce_scatter_output_staged(const Context& c);
 // That output for `unit` (fsdp, fp32 [S]: its reduced_shard_params, the experts at EP = N are not
 // reduced) when it is staged; nothing otherwise.
 void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t);
+// With MTP every loss's backward reduce-scatters the LM head's grads into its one shard: all but
+// the first land in a shard that exists. fp32 shards (optimizer on the GPU) on N > 1 GPUs then
+// receive the sum into an fp32 output [S] that is added to the shard and freed (FSDP2 accumulating
+// a sharded grad); bf16 shards stage it anyway (above), one GPU adds in place.
+bool head_reduced_through_an_output(const Context& c);
+void add_head_accumulate_output(const Context& c, TermList& t);
 // Checkpoint boundaries resident on the device: `resident` layer inputs, `in_flight` offloaded
 // boundaries being copied or prefetched, and the final hidden state when `final_hidden`.
 void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool final_hidden, TermList& t);

@@ -80,6 +80,14 @@ void add_fsdp(const Context& c, const FsdpLive& live, TermList& t) {
 
 bool reduce_scatter_output_staged(const Context& c) { return offload_optimizer(c) && c.work.gpus > 1; }
 
+bool head_reduced_through_an_output(const Context& c) { return !offload_optimizer(c) && c.work.gpus > 1; }
+
+void add_head_accumulate_output(const Context& c, TermList& t) {
+  const FsdpUnit& u = c.work.units[static_cast<size_t>(c.work.head_unit)];
+  t.add_flat("reduce-scatter output " + u.name + " (fp32, added into its grad shard)", "S", u.reduced_shard_params, kFp32,
+             Category::Fsdp);
+}
+
 void add_reduce_scatter_output(const Context& c, int64_t unit, TermList& t) {
   if (unit < 0 || !reduce_scatter_output_staged(c)) return;
   const FsdpUnit& u = c.work.units[static_cast<size_t>(unit)];

@@ -365,7 +365,10 @@ class Builder {
     // and the attention's saved set (the first layer in backward, whose prefetch is the
     // embedding, with every expert in the unit in flight at EP = 1).
     const int64_t landing_unit = in_flight_before(l);
-    if (landing_unit >= 0 && reduce_scatter_output_staged(c_)) {
+    // With MTP the head lands again (every loss reduces it; the first, MTP{M-1}'s, lands before
+    // the last module's backward): into its fp32 shard through an output of its own.
+    const bool head_again = M_ > 0 && landing_unit == c_.work.head_unit && l != L_ + M_ - 1 && head_reduced_through_an_output(c_);
+    if (landing_unit >= 0 && (reduce_scatter_output_staged(c_) || head_again)) {
       int64_t fetched = 0;  // offloaded inputs among [l+1-p, l]: the previous layer's prefetch
       if (!mtp && l + 1 < L_)
         for (int64_t i = std::max<int64_t>(0, l + 1 - c_.run.sco_prefetch); i <= l; ++i)
@@ -373,6 +376,7 @@ class Builder {
       TermList landing = persistent_state(grads(reduced_before(l)));
       add_fsdp(c_, FsdpLive{unit(l), -1, -1, landing_unit}, landing);
       add_reduce_scatter_output(c_, landing_unit, landing);
+      if (head_again) add_head_accumulate_output(c_, landing);
       add_boundaries(c_, resident_upto(l), fetched, mtp, landing);
       add_pending(landing);
       landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,

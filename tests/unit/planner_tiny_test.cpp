@@ -620,6 +620,21 @@ TEST(PlannerTiny, MtpModuleHoldsWhatItsBackwardNeeds) {
   EXPECT_EQ(term_bytes(phase(p, "fwd/L1/attn"), "prefetched params head"), (8 + 32 * 8) * 2);
 }
 
+// Every loss reduces the head's grads; with fp32 shards (optimizer on the GPU) on 2 GPUs the main
+// loss's lands in the shard MTP0's loss made, through an fp32 output [ceil((8 + V x 8) / 2)] beside
+// L1's gathered unit as its backward starts (V = 4096: that moment outweighs the recompute).
+TEST(PlannerTiny, MtpHeadLandsAgainThroughAnOutput) {
+  ModelSpec m = tiny_moe();
+  m.vocab_size = 4096;
+  m.mtp_layers = 1;
+  const Plan p = plan_of(m, tiny_gpu(), with({{"--optimizer", "gpu"}}));
+  EXPECT_EQ(term_bytes(phase(p, "bwd/L1/recompute/attn"), "reduce-scatter output head (fp32, added into its grad shard)"),
+            (8 + 4096 * 8) / 2 * 4);
+  const Plan off = plan_of(m, tiny_gpu(), with({{"--optimizer", "gpu"}, {"--mtp", "off"}}));
+  EXPECT_THROW(term_bytes(phase(off, "bwd/L1/recompute/attn"), "reduce-scatter output head (fp32, added into its grad shard)"),
+               std::runtime_error);
+}
+
 // With three modules a loss's saved state and its module's output h^j wait for the modules after
 // it: module 2 runs beside the main loss's and MTP losses 0 and 1's saved sets and h^0, h^1.
 TEST(PlannerTiny, MtpLossesWaitForTheModulesAfterThem) {
