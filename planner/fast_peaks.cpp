@@ -503,12 +503,12 @@ FastPeaks::FastPeaks(const ModelSpec& model, const HardwareSpec& hardware, const
   const Ctx c{model, run, work, T_, model.hidden_size, al_};
   order_.reserve(static_cast<size_t>(2 * (model.num_layers + model.mtp_layers) + 12));
   Builder(c, *this, phases_, layers_, kinds_, order_).build();
-  // Host terms that no searched knob moves (host_terms_per_gpu: alignment 1).
+  // Host terms that no searched knob moves (host_terms_per_gpu: each tensor aligned).
   const int64_t P = shard_params_;
   if (run.optimizer != OptimizerPlacement::Gpu) {
-    host_fixed_per_gpu_ = checked_mul(4, checked_mul(P, 4));
+    host_fixed_per_gpu_ = checked_mul(4, align_up(checked_mul(P, 4), al_));
     if (run.optimizer == OptimizerPlacement::Serial)
-      host_fixed_per_gpu_ = checked_add(host_fixed_per_gpu_, checked_mul(2, checked_mul(P, 2)));
+      host_fixed_per_gpu_ = checked_add(host_fixed_per_gpu_, checked_mul(2, align_up(checked_mul(P, 2), al_)));
   }
   gpus_per_node_ = run.gpus_per_node;
   host_fixed_per_node_ = run.host_fixed_bytes_per_node;
@@ -602,10 +602,10 @@ int64_t FastPeaks::host_per_gpu_bytes(int64_t offloaded_layers, int64_t bucket_p
   if (run_.optimizer == OptimizerPlacement::Stream) {
     const int64_t bucket = std::min(bucket_params, shard_params_);
     if (bucket > 0 && bucket_depth > 0)
-      bytes = checked_add(bytes, checked_mul(checked_mul(2, bucket_depth), checked_mul(bucket, 2)));
+      bytes = checked_add(bytes, checked_mul(checked_mul(2, bucket_depth), align_up(checked_mul(bucket, 2), al_)));
   }
   if (offloaded_layers > 0)
-    bytes = checked_add(bytes, checked_mul(offloaded_layers, checked_mul(checked_mul(T_, model_.hidden_size), 2)));
+    bytes = checked_add(bytes, align_up(checked_mul(offloaded_layers, checked_mul(checked_mul(T_, model_.hidden_size), 2)), al_));
   return bytes;
 }
 

@@ -104,8 +104,11 @@ void add_boundaries(const Context& c, int64_t resident, int64_t in_flight, bool 
   if (final_hidden) t.add("final hidden h_L", {{"T", T}, {"H", H}}, kBf16, Category::Boundaries);
 }
 
+// Host tensors are aligned like the device's (the executor's allocator aligns both): the optimizer
+// state one [P/N] tensor each, the stream's staging one bucket per slot and direction, the
+// offloaded boundaries one [slots, T, H] tensor.
 TermList host_terms_per_gpu(const Context& c) {
-  TermList t(1);
+  TermList t = c.list();
   const int64_t P = c.work.shard_params;
   const Space host = Space::Host;
   if (offload_optimizer(c)) {
@@ -118,13 +121,14 @@ TermList host_terms_per_gpu(const Context& c) {
       t.add_flat("param H2D staging", "P/N", P, kBf16, Category::Optimizer, 1, host);
     } else {
       const int64_t bucket = std::min(c.run.bucket_params, P);
-      t.add("bucket staging (grad in, param out)", {{"2", 2}, {"depth", c.run.bucket_depth}, {"bucket", bucket}}, kBf16,
-            Category::Optimizer, 1, host);
+      t.add("bucket staging (grad in, param out; one per slot)", {{"bucket", bucket}}, kBf16, Category::Optimizer,
+            2 * c.run.bucket_depth, host);
     }
   }
   const int64_t offloaded = std::count(c.run.sco_offloaded.begin(), c.run.sco_offloaded.end(), true);
-  t.add("offloaded checkpoint boundaries", {{"T", c.work.tokens}, {"H", c.model.hidden_size}}, kBf16,
-        Category::Boundaries, offloaded, host);
+  if (offloaded > 0)
+    t.add("offloaded checkpoint boundaries", {{"slots", offloaded}, {"T", c.work.tokens}, {"H", c.model.hidden_size}}, kBf16,
+          Category::Boundaries, 1, host);
   return t;
 }
 

@@ -65,7 +65,7 @@ void TermList::add(const std::string& name, std::initializer_list<Dim> dims, Dty
   }
   shape += "] ";
   shape += dtype.name;
-  const int64_t one = align_up(checked_mul(elems, dtype.bytes), space == Space::Device ? alignment_bytes_ : 1);
+  const int64_t one = align_up(checked_mul(elems, dtype.bytes), alignment_bytes_);  // host tensors too (the executor's allocator)
   terms_.push_back(Term{name, shape, count, checked_mul(count, one), category, space});
 }
 
