@@ -67,6 +67,11 @@ size_t token_start(const std::string& text, size_t at) {
 }  // namespace
 
 nlohmann::json parse_json_text(const std::string& text, const std::string& file) {
+  // An empty file is most often the stdout of a command that failed (its error went to stderr):
+  // say so, instead of a parse error at 1:1.
+  if (text.find_first_not_of(" \t\r\n") == std::string::npos)
+    throw InputError(Diagnostic{file, "", text.empty() ? std::string("is empty: no JSON text") : fmt::format("holds no JSON text ({} bytes of whitespace)", text.size()),
+                                "a command whose stdout was redirected here may have failed: see its error output"});
   try {
     return nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {

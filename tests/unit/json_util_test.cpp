@@ -27,7 +27,14 @@ TEST(ParseJsonText, LineAndColumnOfTheError) {
 
   const Diagnostic truncated = parse_failure("{\"a\": [1, 2");
   EXPECT_EQ(truncated.pointer, "1:12");
-  EXPECT_EQ(parse_failure("").pointer, "1:1");
+}
+
+// An empty file is most often the redirected stdout of a command that failed: it says so.
+TEST(ParseJsonText, EmptyTextSaysItIsEmpty) {
+  const Diagnostic empty = parse_failure("");
+  EXPECT_EQ(empty.to_string(), "card.json: is empty: no JSON text");
+  EXPECT_NE(empty.hint.find("may have failed"), std::string::npos) << empty.hint;
+  EXPECT_EQ(parse_failure(" \n\t").message, "holds no JSON text (3 bytes of whitespace)");
 }
 
 // The column is the first character of the offending token, not the last one the parser read.
