@@ -72,8 +72,16 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& file)
   if (text.find_first_not_of(" \t\r\n") == std::string::npos)
     throw InputError(Diagnostic{file, "", text.empty() ? std::string("is empty: no JSON text") : fmt::format("holds no JSON text ({} bytes of whitespace)", text.size()),
                                 "a command whose stdout was redirected here may have failed: see its error output"});
+  // No input of ours nests deeper than a few levels; a deeper document (thousands of levels) would
+  // overflow the stack where a message echoes its value (dump is recursive). Refused as it is read.
+  constexpr int kMaxDepth = 256;
+  const auto depth_limit = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
+    if (depth > kMaxDepth && (event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start))
+      throw InputError(Diagnostic{file, "", fmt::format("nests objects and arrays deeper than {} levels", kMaxDepth), ""});
+    return true;
+  };
   try {
-    return nlohmann::json::parse(text);
+    return nlohmann::json::parse(text, depth_limit);
   } catch (const nlohmann::json::parse_error& e) {
     // e.byte is 1-based and points at the last character the parser read, the end of the
     // offending token; the position reported is that token's first character, as line:column.

@@ -19,6 +19,9 @@ namespace flatpeak {
 inline constexpr int64_t kMaxCardDim = (int64_t{1} << 31) - 1;  // widths, heads, vocab, context
 inline constexpr int64_t kMaxCardLayers = 4096;
 inline constexpr int64_t kMaxCardExperts = 65536;
+// MTP modules (real models have 1 to 3): each is its own timeline entry holding every earlier
+// module's saved tensors, so plans grow with its square (4096 modules ran out of time and memory).
+inline constexpr int64_t kMaxCardMtpLayers = 64;
 
 struct ModelCardInfo {
   std::string name;                  // "gpt-oss-120b"

@@ -45,6 +45,15 @@ TEST(ParseJsonText, ColumnIsTheStartOfTheToken) {
   EXPECT_EQ(parse_failure("{\"a\": [1, 2,, 3]}").pointer, "1:13");  // a one-character token
 }
 
+// A document nested far deeper than any input of ours is refused as it is read (its value echoed
+// in a message would otherwise overflow the stack).
+TEST(ParseJsonText, DeepNestingIsAnInputError) {
+  const std::string deep = "{\"name\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  EXPECT_EQ(parse_failure(deep).to_string(), "card.json: nests objects and arrays deeper than 256 levels");
+  const std::string fine = std::string(200, '[') + std::string(200, ']');
+  EXPECT_TRUE(parse_json_text(fine, "card.json").is_array());
+}
+
 TEST(ParseJsonText, NumberTooLargeForAnyType) {
   const Diagnostic overflow = parse_failure("{\"hidden_size\": 1E400}");
   EXPECT_EQ(overflow.to_string(), "card.json: malformed JSON: number overflow parsing '1E400'");
