@@ -468,7 +468,7 @@ class Builder {
       Acc t = c_.acc();
       loss_saved(c_, t);
       t.add(Category::Fsdp, c_.H, kB16);  // the final norm's backward (timeline.cpp)
-      t.add(kAct, c_.T, kF32);
+      t.add(kAct, c_.T, kF32, c_.m.norm_bias ? 2 : 1);
       t.add(kAct, mul(c_.T, c_.H), kB16);
       phase(home, base, t, FP::Bnd::Loss, index, head);
     } else {

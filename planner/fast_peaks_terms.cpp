@@ -55,6 +55,7 @@ void attention_forward(const Ctx& c, int64_t layer, Acc& t) {
 void attention_saved(const Ctx& c, Acc& t) {
   t.add(kAct, mul(c.T, c.H), kB16);
   t.add(kAct, c.T, kF32, 2);
+  if (c.m.norm_bias) t.add(kAct, c.T, kF32, 2);
   qkvo(c, t);
 }
 

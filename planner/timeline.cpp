@@ -304,6 +304,7 @@ class Builder {
       add_loss_saved(c_, "", t);
       t.add("final norm weight (kept for its backward)", {{"H", c_.model.hidden_size}}, kBf16, Category::Fsdp);
       t.add("final norm rstd (recomputed)", {{"T", c_.work.tokens}}, kFp32, Category::Activations);
+      if (c_.model.norm_bias) t.add("final norm mean (recomputed, LayerNorm)", {{"T", c_.work.tokens}}, kFp32, Category::Activations);
       t.add("d final hidden h_L", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
       emit(name + "/bwd", "", base, t);
     }

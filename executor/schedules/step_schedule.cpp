@@ -61,6 +61,7 @@ void check(const StepScheduleConfig& c) {
   for (const LayerSpec& l : m.layers)
     require(l.ffn == FfnKind::Moe || m.dense_ffn_width > 0, "a dense FFN layer needs dense_ffn_width > 0");
   require(!m.tie_word_embeddings, "an untied LM head only");
+  require(!m.lm_head_bias && !m.norm_bias, "RMSNorm norms and an LM head without a bias only");
   require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");

@@ -42,7 +42,8 @@ const std::vector<std::string>& architecture_names() {
                                               "qwen3_moe",   "gpt_oss",     "mixtral",
                                               "glm4_moe",    "olmoe",       "llama4",
                                               "minimax_m2",  "ernie4_5_moe", "qwen2_moe",
-                                              "qwen3_vl_moe", "glm4v_moe",  "dots1"};
+                                              "qwen3_vl_moe", "glm4v_moe",  "dots1",
+                                              "phimoe"};
   return names;
 }
 
@@ -71,6 +72,8 @@ const std::map<std::string, std::string>& architecture_classes() {
       {"Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"},
       {"Glm4vMoeForConditionalGeneration", "glm4v_moe"},
       {"Dots1ForCausalLM", "dots1"},
+      {"PhimoeForCausalLM", "phimoe"},
+      {"PhiMoEForCausalLM", "phimoe"},
   };
   return classes;
 }
@@ -414,7 +417,7 @@ void import_deepseek(Fields& f, ModelSpec& m, const std::string& family) {
   // Selection-only correction bias per expert: DeepSeek-V3's "noaux_tc" (the V3 default).
   const std::string default_method = family == "deepseek_v2" ? "greedy" : "noaux_tc";
   m.router_correction_bias = f.optional_string("topk_method").value_or(default_method) == "noaux_tc";
-  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxCardMtpLayers);
 
   std::vector<bool> is_moe(static_cast<size_t>(d.layers));
   for (int64_t i = 0; i < d.layers; ++i) {
@@ -602,6 +605,19 @@ void import_mixtral(Fields& f, ModelSpec& m) {
   }
 }
 
+// phimoe (Phi-3.5-MoE): Mixtral's layout (GQA, every layer MoE with num_local_experts experts of
+// intermediate_size, top num_experts_per_tok; sliding_window, may be null, on every layer) with
+// transformers' PhimoeConfig and PhimoeModel differences: every norm a LayerNorm with weight and
+// bias; attention_bias (default false) on q, k, v and o alike; lm_head_bias (default false) on the
+// LM head. Its sparsemixer routing picks top-2 like any top-k router (no memory difference).
+void import_phimoe(Fields& f, ModelSpec& m) {
+  import_mixtral(f, m);
+  m.qkv_bias = f.optional_bool("attention_bias", false);
+  m.o_bias = m.qkv_bias;
+  m.lm_head_bias = f.optional_bool("lm_head_bias", false);
+  m.norm_bias = true;
+}
+
 // glm4_moe: GQA with q/k/v bias, optional per-head QK norm, partial RoPE, shared experts,
 // dense prefix, MTP layers; the router always carries the noaux correction bias. GLM-4.5V's text
 // model (`vision_text`) differs in two defaults of transformers' Glm4vMoeTextConfig: attention_bias
@@ -620,7 +636,7 @@ void import_glm4_moe(Fields& f, ModelSpec& m, bool vision_text = false) {
   m.num_shared_experts = f.optional_int("n_shared_experts", 1, 0, kMaxExperts);
   m.shared_expert_ffn_width = m.num_shared_experts * m.expert_ffn_width;
   m.router_correction_bias = true;
-  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxCardMtpLayers);
   const std::vector<bool> is_moe = dense_prefix_layers(f, d, 1);
   if (any_dense(is_moe)) m.dense_ffn_width = f.required_int("intermediate_size", 1, kMaxDim);
   fill_layers(m, is_moe);
@@ -748,7 +764,7 @@ void import_minimax_m2(Fields& f, ModelSpec& m) {
     }
   }
   if (f.optional_bool("use_mtp", false)) {
-    const int64_t modules = f.optional_int("num_mtp_modules", 0, 0, kMaxLayers);
+    const int64_t modules = f.optional_int("num_mtp_modules", 0, 0, kMaxCardMtpLayers);
     const int64_t layers_per_module = f.optional_int("mtp_transformer_layers", 1, 1, kMaxLayers);
     if (layers_per_module != 1) {
       f.error("mtp_transformer_layers",
@@ -783,7 +799,7 @@ void import_ernie4_5_moe(Fields& f, ModelSpec& m) {
   m.num_shared_experts = shared;
   m.shared_expert_ffn_width = shared * m.expert_ffn_width;
   m.router_correction_bias = true;
-  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxLayers);
+  m.mtp_layers = f.optional_int("num_nextn_predict_layers", 0, 0, kMaxCardMtpLayers);
   const int64_t last = last_layer_index(f, d);
   const int64_t start = f.optional_int("moe_layer_start_index", 1, 0, last);
   int64_t end = f.optional_int("moe_layer_end_index", -1, -1, last);
@@ -1005,6 +1021,8 @@ ModelSpec import_hf_config(const nlohmann::json& config, const std::string& file
     import_ernie4_5_moe(root, m);
   } else if (*family == "dots1") {
     import_dots1(root, m);
+  } else if (*family == "phimoe") {
+    import_phimoe(root, m);
   } else {
     import_deepseek(root, m, *family);
   }

@@ -35,6 +35,7 @@ const std::vector<std::string>& card_keys() {
   static const std::vector<std::string> keys = {
       "name", "aliases", "architecture", "source",
       "num_hidden_layers", "hidden_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+      "lm_head_bias", "layer_norm",
       "attention_type", "num_attention_heads", "num_key_value_heads", "head_dim",
       "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
       "attention_bias", "o_proj_bias", "qk_norm", "attention_sinks", "partial_rotary_factor",
@@ -303,6 +304,9 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   const auto vocab = int_key("vocab_size", 1, kMaxDim, true);
   const auto max_positions = int_key("max_position_embeddings", 1, kMaxDim, true);
   const auto tied = bool_key("tie_word_embeddings");
+  const auto head_bias = bool_key("lm_head_bias");
+  std::optional<std::string> layer_norm = std::string("rmsnorm");
+  if (present("layer_norm")) layer_norm = p.choice(card["layer_norm"], pointer("layer_norm"), {"rmsnorm", "layernorm"});
   const int64_t num_layers = layers.value_or(0);
 
   // Attention.
@@ -424,7 +428,7 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   if (layers && dense && !any_dense && present("intermediate_size")) {
     p.error(pointer("intermediate_size"), "is set but no layer is dense (dense_layers is empty)");
   }
-  const auto mtp = present("num_nextn_predict_layers") ? int_key("num_nextn_predict_layers", 0, kMaxLayers, false)
+  const auto mtp = present("num_nextn_predict_layers") ? int_key("num_nextn_predict_layers", 0, kMaxCardMtpLayers, false)
                                                         : std::optional<int64_t>(0);
 
   // The publisher's figures.
@@ -448,6 +452,8 @@ ParsedCard parse_card(const json& card, const std::string& file) {
   m.vocab_size = *vocab;
   m.max_position_embeddings = *max_positions;
   m.tie_word_embeddings = *tied;
+  m.lm_head_bias = *head_bias;
+  m.norm_bias = *layer_norm == "layernorm";
   m.attention = is_mla ? AttentionKind::Mla : AttentionKind::Gqa;
   m.num_heads = *heads;
   if (is_mla) {

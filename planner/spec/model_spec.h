@@ -38,6 +38,10 @@ struct ModelSpec {
   int64_t vocab_size = 0;    // V
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
+  bool lm_head_bias = false;  // a bias [V] on the LM head (Phi-3.5-MoE)
+  // LayerNorm (a weight and a bias [H] each; mean and rstd saved for the backward) in place of
+  // RMSNorm (a weight; rstd saved) for every norm of the model (Phi-3.5-MoE).
+  bool norm_bias = false;
 
   // Attention. For GQA head_dim == v_head_dim == d. For MLA as training materialises it:
   // head_dim = qk_nope_head_dim + qk_rope_head_dim (per-head K and Q), v_head_dim per-head V.

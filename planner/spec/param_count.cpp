@@ -92,12 +92,15 @@ ParamCounts count_params(const ModelSpec& m) {
   const int64_t H = m.hidden_size;
   ParamCounts p;
 
+  // A norm: its weight [H], and a bias [H] for LayerNorm.
+  const int64_t norm = m.norm_bias ? c.mul(2, H) : H;
   p.embedding = c.mul(m.vocab_size, H);
   p.lm_head = m.tie_word_embeddings ? 0 : c.mul(m.vocab_size, H);
-  p.final_norm = H;
+  if (m.lm_head_bias) p.lm_head = c.add(p.lm_head, m.vocab_size);
+  p.final_norm = norm;
 
   p.attention_per_layer = attention_params(m, c);
-  p.layer_norms_per_layer = c.mul(2, H);  // input_layernorm + post_attention_layernorm
+  p.layer_norms_per_layer = c.mul(2, norm);  // input_layernorm + post_attention_layernorm
   // Gated FFNs: gate and up [H -> F], down [F -> H].
   p.dense_ffn_per_layer = c.mul(3, H, m.dense_ffn_width);
   p.router_per_layer = c.mul(H, m.num_experts);
@@ -128,7 +131,7 @@ ParamCounts count_params(const ModelSpec& m) {
   // One MTP module (DeepSeek-V3, GLM-4.5): enorm + hnorm + eh_proj [2H -> H] + one decoder layer
   // (MoE when the model has experts) + shared_head norm; embedding and head shared with the model.
   const int64_t mtp_decoder = m.num_experts > 0 ? p.moe_layer_total : p.dense_layer_total;
-  const int64_t mtp_module = c.sum(c.mul(2, H), c.mul(2, H, H), mtp_decoder, H);
+  const int64_t mtp_module = c.sum(c.mul(2, norm), c.mul(2, H, H), mtp_decoder, norm);
   p.mtp = c.mul(m.mtp_layers, mtp_module);
   return p;
 }

@@ -764,6 +764,40 @@ TEST(HfImport, Dots1) {
   EXPECT_EQ(only_error(config), "config.json: /n_shared_experts: required key missing");
 }
 
+// Phi-3.5-MoE: Mixtral's layout with LayerNorm (weight and bias) norms, q/k/v/o biases and an LM
+// head bias. Expected: embedding 32064·4096 = 131,334,144; per layer attention 41,943,040 weights
+// + 10,240 biases, norms 2·2·4096, router 16·4096, experts 16·3·4096·6400; final norm 2·4096;
+// head 131,334,144 + 32,064. Total 41,873,153,344, the published breakdown's sum exactly
+// (Microsoft: "41.9B"); active with the embedding 6,640,999,744 ("6.6B active").
+TEST(HfImport, Phi35Moe) {
+  const ModelSpec m = import_fixture("Phi-3.5-MoE-instruct");
+  EXPECT_EQ(m.architecture, "phimoe");
+  EXPECT_TRUE(m.norm_bias);
+  EXPECT_TRUE(m.lm_head_bias);
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_TRUE(m.o_bias);
+  EXPECT_EQ(m.num_experts, 16);
+  EXPECT_EQ(m.top_k, 2);
+  EXPECT_EQ(count_window(m, AttentionWindow::Sliding), 32);
+  const ParamCounts p = count_params(m);
+  EXPECT_EQ(p.layer_norms_per_layer, 4 * 4096);
+  EXPECT_EQ(p.final_norm, 2 * 4096);
+  EXPECT_EQ(p.lm_head, 131334144 + 32064);
+  EXPECT_EQ(p.total, 41873153344);
+  EXPECT_EQ(p.active_with_embedding, 6640999744);
+  // PhimoeConfig's defaults: no attention or head bias (the norms are LayerNorm whatever the config says).
+  json plain = fixture_json("Phi-3.5-MoE-instruct");
+  plain.erase("attention_bias");
+  plain.erase("lm_head_bias");
+  const ModelSpec defaults = import_hf_config(plain, "config.json");
+  EXPECT_FALSE(defaults.qkv_bias || defaults.o_bias || defaults.lm_head_bias);
+  EXPECT_TRUE(defaults.norm_bias);
+  EXPECT_EQ(count_params(defaults).total, 41873153344 - 32 * 10240 - 32064);
+  plain["architectures"] = json::array({"PhimoeForCausalLM"});
+  plain.erase("model_type");
+  EXPECT_EQ(import_hf_config(plain, "config.json").architecture, "phimoe");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Recognition and errors, with their exact text.
 
@@ -775,7 +809,7 @@ TEST(HfImport, RecognisesConfigsAndListsFamilies) {
   // A card with a stray `architectures` (a typo for `architecture`) or `model_type` is a card.
   EXPECT_FALSE(looks_like_hf_config(json{{"name", "x"}, {"architectures", "mixtral"}, {"attention_type", "gqa"}}));
   EXPECT_FALSE(looks_like_hf_config(json{{"model_type", "mixtral"}, {"architecture", "mixtral"}}));
-  EXPECT_EQ(supported_hf_architectures().size(), 15u);
+  EXPECT_EQ(supported_hf_architectures().size(), 16u);
 }
 
 TEST(HfImport, ArchitecturesIsTheFallBack) {
@@ -790,15 +824,15 @@ TEST(HfImport, UnknownArchitectureListsTheSupportedOnes) {
   EXPECT_EQ(only_error(json{{"model_type", "mamba2"}, {"architectures", {"Mamba2ForCausalLM"}}}),
             "config.json: /model_type: unsupported architecture (got \"mamba2\"); supported: deepseek_v2, "
             "deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe, glm4v_moe, dots1");
+            "qwen3_vl_moe, glm4v_moe, dots1, phimoe");
   EXPECT_EQ(only_error(json{{"architectures", {"BertModel"}}}),
             "config.json: /architectures: unsupported architecture (got [\"BertModel\"]); supported: "
             "deepseek_v2, deepseek_v3, kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe, glm4v_moe, dots1");
+            "qwen3_vl_moe, glm4v_moe, dots1, phimoe");
   EXPECT_EQ(only_error(json{{"architectures", "MixtralForCausalLM"}}),  // not an array: no class to go by
             "config.json: /model_type: required key missing; supported architectures: deepseek_v2, deepseek_v3, "
             "kimi_k2, qwen3_moe, gpt_oss, mixtral, glm4_moe, olmoe, llama4, minimax_m2, ernie4_5_moe, qwen2_moe, "
-            "qwen3_vl_moe, glm4v_moe, dots1");
+            "qwen3_vl_moe, glm4v_moe, dots1, phimoe");
   EXPECT_EQ(only_error(json{{"model_type", 7}}), "config.json: /model_type: must be a string (got 7)");
   EXPECT_EQ(only_error(json::array()), "config.json: a Hugging Face config must be a JSON object (got [])");
 }

@@ -116,6 +116,25 @@ TEST(ModelCards, ArchitecturesAreHuggingFaceModelTypes) {
   EXPECT_EQ(architecture["OLMoE-1B-7B"], "olmoe");
 }
 
+// MTP modules are bounded (each holds every earlier module's tensors: plans grow with the square);
+// LayerNorm and an LM head bias are read from their keys.
+TEST(ModelLoader, MtpModulesBoundedAndNormKindRead) {
+  json card = embedded_card_json("DeepSeek-V3");
+  card["num_nextn_predict_layers"] = 65;
+  ASSERT_EQ(problems(card).size(), 1u);
+  EXPECT_NE(problems(card)[0].find("/num_nextn_predict_layers"), std::string::npos) << problems(card)[0];
+  card["num_nextn_predict_layers"] = 64;
+  EXPECT_TRUE(problems(card).empty());
+  card["layer_norm"] = "layernorm";
+  card["lm_head_bias"] = true;
+  const ModelSpec m = parse_model_card(card, "card.json");
+  EXPECT_TRUE(m.norm_bias);
+  EXPECT_TRUE(m.lm_head_bias);
+  card["layer_norm"] = "batchnorm";
+  ASSERT_EQ(problems(card).size(), 1u);
+  EXPECT_NE(problems(card)[0].find("/layer_norm"), std::string::npos) << problems(card)[0];
+}
+
 TEST(ModelLoader, AliasesResolveToTheirCard) {
   EXPECT_EQ(load_model("OLMoE-1B-7B-0924").name, "OLMoE-1B-7B");
   EXPECT_EQ(load_model("allenai/OLMoE-1B-7B-0924").name, "OLMoE-1B-7B");

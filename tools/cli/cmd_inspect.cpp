@@ -145,6 +145,8 @@ ordered_json model_json(const ModelSpec& m) {
   model["vocab_size"] = m.vocab_size;
   model["max_position_embeddings"] = m.max_position_embeddings;
   model["tie_word_embeddings"] = m.tie_word_embeddings;
+  model["lm_head_bias"] = m.lm_head_bias;
+  model["layer_norm"] = m.norm_bias ? "layernorm" : "rmsnorm";
   model["attention"] = attention;
   model["moe"] = moe;
   model["dense_ffn_width"] = m.dense_ffn_width;
@@ -242,6 +244,8 @@ void print_table(const ModelSpec& m, const ParamCounts& p, std::ostream& out) {
   dim("vocab_size", std::to_string(m.vocab_size));
   dim("max_position_embeddings", std::to_string(m.max_position_embeddings));
   dim("tie_word_embeddings", m.tie_word_embeddings ? "true" : "false");
+  dim("norms", m.norm_bias ? "LayerNorm (weight and bias)" : "RMSNorm");
+  if (m.lm_head_bias) dim("lm head bias", "true");
   dim("attention", attention_summary(m));
   dim("attention layers", attention_layers_summary(m));
   std::string experts = fmt::format("{} routed, top-{}, expert FFN {}", m.num_experts, m.top_k, m.expert_ffn_width);

@@ -86,6 +86,9 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
                         "plan with fewer GPUs or a smaller --ep"});
   if (s.q_heads <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_heads", the + " needs num_heads, num_kv_heads and head_dim", ""});
+  if (in.model && in.model->norm_bias)
+    errs.add(Diagnostic{in.file, "/inputs/model/source",
+                        the + " runs RMSNorm norms only (the model's are LayerNorm, which is not in the executor)", ""});
 }
 
 ModelSpec layer_model(const VerifyContext& ctx) {
