@@ -76,6 +76,8 @@ TEST(PlannerKnobSearch, FastPeaksEqualTheMemoryModelOnRandomConfigs) {
     m.top_k = std::stoi(pick({"1", "2"}));
     m.shared_expert_ffn_width = std::stoi(pick({"0", "8"}));
     m.shared_expert_gate = m.shared_expert_ffn_width > 0 && trial % 2 == 0;  // Qwen2-MoE's (no draw: same configs)
+    m.norm_bias = trial % 3 == 0;     // Phi-3.5-MoE's LayerNorm (no draw)
+    m.lm_head_bias = trial % 5 == 0;  // and its LM head bias
     m.mtp_layers = std::stoi(pick({"0", "1", "3"}));
     if (pick({"0", "1"}) == "1") m.layers[0].ffn = FfnKind::Dense, m.dense_ffn_width = 16;
     if (m.num_layers > 1 && pick({"0", "1"}) == "1") {
