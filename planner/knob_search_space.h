@@ -52,6 +52,9 @@ struct VocCand {
 struct BucketCand {
   int64_t bucket = 0, depth = 0;
   double y = 0;
+  // Parameters staged in host buffers: min(bucket, shard) · depth. A bucket larger than the shard
+  // stages only the shard (and bucket · depth itself can overflow: --bucket-params is up to 2^62).
+  int64_t staged = 0;
 };
 
 // A layer pass (a layer's forward or backward phases) reduced to what the knobs move.
@@ -268,7 +271,7 @@ class Structure {
     }
     const BucketCand* small = nullptr;
     for (const auto& b : buckets_)
-      if (!small || b.bucket * b.depth < small->bucket * small->depth) small = &b;
+      if (!small || b.staged < small->staged) small = &b;
     if (small) c.bucket_params = small->bucket, c.bucket_depth = small->depth;
     // When the GPU fits and only the host does not: the fewest offloaded layers that fit the GPU
     // (the least host memory), so the diagnosis says how far the host is from fitting.
@@ -662,10 +665,11 @@ class Structure {
     if (stream && !spec_.bucket_params) sizes = bucket_grid(work_.shard_params);
     if (stream && !spec_.bucket_depth) depths = {1, 2, 3, 4, 5, 6, 7, 8};
     for (int64_t b : sizes)
-      for (int64_t d : depths) buckets_.push_back(BucketCand{b, d, tm_.optimizer(b, d).exposed_s});
+      for (int64_t d : depths)
+        buckets_.push_back(BucketCand{b, d, tm_.optimizer(b, d).exposed_s, std::min(b, work_.shard_params) * d});
     std::stable_sort(buckets_.begin(), buckets_.end(), [](const BucketCand& a, const BucketCand& b) {
       if (a.y != b.y) return a.y < b.y;
-      if (a.bucket * a.depth != b.bucket * b.depth) return a.bucket * a.depth < b.bucket * b.depth;
+      if (a.staged != b.staged) return a.staged < b.staged;
       return std::tie(a.bucket, a.depth) < std::tie(b.bucket, b.depth);
     });
     buckets_y_min_ = buckets_.front().y;

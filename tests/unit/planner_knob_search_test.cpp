@@ -309,6 +309,26 @@ TEST(PlannerKnobSearch, GivenKnobsAreKeptAndSearchedOnesSayWhy) {
     EXPECT_EQ(reasons[searched].rfind("searched: ", 0), 0u) << searched << ": " << reasons[searched];
 }
 
+// A bucket larger than the shard stages only the shard, one bucket: every depth then takes the
+// same time and the least host memory (depth 1) wins. At 2^60 parameters, bucket · depth
+// overflowed int64 and the tie went to depth 8 with eight times the host buffers.
+TEST(PlannerKnobSearch, BucketBeyondTheShardTakesDepthOne) {
+  const Flags base{{"--gpus", "2"}, {"--context", "64"}, {"--schedule", "flatpeak"}, {"--llep-min-rows", "4"}};
+  for (const char* bucket : {"1152921504606846976", "4611686018427387904"}) {
+    Flags f = base;
+    f.push_back({"--bucket-params", bucket});
+    const SearchResult r = search_knobs(tiny_moe(2), timed_gpu(), spec_of(f), Efficiency{});
+    ASSERT_TRUE(r.found) << bucket;
+    EXPECT_EQ(r.choice.bucket_depth, 1) << bucket;
+    Flags one = base;
+    const int64_t shard = make_searched_plan(tiny_moe(2), timed_gpu(), spec_of(f), Efficiency{}).work.shard_params;
+    one.push_back({"--bucket-params", std::to_string(shard)});
+    one.push_back({"--bucket-depth", "1"});
+    const SearchResult s = search_knobs(tiny_moe(2), timed_gpu(), spec_of(one), Efficiency{});
+    EXPECT_EQ(r.summary.host_peak_bytes, s.summary.host_peak_bytes) << bucket;
+  }
+}
+
 TEST(PlannerKnobSearch, OutputIsByteIdenticalAcrossRuns) {
   const RunSpec spec = spec_of({{"--gpus", "4"}, {"--context", "1K"}, {"--schedule", "flatpeak"}, {"--cp", "auto"},
                                 {"--global-batch", "8"}, {"--llep-min-rows", "4"}});

@@ -125,10 +125,18 @@ int run_compare(const CLI::App& sub, const CompareOptions& o) {
   } else {
     planner::Query qi = q;
     qi.base.imbalance = kImbalanced;
-    try {
-      skewed = planner::compare(*model, *hw, qi, S);
-    } catch (const InputError& e) {
-      skewed_reason = e.diagnostics().front().to_string();
+    // rho = 2.5 needs EP·min(k, E/EP)/k >= 2.5: checked here, since the search treats a
+    // configuration it cannot resolve as not fitting and would print a table of zeros.
+    InputErrors skew_errs;
+    planner::resolve_run(*model, *hw, qi.base, skew_errs, qi.base.cp_auto ? std::optional<int64_t>(1) : std::nullopt);
+    if (!skew_errs.empty()) {
+      skewed_reason = skew_errs.diagnostics().front().message;
+    } else {
+      try {
+        skewed = planner::compare(*model, *hw, qi, S);
+      } catch (const InputError& e) {
+        skewed_reason = e.diagnostics().front().to_string();
+      }
     }
   }
   const std::string cp = q.base.cp_auto ? "auto" : std::to_string(q.base.cp.value_or(1));
