@@ -42,11 +42,15 @@ class CardReader {
     return value->get<int64_t>();
   }
 
-  double positive_number(const char* key) {
-    const nlohmann::json* value = find(key, "a positive number");
+  // A bandwidth (bytes/s) or a throughput (flop/s). Bounds that keep every time finite and
+  // meaningful: 1e6/s is below any link a GPU has, 1e21/s far above any device; a rate of
+  // 1e-300 turned a step time into inf or NaN with exit 0.
+  double rate(const char* key) {
+    constexpr double kMinRate = 1e6, kMaxRate = 1e21;
+    const nlohmann::json* value = find(key, "a rate per second in [1e6, 1e21]");
     if (value == nullptr) return 0;
-    if (!value->is_number() || !(value->get<double>() > 0) || !std::isfinite(value->get<double>())) {
-      problem(key, fmt::format("must be a positive number (got {})", describe_json_value(*value)));
+    if (!value->is_number() || !(value->get<double>() >= kMinRate && value->get<double>() <= kMaxRate)) {
+      problem(key, fmt::format("must be a rate per second in [1e6, 1e21] (got {})", describe_json_value(*value)));
       return 0;
     }
     return value->get<double>();
@@ -185,14 +189,14 @@ HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& 
   // planner's peak + overhead stays inside 64 bits.
   constexpr int64_t kMaxDeviceBytes = int64_t{1} << 50;
   spec.device_memory_bytes = read.positive_integer("device_memory_bytes", kMaxDeviceBytes);
-  spec.hbm_bandwidth_bytes_per_s = read.positive_number("hbm_bandwidth_bytes_per_s");
-  spec.bf16_dense_flops = read.positive_number("bf16_dense_flops");
-  spec.scale_up_bandwidth_bytes_per_s = read.positive_number("scale_up_bandwidth_bytes_per_s");
-  spec.host_link_bandwidth_bytes_per_s = read.positive_number("host_link_bandwidth_bytes_per_s");
-  spec.inter_node_bandwidth_bytes_per_s = read.positive_number("inter_node_bandwidth_bytes_per_s");
+  spec.hbm_bandwidth_bytes_per_s = read.rate("hbm_bandwidth_bytes_per_s");
+  spec.bf16_dense_flops = read.rate("bf16_dense_flops");
+  spec.scale_up_bandwidth_bytes_per_s = read.rate("scale_up_bandwidth_bytes_per_s");
+  spec.host_link_bandwidth_bytes_per_s = read.rate("host_link_bandwidth_bytes_per_s");
+  spec.inter_node_bandwidth_bytes_per_s = read.rate("inter_node_bandwidth_bytes_per_s");
   spec.gpus_per_node = read.positive_integer("gpus_per_node");
   spec.host_memory_bytes_per_node = read.positive_integer("host_memory_bytes_per_node");
-  spec.host_memory_bandwidth_bytes_per_s = read.positive_number("host_memory_bandwidth_bytes_per_s");
+  spec.host_memory_bandwidth_bytes_per_s = read.rate("host_memory_bandwidth_bytes_per_s");
   spec.cpu_cores_per_node = read.positive_integer("cpu_cores_per_node");
   spec.runtime_overhead_bytes = read.nonnegative_integer("runtime_overhead_bytes", kMaxDeviceBytes);
   spec.fragmentation_fraction = read.fraction("fragmentation_fraction");
@@ -207,10 +211,10 @@ HardwareSpec parse_hardware_card(const nlohmann::json& card, const std::string& 
     } else {
       CardReader parts(*terms, file, "/runtime_overhead_terms");
       OverheadTerms& t = spec.runtime_overhead_terms;
-      t.cuda_context_bytes = parts.nonnegative_integer("cuda_context_bytes");
-      t.cublas_bytes = parts.nonnegative_integer("cublas_bytes");
-      t.cublas_workspace_bytes = parts.nonnegative_integer("cublas_workspace_bytes");
-      t.nccl_bytes = parts.nonnegative_integer("nccl_bytes");
+      t.cuda_context_bytes = parts.nonnegative_integer("cuda_context_bytes", kMaxDeviceBytes);
+      t.cublas_bytes = parts.nonnegative_integer("cublas_bytes", kMaxDeviceBytes);
+      t.cublas_workspace_bytes = parts.nonnegative_integer("cublas_workspace_bytes", kMaxDeviceBytes);
+      t.nccl_bytes = parts.nonnegative_integer("nccl_bytes", kMaxDeviceBytes);
       parts.report_unknown_keys();
       for (const auto& d : parts.errors().diagnostics()) read.errors().add(d);
       t.present = parts.errors().empty();

@@ -2,6 +2,7 @@
 // that reports every problem in one pass.
 #include "spec/hardware_loader.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "spec/errors.h"
@@ -73,7 +74,7 @@ TEST(HardwareCards, EveryProblemInOnePass) {
     const std::vector<std::string> expected = {
         "x.json: /aliases/1: must be a string (got 3)",
         "x.json: /device_memory_bytes: must be a positive integer (got 0)",
-        "x.json: /hbm_bandwidth_bytes_per_s: must be a positive number (got \"fast\")",
+        "x.json: /hbm_bandwidth_bytes_per_s: must be a rate per second in [1e6, 1e21] (got \"fast\")",
         "x.json: /fragmentation_fraction: must be a number in [0, 1) (got 1.5)",
         "x.json: /gpus_per_nod: unknown key (did you mean \"gpus_per_node\"?)",
         "x.json: /allocation_alignment_bytes: must be a power of two (got 500)",
@@ -146,6 +147,49 @@ TEST(HardwareCards, CalibratedOverheadTermsAddUp) {
         "c.json: /runtime_overhead_terms/nccl_byte: unknown key (did you mean \"nccl_bytes\"?)",
     };
     EXPECT_EQ(messages_of(e), expected);
+  }
+}
+
+// Parts near 2^63 wrapped the sum: 2^63-1 + 2^63-1 + 2 + 3 GiB "added up" to 3 GiB.
+TEST(HardwareCards, OverheadTermsCannotWrapTheirSum) {
+  nlohmann::json card = calibrated_card(2);
+  card["runtime_overhead_bytes"] = int64_t{3} << 30;
+  card["runtime_overhead_terms"] = {{"cuda_context_bytes", INT64_MAX}, {"cublas_bytes", INT64_MAX},
+                                    {"cublas_workspace_bytes", 2}, {"nccl_bytes", int64_t{3} << 30}};
+  try {
+    parse_hardware_card(card, "c.json");
+    FAIL() << "expected InputError";
+  } catch (const InputError& e) {
+    const std::vector<std::string> expected = {
+        "c.json: /runtime_overhead_terms/cuda_context_bytes: must be at most 1125899906842624 (got 9223372036854775807)",
+        "c.json: /runtime_overhead_terms/cublas_bytes: must be at most 1125899906842624 (got 9223372036854775807)",
+    };
+    EXPECT_EQ(messages_of(e), expected);
+  }
+}
+
+// A bandwidth or throughput of 1e-300 made the step time inf or NaN (exit 0); 1e300 made it 0.
+TEST(HardwareCards, RatesAreBoundedSoTimesStayFinite) {
+  for (const char* key : {"hbm_bandwidth_bytes_per_s", "bf16_dense_flops", "scale_up_bandwidth_bytes_per_s",
+                          "host_link_bandwidth_bytes_per_s", "inter_node_bandwidth_bytes_per_s",
+                          "host_memory_bandwidth_bytes_per_s"}) {
+    for (double v : {1e-300, 0.0, 999999.0, 1.0000001e21, 1e300}) {
+      nlohmann::json card = calibrated_card(700000000 - 520000000 - 80000000 - 33554432);
+      card[key] = v;
+      try {
+        parse_hardware_card(card, "c.json");
+        ADD_FAILURE() << key << " = " << v << " was accepted";
+      } catch (const InputError& e) {
+        ASSERT_EQ(messages_of(e).size(), 1u) << key;
+        EXPECT_EQ(messages_of(e)[0].rfind(fmt::format("c.json: /{}: must be a rate per second in [1e6, 1e21] (got ", key), 0), 0u)
+            << messages_of(e)[0];
+      }
+    }
+    nlohmann::json edge = calibrated_card(700000000 - 520000000 - 80000000 - 33554432);
+    edge[key] = 1e6;
+    EXPECT_NO_THROW(parse_hardware_card(edge, "c.json")) << key;
+    edge[key] = 1e21;
+    EXPECT_NO_THROW(parse_hardware_card(edge, "c.json")) << key;
   }
 }
 
