@@ -441,6 +441,12 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   if (r.llep) {
     const int64_t rows = T * model.top_k;
     r.llep_min_rows = s.llep_min_rows.value_or(LlaKnobs{}.min_rows_per_gemm);
+    // m · E/EP below must not overflow (2^62 was reported as a --context overflow); no GEMM has
+    // more rows than T · k <= 2^32 · 2^16 anyway.
+    if (r.llep_min_rows > kMaxTokensPerGpu) {
+      bad(errs, "--llep-min-rows", fmt::format("must lie in 1..2^32 = {}", kMaxTokensPerGpu), std::to_string(r.llep_min_rows));
+      r.llep_min_rows = LlaKnobs{}.min_rows_per_gemm;
+    }
     const int64_t cap_default = std::min(rows, std::max<int64_t>(8192, r.llep_min_rows * experts_per_rank));
     r.chunk_cap_rows = s.chunk_cap_rows.value_or(cap_default);
     if (s.chunk_cap_rows && *s.chunk_cap_rows > rows) {

@@ -150,7 +150,41 @@ TEST(VerifyDispatch, BadKnobIsAnInputErrorNamingIt) {
     FAIL() << "expected an InputError";
   } catch (const InputError& e) {
     const std::string text = e.what();
-    EXPECT_NE(text.find("plan.json: /knobs/chunk_cap_rows/value: must be an integer >= 0 (got -5)"), std::string::npos) << text;
+    EXPECT_NE(text.find("plan.json: /knobs/chunk_cap_rows/value: must be an integer in 0..262144 (got -5)"), std::string::npos) << text;
+  }
+}
+
+// The planner's ranges, checked on the plan's own N, EP and T and named by the plan's pointer at
+// any --max-ranks: a depth of 1e6 ran out of memory (exit 4), 9 was a flag error of one rank,
+// and α beyond EP passed at one rank (where LLEP has nothing to balance).
+TEST(VerifyDispatch, KnobsOutsideThePlannersRangesAreNamedByTheirPointer) {
+  const nlohmann::json plan = make_plan_json("gpt-oss-120b", {{"--schedule", "flatpeak"}});
+  ASSERT_EQ(plan["inputs"]["run"]["ep"], 8);
+  struct KnobCase {
+    const char* knob;
+    nlohmann::json value;
+    std::string message;
+  };
+  const std::vector<KnobCase> cases = {
+      {"dispatch_depth", 9, "/knobs/dispatch_depth/value: must be an integer in 1..4 (got 9)"},
+      {"dispatch_depth", int64_t{1000000000000000000}, "/knobs/dispatch_depth/value: must be an integer in 1..4 (got 1000000000000000000)"},
+      {"chunk_cap_rows", 262145, "/knobs/chunk_cap_rows/value: must be an integer in 0..262144 (got 262145)"},
+      {"llep_min_rows", int64_t{1} << 62, "/knobs/llep_min_rows/value: must be an integer in 1..4294967296 (got 4611686018427387904)"},
+      {"llep_alpha", 8.5, "/knobs/llep_alpha/value: must lie in [1, EP = 8] (got 8.5)"},
+      {"llep_lambda", -0.5, "/knobs/llep_lambda/value: must lie in [0, EP = 8] (got -0.5)"},
+  };
+  for (const KnobCase& c : cases) {
+    nlohmann::json edited = plan;
+    edited["knobs"][c.knob]["value"] = c.value;
+    for (int64_t max_ranks : {1, 8}) {
+      try {
+        scale_config(read_plan_inputs(edited, "plan.json"), std::nullopt, max_ranks);
+        ADD_FAILURE() << c.message << " passed at --max-ranks " << max_ranks;
+      } catch (const InputError& e) {
+        EXPECT_EQ(e.diagnostics().size(), 1u) << e.what();
+        EXPECT_EQ(e.diagnostics().front().to_string(), "plan.json: " + c.message) << "--max-ranks " << max_ranks;
+      }
+    }
   }
 }
 

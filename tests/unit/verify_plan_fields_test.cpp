@@ -268,6 +268,34 @@ TEST(VerifyPlanFields, DerivedRunFieldsMustAgreeWithTheirSources) {
             V{"plan.json: /inputs/model/attention: must be gqa or mla (got 'mha')"});
 }
 
+// A plan of a built-in card is held to the card's dims as a plan of a card file is to the file
+// (verify reloaded the card and ran it, while the plan's edited hidden_size scaled H); names,
+// the schedule and the routing model are errors of the plan's own fields, not of CLI flags.
+TEST(VerifyPlanFields, BuiltInCardsScheduleAndRoutingAreCheckedAgainstThePlan) {
+  const nlohmann::json plan = qwen3_plan();
+  ASSERT_EQ(plan["inputs"]["model"]["source"], "embedded:Qwen3-30B-A3B");
+  const std::string edited = "the plan was edited or made by another version of flatpeak | plan again";
+  EXPECT_EQ(diagnostics_with(plan, "/inputs/model/hidden_size", 1024),
+            std::vector<std::string>{"plan.json: /inputs/model/hidden_size: is 1024, but the built-in card 'Qwen3-30B-A3B' gives "
+                                     "2048: " + edited});
+  EXPECT_EQ(diagnostics_with(plan, "/inputs/model/top_k", 4),
+            std::vector<std::string>{"plan.json: /inputs/model/top_k: is 4, but the built-in card 'Qwen3-30B-A3B' gives 8: " +
+                                     edited});
+  const std::vector<std::string> gpu = diagnostics_with(plan, "/inputs/hardware/name", "H900");
+  ASSERT_EQ(gpu.size(), 1u);
+  EXPECT_EQ(gpu[0].rfind("plan.json: /inputs/hardware/name: names no built-in card: unknown hardware 'H900'", 0), 0u) << gpu[0];
+  const std::vector<std::string> model = diagnostics_with(plan, "/inputs/model/name", "Qwen9");
+  ASSERT_EQ(model.size(), 1u);
+  EXPECT_EQ(model[0].rfind("plan.json: /inputs/model/name: names no built-in card: unknown model 'Qwen9'", 0), 0u) << model[0];
+  EXPECT_EQ(diagnostics_with(plan, "/inputs/run/schedule", "fast"),
+            std::vector<std::string>{"plan.json: /inputs/run/schedule: must be baseline, practice or flatpeak (got 'fast')"});
+  const std::vector<std::string> rho = diagnostics_with(plan, "/inputs/run/imbalance", "rho=9");
+  ASSERT_EQ(rho.size(), 1u);
+  EXPECT_EQ(rho[0].rfind("plan.json: /inputs/run/imbalance: rho=X needs X <= EP*min(k,E/EP)/k = 8 at EP=8, E=128, k=8 (got 9)", 0), 0u)
+      << rho[0];
+  EXPECT_TRUE(diagnostics_with(plan, "/inputs/run/imbalance", "rho=2.5").empty());
+}
+
 TEST(VerifyPlanFields, OverheadTermsMustAddUpToTheOverhead) {
   nlohmann::json plan =
       plan_json("Qwen3-30B-A3B", calibrated_h200(), {{"--gpus", "8"}, {"--context", "16K"}});

@@ -11,6 +11,7 @@
 #include "spec/errors.h"
 #include "spec/hardware_loader.h"
 #include "spec/model_loader.h"
+#include "spec/routing.h"
 
 namespace flatpeak::cli {
 
@@ -159,6 +160,18 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
                             "must be at most /inputs/model/num_experts = " + std::to_string(in.num_experts) + " (got " + std::to_string(in.top_k) + ")", ""});
     if (in.gpus % in.ep != 0)
       r.errs.add(Diagnostic{file, "/inputs/run/ep", "must divide /inputs/run/gpus = " + std::to_string(in.gpus) + " (got " + std::to_string(in.ep) + ")", ""});
+    if (in.schedule != "baseline" && in.schedule != "practice" && in.schedule != "flatpeak")
+      r.errs.add(Diagnostic{file, "/inputs/run/schedule", "must be baseline, practice or flatpeak (got '" + in.schedule + "')", ""});
+    // The routing model at the plan's own EP (a component at one rank runs it balanced, so it
+    // would otherwise pass unchecked). A routing file is not re-read: the plan keeps its path only.
+    if (in.num_experts > 0 && in.top_k >= 1 && in.top_k <= in.num_experts && in.num_experts % in.ep == 0) {
+      try {
+        const RoutingModel routing = parse_routing_model(in.imbalance);
+        if (routing.kind != RoutingKind::File) validate_routing_model(routing, RoutingShape{in.ep, in.num_experts, in.top_k}, 0);
+      } catch (const InputError& e) {
+        for (const auto& d : e.diagnostics()) r.errs.add(Diagnostic{file, "/inputs/run/imbalance", d.message, d.hint});
+      }
+    }
   }
   check_plan_fields(plan, file, r.errs);
   r.errs.throw_if_any();
@@ -207,24 +220,53 @@ Spec load_plan_source(const VerifyInputs& in, const std::string& pointer, const 
   }
 }
 
-void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& field,
-                 const std::string& source, int64_t in_plan, int64_t in_file) {
-  if (in_plan == in_file) return;
+// What a plan's value disagreeing with its card means: a card file changed since the plan was
+// made; a built-in card (which cannot change) means the plan was edited or made by another build.
+struct CardOrigin {
+  std::string text;  // "'models/x.json' now gives", "the built-in card 'X' gives"
+  std::string reason, hint;
+};
+
+CardOrigin card_origin(const std::string& source, const std::string& name) {
+  if (is_embedded(source) || source.empty())
+    return {"the built-in card '" + name + "' gives", "the plan was edited or made by another version of flatpeak",
+            "plan again"};
+  return {"'" + source + "' now gives", "the file changed since the plan was made", "plan again from the file as it is"};
+}
+
+// A built-in card by the plan's name; an unknown name is an error of the plan's field (the
+// loader's own names the --model or --gpu flag, which verify was not given).
+template <typename Spec, typename Load>
+Spec load_builtin(const VerifyInputs& in, const std::string& pointer, const std::string& name, Load load) {
+  try {
+    return load(name);
+  } catch (const InputError& e) {
+    std::vector<Diagnostic> out;
+    for (const auto& d : e.diagnostics())
+      out.push_back(Diagnostic{in.file, pointer, "names no built-in card: " + d.message, d.hint});
+    throw InputError(out);
+  }
+}
+
+void expect_same(InputErrors& errs, const VerifyInputs& in, const std::string& field, const CardOrigin& origin,
+                 int64_t in_plan, int64_t in_card) {
+  if (in_plan == in_card) return;
   errs.add(Diagnostic{in.file, field,
-                      "is " + std::to_string(in_plan) + ", but '" + source + "' now gives " +
-                          std::to_string(in_file) + ": the file changed since the plan was made",
-                      "plan again from the file as it is"});
+                      "is " + std::to_string(in_plan) + ", but " + origin.text + " " + std::to_string(in_card) + ": " +
+                          origin.reason,
+                      origin.hint});
 }
 
 }  // namespace
 
 ModelSpec load_plan_model(const VerifyInputs& in) {
   if (in.model) return *in.model;
-  if (in.model_source.empty() || is_embedded(in.model_source)) return load_model(in.model_name);
-  const ModelSpec model = load_plan_source<ModelSpec>(
-      in, "/inputs/model/source", in.model_source, [](const std::string& path) { return load_model(path); });
+  const bool embedded = in.model_source.empty() || is_embedded(in.model_source);
+  const ModelSpec model = embedded ? load_builtin<ModelSpec>(in, "/inputs/model/name", in.model_name, load_model)
+                                   : load_plan_source<ModelSpec>(in, "/inputs/model/source", in.model_source,
+                                                                 [](const std::string& path) { return load_model(path); });
   InputErrors errs;
-  const std::string& src = in.model_source;
+  const CardOrigin src = card_origin(in.model_source, in.model_name);
   expect_same(errs, in, "/inputs/model/num_layers", src, in.layers, model.num_layers);
   expect_same(errs, in, "/inputs/model/hidden_size", src, in.hidden, model.hidden_size);
   expect_same(errs, in, "/inputs/model/vocab_size", src, in.vocab, model.vocab_size);
@@ -239,9 +281,9 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
     expect_same(errs, in, "/inputs/model/shared_expert_ffn_width", src, in.shared_expert_ffn, model.shared_expert_ffn_width);
   if (in.shared_expert_gate && *in.shared_expert_gate != model.shared_expert_gate) {
     errs.add(Diagnostic{in.file, "/inputs/model/shared_expert_gate",
-                        std::string("is ") + (*in.shared_expert_gate ? "true" : "false") + ", but '" + src + "' now gives " +
-                            (model.shared_expert_gate ? "true" : "false") + ": the file changed since the plan was made",
-                        "plan again from the file as it is"});
+                        std::string("is ") + (*in.shared_expert_gate ? "true" : "false") + ", but " + src.text + " " +
+                            (model.shared_expert_gate ? "true" : "false") + ": " + src.reason,
+                        src.hint});
   }
   errs.throw_if_any();
   return model;
@@ -249,13 +291,14 @@ ModelSpec load_plan_model(const VerifyInputs& in) {
 
 HardwareSpec load_plan_hardware(const VerifyInputs& in) {
   if (in.hardware) return *in.hardware;
-  if (in.hardware_source.empty() || is_embedded(in.hardware_source)) return load_hardware(in.hardware_name);
+  const bool embedded = in.hardware_source.empty() || is_embedded(in.hardware_source);
   const HardwareSpec hardware =
-      load_plan_source<HardwareSpec>(in, "/inputs/hardware/source", in.hardware_source,
-                                     [](const std::string& path) { return load_hardware(path); });
+      embedded ? load_builtin<HardwareSpec>(in, "/inputs/hardware/name", in.hardware_name, load_hardware)
+               : load_plan_source<HardwareSpec>(in, "/inputs/hardware/source", in.hardware_source,
+                                                [](const std::string& path) { return load_hardware(path); });
   InputErrors errs;
-  expect_same(errs, in, "/inputs/hardware/allocation_alignment_bytes", in.hardware_source, in.alignment_bytes,
-              hardware.allocation_alignment_bytes);
+  expect_same(errs, in, "/inputs/hardware/allocation_alignment_bytes", card_origin(in.hardware_source, in.hardware_name),
+              in.alignment_bytes, hardware.allocation_alignment_bytes);
   errs.throw_if_any();
   return hardware;
 }

@@ -216,11 +216,19 @@ void scale_dispatch_knobs(const VerifyInputs& in, ScaledConfig& s) {
   auto bad = [&](const char* name, const std::string& rule, const nlohmann::json& v) {
     errs.add(Diagnostic{in.file, std::string("/knobs/") + name + "/value", rule + " (got " + v.dump() + ")", ""});
   };
-  auto integer = [&](const char* name, int64_t min_value, int64_t& out) {
+  // The planner's ranges (run_spec.cpp), checked here against the plan's own N, EP and T, so that
+  // an edited knob is named by its plan pointer at any --max-ranks (a depth of 1e6 ran out of
+  // memory, and 9 was reported as a --dispatch-depth flag of one rank).
+  auto integer = [&](const char* name, int64_t min_value, int64_t max_value, int64_t& out) {
     const nlohmann::json* v = knob(in, name);
     if (!v) return;
-    if (!v->is_number_integer() || v->get<int64_t>() < min_value) return bad(name, "must be an integer >= " + std::to_string(min_value), *v);
+    if (!v->is_number_integer() || v->get<int64_t>() < min_value || v->get<int64_t>() > max_value)
+      return bad(name, fmt::format("must be an integer in {}..{}", min_value, max_value), *v);
     out = v->get<int64_t>();
+  };
+  auto number = [&](const char* name, double min_value, double max_value, const std::string& range) {
+    const nlohmann::json* v = knob(in, name);
+    if (v && (!v->is_number() || !(v->get<double>() >= min_value && v->get<double>() <= max_value))) bad(name, "must lie in " + range, *v);
   };
   if (const nlohmann::json* v = knob(in, "llep")) {
     if (!v->is_boolean()) bad("llep", "must be true or false", *v);
@@ -231,9 +239,13 @@ void scale_dispatch_knobs(const VerifyInputs& in, ScaledConfig& s) {
     else s.dispatch_store = *v == "store";
   }
   int64_t cap = 0, m = 0;
-  integer("chunk_cap_rows", 0, cap);
-  integer("llep_min_rows", 1, m);
-  integer("dispatch_depth", 1, s.dispatch_depth);
+  const int64_t rows = in.tokens_per_gpu * std::max<int64_t>(1, in.top_k);  // both bounded by the plan reader
+  integer("chunk_cap_rows", 0, rows, cap);
+  integer("llep_min_rows", 1, planner::kMaxTokensPerGpu, m);
+  integer("dispatch_depth", 1, 4, s.dispatch_depth);
+  const double ep = static_cast<double>(in.ep);
+  number("llep_alpha", 1.0, ep, fmt::format("[1, EP = {}]", in.ep));
+  number("llep_lambda", 0.0, ep, fmt::format("[0, EP = {}]", in.ep));
   errs.throw_if_any();
   // The expert's shape scales with H; C and m with T (the same number of rounds, the same share
   // of a rank's rows per GEMM).
