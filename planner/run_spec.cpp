@@ -135,6 +135,9 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
     auto count = [&](std::optional<int64_t>& out, int64_t min) {
       auto v = parse_count(text);
       if (!v && min == 0 && text == "0") v = 0;
+      if (!v && tokens_beyond_int64(text))
+        return bad(errs, flag, flag == "--gpus" ? fmt::format("must be at most 2^24 = {}", kMaxGpus) : "is too large: must be below 2^63",
+                   "'" + text + "'");
       if (!v || *v < min) {
         const bool tokens = flag == "--context" || flag == "--chunk-cap-rows" || flag == "--token-block" ||
                             flag == "--llep-min-rows" || flag == "--bucket-params";
@@ -182,6 +185,11 @@ RunSpec parse_run_flags(const std::vector<std::pair<std::string, std::string>>& 
       count(s.gpus_per_node, 1);
     } else if (flag == "--host-memory" || flag == "--overhead") {
       auto v = parse_bytes(text);
+      if (!v && bytes_beyond_int64(text)) {
+        bad(errs, flag, flag == "--host-memory" ? "is too large: must be below 2^63 bytes" : "must be at most 1PiB (2^50 bytes)",
+            "'" + text + "'");
+        continue;
+      }
       if (!v || (flag == "--host-memory" && *v <= 0)) {
         bad(errs, flag, flag == "--host-memory" ? "must be a positive byte size" : "must be a byte size", "'" + text + "'");
         continue;

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -75,13 +78,54 @@ nlohmann::json parse_json_text(const std::string& text, const std::string& file)
   // No input of ours nests deeper than a few levels; a deeper document (thousands of levels) would
   // overflow the stack where a message echoes its value (dump is recursive). Refused as it is read.
   constexpr int kMaxDepth = 256;
-  const auto depth_limit = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    if (depth > kMaxDepth && (event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start))
+  // A key given twice in one object is refused too: the parser keeps the last silently, so a card
+  // with "num_experts" twice would be planned on whichever came last. The frames track the
+  // pointer of the object being read, for the message.
+  struct Frame {
+    bool array = false;
+    int64_t index = 0;           // the element being read, in an array
+    std::string key;             // the member being read, in an object
+    std::set<std::string> keys;  // the members seen, in an object
+  };
+  std::vector<Frame> frames;
+  const auto pointer_of = [&](size_t frame_count) {
+    std::string out;
+    for (size_t i = 0; i < frame_count; ++i)
+      out = frames[i].array ? out + "/" + std::to_string(frames[i].index) : child_pointer(out, frames[i].key);
+    return out;
+  };
+  using Event = nlohmann::json::parse_event_t;
+  const auto check = [&](int depth, Event event, nlohmann::json& parsed) {
+    if (depth > kMaxDepth && (event == Event::object_start || event == Event::array_start))
       throw InputError(Diagnostic{file, "", fmt::format("nests objects and arrays deeper than {} levels", kMaxDepth), ""});
+    const auto element_done = [&] {
+      if (!frames.empty() && frames.back().array) ++frames.back().index;
+    };
+    switch (event) {
+      case Event::object_start:
+      case Event::array_start:
+        frames.push_back(Frame{event == Event::array_start, 0, "", {}});
+        break;
+      case Event::key: {
+        Frame& f = frames.back();
+        f.key = parsed.get<std::string>();
+        if (!f.keys.insert(f.key).second)
+          throw InputError(Diagnostic{file, pointer_of(frames.size()), "is given twice in one object", "keep one of them"});
+        break;
+      }
+      case Event::object_end:
+      case Event::array_end:
+        frames.pop_back();
+        element_done();
+        break;
+      case Event::value:
+        element_done();
+        break;
+    }
     return true;
   };
   try {
-    return nlohmann::json::parse(text, depth_limit);
+    return nlohmann::json::parse(text, check);
   } catch (const nlohmann::json::parse_error& e) {
     // e.byte is 1-based and points at the last character the parser read, the end of the
     // offending token; the position reported is that token's first character, as line:column.

@@ -91,22 +91,46 @@ std::optional<int64_t> parse_tokens(const std::string& text) {
   return *value * multiplier;
 }
 
-std::optional<int64_t> parse_bytes(const std::string& text) {
+bool tokens_beyond_int64(const std::string& text) {
   std::string number, suffix;
-  if (!split_number(text, number, suffix)) return std::nullopt;
-  struct Unit {
-    const char* name;
-    double multiplier;
-  };
-  static const Unit kUnits[] = {
+  if (!split_number(text, number, suffix) || number.find('.') != std::string::npos) return false;
+  if (!(suffix.empty() || suffix == "K" || suffix == "k" || suffix == "M" || suffix == "G")) return false;
+  return !parse_tokens(text) && number.find_first_not_of('0') != std::string::npos;
+}
+
+namespace {
+
+struct ByteUnit {
+  const char* name;
+  double multiplier;
+};
+
+const ByteUnit* byte_unit(const std::string& suffix) {
+  static const ByteUnit kUnits[] = {
       {"", 1.0},       {"B", 1.0},        {"KB", 1e3},       {"MB", 1e6},
       {"GB", 1e9},     {"TB", 1e12},      {"KiB", 1024.0},   {"MiB", 1048576.0},
       {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
   };
-  const Unit* unit = nullptr;
-  for (const auto& candidate : kUnits) {
-    if (suffix == candidate.name) unit = &candidate;
-  }
+  for (const auto& candidate : kUnits)
+    if (suffix == candidate.name) return &candidate;
+  return nullptr;
+}
+
+}  // namespace
+
+bool bytes_beyond_int64(const std::string& text) {
+  std::string number, suffix;
+  if (!split_number(text, number, suffix) || number == ".") return false;
+  const ByteUnit* unit = byte_unit(suffix);
+  if (unit == nullptr) return false;
+  const long double value = std::stold(number) * static_cast<long double>(unit->multiplier);
+  return value >= static_cast<long double>(std::numeric_limits<int64_t>::max());
+}
+
+std::optional<int64_t> parse_bytes(const std::string& text) {
+  std::string number, suffix;
+  if (!split_number(text, number, suffix)) return std::nullopt;
+  const ByteUnit* unit = byte_unit(suffix);
   if (unit == nullptr) return std::nullopt;
   // Integers stay exact; decimals go through long double (exact to well past TiB scale).
   if (number.find('.') == std::string::npos) {

@@ -12,11 +12,16 @@ namespace flatpeak {
 // Token counts: a positive integer, optionally with K, M or G = powers of 1024 ("32K", "1M").
 // Returns nullopt for anything else (empty, negative, fractions, other suffixes, overflow).
 std::optional<int64_t> parse_tokens(const std::string& text);
+// A well-formed token count whose value is beyond 2^63 - 1 ("99999999999999999999", "16G" is
+// not): parse_tokens rejects it, and the message should say it is too large, not malformed.
+bool tokens_beyond_int64(const std::string& text);
 
 // Byte sizes: an integer or decimal number with a unit: B, KB, MB, GB, TB (powers of 1000)
 // or KiB, MiB, GiB, TiB (powers of 1024); a bare integer is bytes. Result rounded down to bytes.
 // Returns nullopt for anything else (unknown suffix, negative, overflow past int64).
 std::optional<int64_t> parse_bytes(const std::string& text);
+// A well-formed byte size at or beyond 2^63 - 1 bytes ("9000000TiB").
+bool bytes_beyond_int64(const std::string& text);
 
 // Plain decimal numbers, for flags and fields that take a number rather than a size: digits
 // with an optional sign, decimal point and exponent ("2.5", "-1", "1e-3"). nullopt for anything

@@ -54,6 +54,19 @@ TEST(ParseJsonText, DeepNestingIsAnInputError) {
   EXPECT_TRUE(parse_json_text(fine, "card.json").is_array());
 }
 
+// The parser keeps the last of two equal keys: a card with "hidden_size" twice was planned on the
+// second, silently. Refused, with the pointer of the second (array indices counted).
+TEST(ParseJsonText, KeyGivenTwiceInOneObjectIsAnInputError) {
+  EXPECT_EQ(parse_failure("{\"hidden_size\": 1024, \"hidden_size\": 2048}").to_string(),
+            "card.json: /hidden_size: is given twice in one object");
+  EXPECT_EQ(parse_failure("{\"a\": [1, {\"b\": 2}, [3, {\"c\": 1, \"c\": 2}]]}").to_string(),
+            "card.json: /a/2/1/c: is given twice in one object");
+  EXPECT_EQ(parse_failure("{\"k\": [{\"q\": 1}, {\"q/~\": 2, \"z\": 1, \"q/~\": 3}]}").to_string(),
+            "card.json: /k/1/q~1~0: is given twice in one object");
+  // The same key in sibling objects, or in an object and its parent, is fine.
+  EXPECT_NO_THROW(parse_json_text("{\"a\": {\"b\": 1}, \"c\": {\"b\": 1, \"a\": {\"a\": 2}}}", "card.json"));
+}
+
 TEST(ParseJsonText, NumberTooLargeForAnyType) {
   const Diagnostic overflow = parse_failure("{\"hidden_size\": 1E400}");
   EXPECT_EQ(overflow.to_string(), "card.json: malformed JSON: number overflow parsing '1E400'");

@@ -26,6 +26,14 @@ TEST(ParseTokens, RejectsEverythingElse) {
   }
 }
 
+// Too large (well-formed, beyond int64) is told apart from malformed, so a message can say which.
+TEST(ParseTokens, TooLargeIsToldApartFromMalformed) {
+  for (const char* big : {"99999999999999999999", "9223372036854775808", "9000000000G", "9007199254740992M"})
+    EXPECT_TRUE(tokens_beyond_int64(big)) << big;
+  for (const char* other : {"9223372036854775807", "8G", "0", "000", "-1", "1.5K", "99999999999999999999T", "abc", ""})
+    EXPECT_FALSE(tokens_beyond_int64(other)) << other;
+}
+
 TEST(ParseBytes, DecimalAndBinaryUnits) {
   EXPECT_EQ(parse_bytes("80GiB"), int64_t{85899345920});
   EXPECT_EQ(parse_bytes("141GB"), int64_t{141000000000});
@@ -45,6 +53,12 @@ TEST(ParseBytes, RejectsEverythingElse) {
 }
 
 // Numbers of flags such as --llep-alpha and --tolerance: strtod alone read "0x10" as 16.
+TEST(ParseBytes, TooLargeIsToldApartFromMalformed) {
+  for (const char* big : {"99999999999999999999", "9000000TiB", "10000000TB", "8388608.5TiB"}) EXPECT_TRUE(bytes_beyond_int64(big)) << big;
+  for (const char* other : {"9223372036854775806", "8TiB", "0", "-1", "1.5KiB", "99999999999XB", "9.3e18", "abc", "", "."})
+    EXPECT_FALSE(bytes_beyond_int64(other)) << other;
+}
+
 TEST(ParseDecimal, PlainDecimalsOnly) {
   EXPECT_EQ(parse_decimal("2.5"), 2.5);
   EXPECT_EQ(parse_decimal("-1"), -1.0);

@@ -88,7 +88,9 @@ std::vector<int64_t> parse_contexts(const std::string& text, InputErrors& errs) 
     const size_t colon = item.find(':');
     if (colon == std::string::npos) {
       auto v = parse_tokens(item);
-      if (!v) errs.add(Diagnostic{"", "--context", fmt::format("must be a positive token count (got '{}')", item), valid});
+      if (!v && tokens_beyond_int64(item))
+        errs.add(Diagnostic{"", "--context", fmt::format("is too large: must be below 2^63 (got '{}')", item), valid});
+      else if (!v) errs.add(Diagnostic{"", "--context", fmt::format("must be a positive token count (got '{}')", item), valid});
       else out.push_back(*v);
       continue;
     }
@@ -114,7 +116,9 @@ std::vector<int64_t> parse_counts(const std::string& text, const std::string& fl
   std::vector<int64_t> out;
   for (const std::string& item : split_list(text, flag, errs)) {
     auto v = parse_tokens(item);
-    if (!v || item.find_first_not_of("0123456789") != std::string::npos)
+    if (!v && tokens_beyond_int64(item) && item.find_first_not_of("0123456789") == std::string::npos)
+      errs.add(Diagnostic{"", flag, fmt::format("must be at most {} (got '{}')", max_value, item), "valid: e.g. 8,16,32"});
+    else if (!v || item.find_first_not_of("0123456789") != std::string::npos)
       errs.add(Diagnostic{"", flag, fmt::format("must be positive integers (got '{}')", item), "valid: e.g. 8,16,32"});
     else if (*v > max_value)
       errs.add(Diagnostic{"", flag, fmt::format("must be at most {} (got '{}')", max_value, item), "valid: e.g. 8,16,32"});

@@ -135,14 +135,18 @@ int run_reach(const CLI::App& sub, const ReachOptions& o) {
   std::optional<int64_t> target, max_gpus;
   if (sub.count("--target-context") > 0) {
     target = parse_tokens(o.target_context);
-    if (!target)
+    if (!target && tokens_beyond_int64(o.target_context))
+      errs.add(Diagnostic{"", "--target-context", fmt::format("is too large: must be below 2^63 (got '{}')", o.target_context),
+                          "valid: a token count such as 1M"});
+    else if (!target)
       errs.add(Diagnostic{"", "--target-context", fmt::format("must be a positive token count (got '{}')", o.target_context),
                           "valid: a token count such as 1M"});
   }
   if (sub.count("--max-gpus") > 0) {
     max_gpus = parse_tokens(o.max_gpus);
-    if (!max_gpus) errs.add(Diagnostic{"", "--max-gpus", fmt::format("must be a positive integer (got '{}')", o.max_gpus), ""});
-    else if (*max_gpus > planner::kMaxGpus)
+    if (!max_gpus && !tokens_beyond_int64(o.max_gpus))
+      errs.add(Diagnostic{"", "--max-gpus", fmt::format("must be a positive integer (got '{}')", o.max_gpus), ""});
+    else if (!max_gpus || *max_gpus > planner::kMaxGpus)
       errs.add(Diagnostic{"", "--max-gpus", fmt::format("must be at most 2^24 = {} (got '{}')", planner::kMaxGpus, o.max_gpus), ""});
   }
   std::unique_ptr<ModelSpec> model;

@@ -76,6 +76,10 @@ void print_table(const VerifyReport& r, const ScaledConfig& s) {
   const std::string ranks = r.ranks == 1 ? "1 rank" : fmt::format("{} ranks as {}", r.ranks, r.launcher == "mpi" ? "MPI processes" : "threads");
   const std::string where = r.backend == "cuda" ? fmt::format("CUDA backend, {}", r.device) : "CPU backend, " + ranks;
   std::cout << fmt::format("flatpeak verify: {} at scale {:.4g} ({})\n", r.plan_file, s.factor, where);
+  // A factor that does not divide T: T/factor was rounded up, so the scale run is not the one asked.
+  if (s.asked_factor && *s.asked_factor != s.factor)
+    std::cout << fmt::format("(--scale {:g} asked: T, H and V are divided by it and rounded up, so T scales by {:.6g})\n",
+                             *s.asked_factor, s.factor);
   std::cout << "scaled values:\n";
   size_t name_width = 20;  // columns as wide as their longest entry
   for (const auto& v : s.values) name_width = std::max(name_width, v.name.size());
@@ -105,6 +109,7 @@ nlohmann::ordered_json report_json(const VerifyReport& r, const ScaledConfig& s)
   j["ranks"] = r.ranks;
   j["launcher"] = r.launcher;
   j["scale"] = s.factor;
+  if (s.asked_factor) j["scale_asked"] = *s.asked_factor;
   nlohmann::ordered_json scaled = nlohmann::ordered_json::array();
   for (const auto& v : s.values) scaled.push_back({{"name", v.name}, {"original", v.original}, {"scaled", v.scaled}});
   j["scaled_values"] = scaled;
@@ -277,7 +282,8 @@ Command make_verify_command() {
         CLI::Option* tolerance = sub.add_option("--tolerance", o->tolerance, "Largest |relative error| that passes (fraction; default 0.01 on cpu, 0.03 on cuda)")
                                      ->check(decimal_number());
         sub.add_option("--backend", o->backend, "cpu (every component, N ranks) or cuda (the vocab, checkpoint and dispatch components on one GPU)")->default_str("cpu");
-        sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here");
+        sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here")
+            ->check([](const std::string& path) { return path.empty() ? std::string("must name a file (got '')") : std::string(); });
         add_format_option(sub, o->format);
         return [o, tolerance]() {
           o->tolerance_given = tolerance->count() > 0;

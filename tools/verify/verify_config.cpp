@@ -332,6 +332,7 @@ ScaledConfig scale_config(const VerifyInputs& in, std::optional<double> factor, 
   }
   s.layers = std::min<int64_t>(in.layers, 4);
   s.factor = static_cast<double>(T) / static_cast<double>(s.tokens);
+  s.asked_factor = factor;
   if (in.vocab_mode != "materialized") {
     // Keep the number of token blocks and of vocabulary blocks per shard (the shard is V at R = 1).
     const int64_t token_blocks = ceil_div(T, in.token_block);

@@ -92,6 +92,7 @@ struct ScaledValue {
 // number of token blocks and of vocabulary blocks per shard are kept.
 struct ScaledConfig {
   double factor = 1.0;  // T / T_scaled
+  std::optional<double> asked_factor;  // --scale FACTOR as given (T, H, V divided by it, rounded up)
   // Ranks verify runs: min(N, max_ranks). Above max_ranks, N and EP shrink together keeping
   // E/EP, k and N/EP, so the experts become ep · E/EP.
   int64_t ranks = 1, ep = 1, num_experts = 0;
