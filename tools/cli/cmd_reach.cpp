@@ -38,7 +38,8 @@ std::string cp_text(const planner::RunSpec& base) {
 
 int64_t resolved_ep(const ModelSpec& m, const planner::RunSpec& base, const HardwareSpec& hw) {
   if (base.ep) return *base.ep;
-  if (m.num_experts <= 0) return 1;
+  // As resolve_run: a model whose layers are all dense runs at EP = 1 whatever its expert count.
+  if (m.num_experts <= 0 || m.count_layers(FfnKind::Moe) == 0) return 1;
   const int64_t gpn = std::min(base.gpus_per_node.value_or(hw.gpus_per_node > 0 ? hw.gpus_per_node : base.gpus), base.gpus);
   return planner::default_ep(base.gpus, m.num_experts, gpn);
 }
