@@ -1,5 +1,5 @@
-// CUDA twins of AdamW, embedding, RMSNorm and the router (executor/cpu/{adamw,embedding,rmsnorm,
-// router}_cpu.cpp): the per-element formulas come from the same FLATPEAK_HD functions.
+// CUDA twins of AdamW, embedding, RMSNorm, LayerNorm and the router (executor/cpu/{adamw,embedding,
+// rmsnorm,layernorm,router}_cpu.cpp): the per-element formulas come from the same FLATPEAK_HD functions.
 #include <string>
 
 #include "executor/cpu/op_util.h"
@@ -15,6 +15,8 @@ namespace {
 using cuda_detail::launch_adamw;
 using cuda_detail::launch_embedding_backward;
 using cuda_detail::launch_embedding_forward;
+using cuda_detail::launch_layernorm_backward;
+using cuda_detail::launch_layernorm_forward;
 using cuda_detail::launch_rmsnorm_backward;
 using cuda_detail::launch_rmsnorm_forward;
 using cuda_detail::launch_router_backward;
@@ -73,6 +75,33 @@ void rmsnorm_forward_cuda(const RmsNormArgs& a, cudaStream_t stream) {
     using T = decltype(tag);
     launch_rmsnorm_forward(static_cast<const T*>(a.x), static_cast<const T*>(a.weight),
                            static_cast<T*>(a.out), a.rstd, a.tokens, a.hidden, a.eps, stream);
+  });
+}
+
+void layernorm_forward_cuda(const LayerNormArgs& a, cudaStream_t stream) {
+  require(a.tokens >= 0 && a.hidden > 0, "layernorm", "tokens must be >= 0 and hidden > 0");
+  require(a.x && a.weight && a.bias && a.mean && a.rstd && a.out, "layernorm",
+          "forward needs x, weight, bias, mean, rstd and out");
+  require(a.tokens <= 0x7fffffff, "layernorm", "tokens must be < 2^31 (one block per token)");
+  if (a.tokens == 0) return;
+  dispatch_compute(a.dtype, "layernorm", [&](auto tag) {
+    using T = decltype(tag);
+    launch_layernorm_forward(static_cast<const T*>(a.x), static_cast<const T*>(a.weight), static_cast<const T*>(a.bias),
+                             static_cast<T*>(a.out), a.mean, a.rstd, a.tokens, a.hidden, a.eps, stream);
+  });
+}
+
+void layernorm_backward_cuda(const LayerNormArgs& a, cudaStream_t stream) {
+  require(a.tokens >= 0 && a.hidden > 0, "layernorm", "tokens must be >= 0 and hidden > 0");
+  require(a.x && a.weight && a.mean && a.rstd && a.d_out && a.d_x && a.d_weight && a.d_bias, "layernorm",
+          "backward needs x, weight, mean, rstd, d_out, d_x, d_weight and d_bias");
+  require(a.tokens <= 0x7fffffff, "layernorm", "tokens must be < 2^31 (one block per token)");
+  if (a.tokens == 0) return;
+  dispatch_compute(a.dtype, "layernorm", [&](auto tag) {
+    using T = decltype(tag);
+    launch_layernorm_backward(static_cast<const T*>(a.x), static_cast<const T*>(a.weight), static_cast<const T*>(a.d_out),
+                              a.mean, a.rstd, static_cast<T*>(a.d_x), static_cast<T*>(a.d_weight),
+                              static_cast<T*>(a.d_bias), a.tokens, a.hidden, stream);
   });
 }
 

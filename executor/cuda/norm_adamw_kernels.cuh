@@ -1,4 +1,4 @@
-// The kernels of AdamW, embedding, RMSNorm and the router (internal to executor/cuda), with the
+// The kernels of AdamW, embedding, RMSNorm, LayerNorm and the router (internal to executor/cuda), with the
 // per-element formulas of the CPU ops (the same FLATPEAK_HD functions). norm_adamw_cuda.cu runs
 // the launch sequences at the end; tests/unit/executor_norm_adamw_emulation_test.cpp runs the
 // same ones on the host (FLATPEAK_CUDA_EMULATION, tests/unit/cuda_emulation.h) against the CPU
@@ -13,6 +13,7 @@
 #include "executor/cuda/kernel_util.cuh"
 #include "executor/ops/adamw.h"
 #include "executor/ops/dtype.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 
 // One translation unit per binary includes this header (the kernels have internal linkage).
@@ -109,6 +110,67 @@ __global__ void rmsnorm_backward_dw_kernel(const T* x, const T* dy, const float*
   }
 }
 
+// ---- LayerNorm ---------------------------------------------------------------------------
+
+// One block per token: the mean, then the squared deviations from it (two passes, as the CPU).
+template <class T>
+__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* out, float* mean_out,
+                                         float* rstd_out, int64_t hidden, float eps) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  const T* xr = x + t * hidden;
+  float partial = 0.0f;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) partial += to_f32(xr[h]);
+  const float mean = block_sum(partial, scratch) / static_cast<float>(hidden);
+  partial = 0.0f;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) partial += (to_f32(xr[h]) - mean) * (to_f32(xr[h]) - mean);
+  const float rstd = layernorm_rstd(block_sum(partial, scratch), hidden, eps);
+  if (threadIdx.x == 0) {
+    mean_out[t] = mean;
+    rstd_out[t] = rstd;
+  }
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    store_f32(&out[t * hidden + h], (to_f32(xr[h]) - mean) * rstd * to_f32(w[h]) + to_f32(b[h]));
+  }
+}
+
+// dx = rstd · (g − mean(g) − x̂ · mean(g ⊙ x̂)), g = w ⊙ dy, one block per token.
+template <class T>
+__global__ void layernorm_backward_dx_kernel(const T* x, const T* w, const T* dy, const float* mean_in,
+                                             const float* rstd_in, T* dx, int64_t hidden) {
+  __shared__ float scratch[32];
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * hidden;
+  const float mean = mean_in[blockIdx.x], rstd = rstd_in[blockIdx.x];
+  float partial_g = 0.0f, partial_g_xhat = 0.0f;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    const float g = to_f32(w[h]) * to_f32(dy[row + h]);
+    partial_g += g;
+    partial_g_xhat += g * (to_f32(x[row + h]) - mean) * rstd;
+  }
+  const float mean_g = block_sum(partial_g, scratch) / static_cast<float>(hidden);
+  const float mean_g_xhat = block_sum(partial_g_xhat, scratch) / static_cast<float>(hidden);
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    const float xhat = (to_f32(x[row + h]) - mean) * rstd;
+    store_f32(&dx[row + h], layernorm_dx(to_f32(w[h]) * to_f32(dy[row + h]), xhat, rstd, mean_g, mean_g_xhat));
+  }
+}
+
+// dw += Σ_t dy ⊙ x̂ and db += Σ_t dy: one thread per column, tokens in order, added once.
+template <class T>
+__global__ void layernorm_backward_dw_db_kernel(const T* x, const T* dy, const float* mean_in, const float* rstd_in,
+                                                T* dw, T* db, int64_t tokens, int64_t hidden) {
+  for (int64_t h = global_thread(); h < hidden; h += grid_threads()) {
+    float sum_w = 0.0f, sum_b = 0.0f;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float d = to_f32(dy[t * hidden + h]);
+      sum_w += d * (to_f32(x[t * hidden + h]) - mean_in[t]) * rstd_in[t];
+      sum_b += d;
+    }
+    store_f32(&dw[h], to_f32(dw[h]) + sum_w);
+    store_f32(&db[h], to_f32(db[h]) + sum_b);
+  }
+}
+
 // ---- router ------------------------------------------------------------------------------
 
 __global__ void router_forward_kernel(const float* logits, int32_t* topk_ids, float* topk_weights,
@@ -192,6 +254,23 @@ void launch_rmsnorm_backward(const T* x, const T* w, const T* dy, const float* r
                   x, w, dy, rstd, dx, hidden);
   FLATPEAK_LAUNCH(rmsnorm_backward_dw_kernel<T>, grid_for(hidden), kThreads, 0, stream, x, dy, rstd,
                   dw, tokens, hidden);
+}
+
+template <class T>
+void launch_layernorm_forward(const T* x, const T* w, const T* b, T* out, float* mean, float* rstd, int64_t tokens,
+                              int64_t hidden, float eps, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(layernorm_forward_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0, stream, x, w, b, out, mean,
+                  rstd, hidden, eps);
+}
+
+// dx one block per token, then dw and db one thread per column.
+template <class T>
+void launch_layernorm_backward(const T* x, const T* w, const T* dy, const float* mean, const float* rstd, T* dx, T* dw,
+                               T* db, int64_t tokens, int64_t hidden, cudaStream_t stream) {
+  FLATPEAK_LAUNCH(layernorm_backward_dx_kernel<T>, static_cast<unsigned>(tokens), kThreads, 0, stream, x, w, dy, mean,
+                  rstd, dx, hidden);
+  FLATPEAK_LAUNCH(layernorm_backward_dw_db_kernel<T>, grid_for(hidden), kThreads, 0, stream, x, dy, mean, rstd, dw, db,
+                  tokens, hidden);
 }
 
 // One thread per token, in blocks of 128.

@@ -17,6 +17,7 @@
 #include "executor/ops/cross_entropy.h"
 #include "executor/ops/embedding.h"
 #include "executor/ops/expert_ffn.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/linear.h"
 #include "executor/ops/permute.h"
 #include "executor/ops/rmsnorm.h"
@@ -35,6 +36,10 @@ void embedding_backward_cuda(const EmbeddingArgs& args, cudaStream_t stream);
 // RMSNorm: one block per token; d_weight from an fp32 sum over tokens in order (workspace unused).
 void rmsnorm_forward_cuda(const RmsNormArgs& args, cudaStream_t stream);
 void rmsnorm_backward_cuda(const RmsNormArgs& args, cudaStream_t stream);
+// LayerNorm: as RMSNorm, with the mean saved beside rstd; d_weight and d_bias from fp32 sums over
+// tokens in order (workspace unused).
+void layernorm_forward_cuda(const LayerNormArgs& args, cudaStream_t stream);
+void layernorm_backward_cuda(const LayerNormArgs& args, cudaStream_t stream);
 
 // Router: one thread per token, the CPU's selection loop (ties to the lower expert).
 void router_forward_cuda(const RouterArgs& args, cudaStream_t stream);

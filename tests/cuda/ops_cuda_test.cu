@@ -148,6 +148,63 @@ void test_rmsnorm(DeviceAllocator& alloc, DType dtype) {
   expect_close(name + "/d_weight", download(g_dw, dtype).values(), dw.values(), Tol::of(dtype));
 }
 
+void test_layernorm(DeviceAllocator& alloc, DType dtype) {
+  const int64_t T = 97, H = 320;
+  Rng rng(15);
+  HostTensor x = HostTensor::from(rng.uniform(T * H), dtype);
+  HostTensor w = HostTensor::from(rng.uniform(H, 0.5f, 1.5f), dtype);
+  HostTensor b = HostTensor::from(rng.uniform(H), dtype);
+  HostTensor dy = HostTensor::from(rng.uniform(T * H), dtype);
+  HostTensor dw = HostTensor::from(rng.uniform(H), dtype);  // accumulated into
+  HostTensor db = HostTensor::from(rng.uniform(H), dtype);  // accumulated into
+  HostTensor out = HostTensor::from(std::vector<float>(static_cast<size_t>(T * H)), dtype);
+  HostTensor dx = out;
+  std::vector<float> mean(static_cast<size_t>(T)), rstd(static_cast<size_t>(T));
+  std::vector<float> workspace(static_cast<size_t>(2 * H));
+  DeviceBuffer g_x = upload(alloc, x), g_w = upload(alloc, w, Category::Params), g_b = upload(alloc, b, Category::Params);
+  DeviceBuffer g_dy = upload(alloc, dy), g_dw = upload(alloc, dw, Category::Grads), g_db = upload(alloc, db, Category::Grads);
+  DeviceBuffer g_out(alloc, T * H * dtype_bytes(dtype), Category::Activations);
+  DeviceBuffer g_dx(alloc, T * H * dtype_bytes(dtype), Category::Activations);
+  DeviceBuffer g_mean(alloc, T * 4, Category::Activations), g_rstd(alloc, T * 4, Category::Activations);
+  LayerNormArgs a;
+  a.dtype = dtype;
+  a.tokens = T;
+  a.hidden = H;
+  a.x = x.data();
+  a.weight = w.data();
+  a.bias = b.data();
+  a.out = out.data();
+  a.mean = mean.data();
+  a.rstd = rstd.data();
+  a.d_out = dy.data();
+  a.d_x = dx.data();
+  a.d_weight = dw.data();
+  a.d_bias = db.data();
+  a.workspace = workspace.data();
+  layernorm_forward_cpu(a);
+  layernorm_backward_cpu(a);
+  a.x = g_x.raw();
+  a.weight = g_w.raw();
+  a.bias = g_b.raw();
+  a.out = g_out.raw();
+  a.mean = g_mean.as<float>();
+  a.rstd = g_rstd.as<float>();
+  a.d_out = g_dy.raw();
+  a.d_x = g_dx.raw();
+  a.d_weight = g_dw.raw();
+  a.d_bias = g_db.raw();
+  a.workspace = nullptr;
+  layernorm_forward_cuda(a, nullptr);
+  layernorm_backward_cuda(a, nullptr);
+  const std::string name = tag("layernorm", dtype);
+  expect_close(name + "/mean", download<float>(g_mean, T), mean, Tol::f32());
+  expect_close(name + "/rstd", download<float>(g_rstd, T), rstd, Tol::f32());
+  expect_close(name + "/out", download(g_out, dtype).values(), out.values(), Tol::of(dtype));
+  expect_close(name + "/d_x", download(g_dx, dtype).values(), dx.values(), Tol::of(dtype));
+  expect_close(name + "/d_weight", download(g_dw, dtype).values(), dw.values(), Tol::of(dtype));
+  expect_close(name + "/d_bias", download(g_db, dtype).values(), db.values(), Tol::of(dtype));
+}
+
 void test_router(DeviceAllocator& alloc) {
   const int64_t T = 513, E = 24, k = 4;
   Rng rng(14);
@@ -235,6 +292,7 @@ int main() {
       test_adamw(alloc, dtype);
       test_embedding(alloc, dtype);
       test_rmsnorm(alloc, dtype);
+      test_layernorm(alloc, dtype);
       test_linear(alloc, blas, dtype);
     }
     test_router(alloc);

@@ -10,6 +10,7 @@
 #include "executor/cpu/gemm_cpu.h"
 #include "executor/ops/attention.h"
 #include "executor/ops/embedding.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/linear.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor_test_util.h"
@@ -142,6 +143,49 @@ TEST(ExecutorRmsNorm, MatchesFp64AndFiniteDifferences) {
   for (double& g : dw_fd) g += 0.25;
   expect_close(to_f64(dx), dx_fd, 1e-5, "dx");
   expect_close(to_f64(dw), dw_fd, 1e-5, "dw");
+}
+
+// ---------------------------------------------------------------------------------- layernorm
+Vec layernorm_ref(const Vec& x, const Vec& w, const Vec& b, int64_t T, int64_t H, double eps) {
+  Vec y(x.n());
+  for (int64_t t = 0; t < T; ++t) {
+    double sum = 0, ss = 0;
+    for (int64_t h = 0; h < H; ++h) sum += x[t * H + h];
+    const double mean = sum / static_cast<double>(H);
+    for (int64_t h = 0; h < H; ++h) ss += (x[t * H + h] - mean) * (x[t * H + h] - mean);
+    const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(H) + eps);
+    for (int64_t h = 0; h < H; ++h) y[t * H + h] = (x[t * H + h] - mean) * rstd * w[h] + b[h];
+  }
+  return y;
+}
+
+// Rows with a large common offset (|mean| ≫ std) as well: a one-pass E[x²] − mean² would lose
+// the variance there; the two-pass forward keeps it.
+TEST(ExecutorLayerNorm, MatchesFp64AndFiniteDifferences) {
+  const int64_t T = 5, H = 24;
+  const double eps = 1e-5;
+  Vec x = random_buf(T * H, 18, 2.0);
+  for (int64_t h = 0; h < H; ++h) x[4 * H + h] += 300.0;
+  const Vec w = random_buf(H, 19), b = random_buf(H, 20), r = random_buf(T * H, 21);
+  Buf<float> xf = to_f32_buf(x), wf = to_f32_buf(w), bf = to_f32_buf(b), rf = to_f32_buf(r), y(T * H), mean(T),
+             rstd(T), dx(T * H), dw(H, 0.25f), db(H, -0.5f), ws(2 * H);
+  LayerNormArgs a;
+  a.x = xf.data(); a.weight = wf.data(); a.bias = bf.data(); a.out = y.data(); a.mean = mean.data();
+  a.rstd = rstd.data(); a.d_out = rf.data(); a.d_x = dx.data(); a.d_weight = dw.data(); a.d_bias = db.data();
+  a.workspace = ws.data(); a.tokens = T; a.hidden = H; a.eps = static_cast<float>(eps);
+  ASSERT_EQ(layernorm_workspace_bytes(a), 2 * H * 4);
+  layernorm_forward_cpu(a);
+  expect_close(to_f64(y), layernorm_ref(x, w, b, T, H, eps), 2e-5, "y");
+  layernorm_backward_cpu(a);
+  const Vec dx_fd = finite_diff([&](const Vec& xx) { return dot(layernorm_ref(xx, w, b, T, H, eps), r); }, x);
+  Vec dw_fd = finite_diff([&](const Vec& ww) { return dot(layernorm_ref(x, ww, b, T, H, eps), r); }, w);
+  Vec db_fd = finite_diff([&](const Vec& bb) { return dot(layernorm_ref(x, w, bb, T, H, eps), r); }, b);
+  for (double& g : dw_fd) g += 0.25;
+  for (double& g : db_fd) g -= 0.5;
+  // The offset row's x in fp32 is off the fp64 x by up to 300 · 2^-24 ≈ 2e-5, and x̂ with it.
+  expect_close(to_f64(dx), dx_fd, 1e-4, "dx");
+  expect_close(to_f64(dw), dw_fd, 5e-5, "dw");
+  expect_close(to_f64(db), db_fd, 1e-5, "db");
 }
 
 // ---------------------------------------------------------------------------------- attention

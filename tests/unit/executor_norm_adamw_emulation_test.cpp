@@ -1,6 +1,6 @@
-// The AdamW, embedding, RMSNorm and router kernels (executor/cuda/norm_adamw_kernels.cuh) run on
+// The AdamW, embedding, RMSNorm, LayerNorm and router kernels (executor/cuda/norm_adamw_kernels.cuh) run on
 // the host through cuda_emulation.h, by the launch sequences norm_adamw_cuda.cu itself runs (the
-// header's), against the CPU ops (executor/cpu/{adamw,embedding,rmsnorm,router}_cpu.cpp):
+// header's), against the CPU ops (executor/cpu/{adamw,embedding,rmsnorm,layernorm,router}_cpu.cpp):
 // indexing, the grid- and block-stride loops, RMSNorm's block reductions and the router's top-k
 // tie rule, without a GPU (the device itself is checked by tests/cuda/ops_cuda_test.cu). Bounds
 // as there: router expert ids and the in-order embedding copies and scatter-add exactly; the
@@ -20,6 +20,7 @@
 #include "emulation_check.h"
 #include "executor/ops/adamw.h"
 #include "executor/ops/embedding.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/ops/router.h"
 
@@ -181,6 +182,65 @@ void rmsnorm_case(int64_t tokens, int64_t H) {
 TEST(NormAdamwEmulation, RmsNorm) {
   rmsnorm_case<float>(2, 300);
   rmsnorm_case<Bf16>(2, 20);
+}
+
+// ---- LayerNorm ---------------------------------------------------------------------------
+
+template <class T>
+void layernorm_case(int64_t tokens, int64_t H) {
+  SCOPED_TRACE(tag<T>("layernorm") + " T" + std::to_string(tokens) + " H" + std::to_string(H));
+  std::mt19937 rng(17);
+  const std::vector<T> x = to_storage<T>(uniform(rng, tokens * H));      // [T, H]
+  const std::vector<T> w = to_storage<T>(positive(rng, H, 0.5f, 1.5f));  // [H]
+  const std::vector<T> b = to_storage<T>(uniform(rng, H));               // [H]
+  const std::vector<T> dy = to_storage<T>(uniform(rng, tokens * H));     // [T, H]
+  const std::vector<float> dw_init = uniform(rng, H), db_init = uniform(rng, H);  // [H] accumulated into
+  std::vector<T> out(static_cast<size_t>(tokens * H)), dx(out.size());  // [T, H]
+  std::vector<T> dw = to_storage<T>(dw_init), db = to_storage<T>(db_init);
+  std::vector<float> mean(static_cast<size_t>(tokens)), rstd(mean.size()), workspace(static_cast<size_t>(2 * H));
+  LayerNormArgs a;
+  a.dtype = dtype_of<T>();
+  a.tokens = tokens;
+  a.hidden = H;
+  a.x = x.data();
+  a.weight = w.data();
+  a.bias = b.data();
+  a.out = out.data();
+  a.mean = mean.data();
+  a.rstd = rstd.data();
+  a.d_out = dy.data();
+  a.d_x = dx.data();
+  a.d_weight = dw.data();
+  a.d_bias = db.data();
+  a.workspace = workspace.data();
+  layernorm_forward_cpu(a);
+  layernorm_backward_cpu(a);
+
+  const Guarded<T> g_x = guarded(x, nan_of<T>()), g_w = guarded(w, nan_of<T>()), g_b = guarded(b, nan_of<T>());
+  const Guarded<T> g_dy = guarded(dy, nan_of<T>());
+  Guarded<T> e_out = output_of<T>(tokens * H), e_dx = output_of<T>(tokens * H);
+  Guarded<T> e_dw = inout_of<T>(dw_init), e_db = inout_of<T>(db_init);
+  Guarded<float> e_mean = output_of<float>(tokens), e_rstd = output_of<float>(tokens);
+  cd::launch_layernorm_forward(g_x.ptr(), g_w.ptr(), g_b.ptr(), e_out.ptr(), e_mean.ptr(), e_rstd.ptr(), tokens, H,
+                               a.eps, nullptr);
+  // Backward reads the emulated forward's mean and rstd, as layernorm_backward_cuda reads the device's.
+  cd::launch_layernorm_backward(g_x.ptr(), g_w.ptr(), g_dy.ptr(), e_mean.ptr(), e_rstd.ptr(), e_dx.ptr(), e_dw.ptr(),
+                                e_db.ptr(), tokens, H, nullptr);
+  const Tol tol = tol_of(dtype_of<T>());
+  expect_within(tag<T>("layernorm/mean"), e_mean.head(), mean, kF32Tol);
+  expect_within(tag<T>("layernorm/rstd"), e_rstd.head(), rstd, kF32Tol);
+  expect_within(tag<T>("layernorm/out"), widen(e_out), widen(out), tol);
+  expect_within(tag<T>("layernorm/d_x"), widen(e_dx), widen(dx), tol);
+  expect_within(tag<T>("layernorm/d_weight"), widen(e_dw), widen(dw), tol);
+  expect_within(tag<T>("layernorm/d_bias"), widen(e_db), widen(db), tol);
+  for (const Guarded<float>* g : {&e_mean, &e_rstd}) expect_guard_intact(tag<T>("layernorm"), *g);
+  for (const Guarded<T>* g : {&e_out, &e_dx, &e_dw, &e_db}) expect_guard_intact(tag<T>("layernorm"), *g);
+}
+
+// As RMSNorm's: H past one block of 256, and H below a warp.
+TEST(NormAdamwEmulation, LayerNorm) {
+  layernorm_case<float>(2, 300);
+  layernorm_case<Bf16>(3, 20);
 }
 
 // ---- router ------------------------------------------------------------------------------
