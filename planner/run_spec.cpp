@@ -359,6 +359,12 @@ ResolvedRun resolve_run(const ModelSpec& model, const HardwareSpec& hw, const Ru
   // Placement: nodes, EP, CP, batch.
   r.gpus_per_node = std::min(s.gpus_per_node.value_or(hw.gpus_per_node > 0 ? hw.gpus_per_node : N), N);
   r.micro_batch = s.micro_batch.value_or(1);
+  // b tokens per GPU at least (S >= CP), so b <= 2^32 below; checked first, so that b x DP cannot
+  // wrap (b = 2^62 at DP = 4 made it 0, and the --global-batch check divided by it).
+  if (r.micro_batch > kMaxTokensPerGpu) {
+    bad(errs, "--micro-batch", fmt::format("must be at most 2^32 = {}", kMaxTokensPerGpu), std::to_string(r.micro_batch));
+    r.micro_batch = 1;
+  }
   if (cp_override) {
     r.cp = *cp_override;
     r.cp_auto = true;
