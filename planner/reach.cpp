@@ -226,16 +226,45 @@ std::vector<TargetFit> reach_target(const ModelSpec& model, const HardwareSpec& 
       }
       return memo.emplace(n, std::move(result)).first->second;
     };
-    int64_t lo = 0, hi = 0;  // exponents: 2^hi fits, 2^(lo-1) does not
-    while ((int64_t{1} << hi) < max_gpus) ++hi;
-    if (fit(int64_t{1} << hi).first > 0) {
+    // The N (powers of two up to max_gpus) at which the flags resolve for some allowed CP: EP, CP,
+    // the routing model and the tokens per GPU depend on N. The others are skipped rather than
+    // taken for "does not fit" (a routing file for EP = 2 resolves at N = 2 only; the bisection
+    // started at 65536 and answered that nothing fits); when none resolves, that is the user's
+    // error, reported at the largest N.
+    std::vector<int64_t> valid;
+    std::vector<Diagnostic> largest_errors;
+    for (int64_t n = 1; n <= max_gpus; n *= 2) {
+      RunSpec base = query.base;
+      base.gpus = n;
+      base.global_batch.reset();
+      std::vector<Diagnostic> errors;
+      bool resolves = false;
+      for (int64_t cp : allowed_cps(query.base, n)) {
+        InputErrors e;
+        resolve_run(model, hardware, at(base, schedule, context_tokens, cp), e);
+        if (e.empty()) {
+          resolves = true;
+          break;
+        }
+        if (errors.empty()) errors = e.diagnostics();
+      }
+      if (resolves) valid.push_back(n);
+      else largest_errors = errors;
+      if (n > max_gpus / 2) break;
+    }
+    if (valid.empty()) {
+      if (largest_errors.empty()) largest_errors.push_back(Diagnostic{"", "--max-gpus", "leaves no GPU count to try", ""});
+      throw InputError(largest_errors);
+    }
+    size_t lo = 0, hi = valid.size() - 1;  // indices into valid: valid[hi] fits, valid[lo - 1] does not
+    if (fit(valid[hi]).first > 0) {
       while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (fit(int64_t{1} << mid).first > 0) hi = mid;
+        const size_t mid = (lo + hi) / 2;
+        if (fit(valid[mid]).first > 0) hi = mid;
         else lo = mid + 1;
       }
-      const auto& best = fit(int64_t{1} << lo);
-      t.gpus = int64_t{1} << lo;
+      const auto& best = fit(valid[lo]);
+      t.gpus = valid[lo];
       t.cp = best.first;
       // The answer with the best knobs at that N and CP.
       RunSpec base = query.base;
@@ -243,7 +272,7 @@ std::vector<TargetFit> reach_target(const ModelSpec& model, const HardwareSpec& 
       base.global_batch.reset();
       t.at = run_schedule(model, hardware, at(base, schedule, context_tokens, t.cp), query.efficiency, cache, true);
     } else {
-      t.at = fit(int64_t{1} << hi).second;
+      t.at = fit(valid[hi]).second;
     }
     out.push_back(std::move(t));
   }

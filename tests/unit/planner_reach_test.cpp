@@ -137,6 +137,31 @@ TEST(PlannerReach, TargetContextFindsTheSmallestGpuCount) {
   }
 }
 
+// The GPU counts tried are those at which the flags resolve (EP, CP, routing and tokens per GPU
+// depend on N); none at all is an input error, not "nothing fits" with a row of zeros. And
+// --max-gpus is an upper bound (5 tried 8).
+TEST(PlannerReach, TargetContextTriesOnlyGpuCountsTheFlagsAllow) {
+  const ModelSpec m = tiny_moe(2);  // E = 4, k = 2; 2 GPUs per node: EP = 1 at N = 1, 2 beyond
+  const HardwareSpec h = small_gpu(1200000, int64_t{1} << 40);
+  Query q = query_of(1, true);
+  q.base.imbalance = "rho=2";  // needs EP >= 2: N = 1 does not resolve
+  for (const TargetFit& x : reach_target(m, h, q, 16384, 64)) {
+    EXPECT_NE(x.gpus, 1) << x.schedule;
+    if (x.gpus == 0) {
+      EXPECT_GT(x.at.search.summary.budget_bytes, 0) << x.schedule << ": a plan, not zeros";
+    }
+  }
+  q.base.imbalance = "rho=3";  // beyond EP·min(k, E/EP)/k = 2 at every N
+  try {
+    reach_target(m, h, q, 16384, 64);
+    ADD_FAILURE() << "rho=3 resolves nowhere: expected an InputError";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.diagnostics().front().pointer, "--imbalance");
+  }
+  q.base.imbalance.reset();
+  for (const TargetFit& x : reach_target(m, h, q, 16384, 5)) EXPECT_LE(x.gpus, 4) << x.schedule;
+}
+
 TEST(PlannerReach, CompareHoldsTheGlobalBatchAndAttributesEachTechnique) {
   const ModelSpec m = tiny_moe(2);
   const HardwareSpec h = small_gpu(int64_t{1} << 30, int64_t{1} << 40);

@@ -98,7 +98,16 @@ int run_reach_query(const ModelSpec& model, const HardwareSpec& hw, const planne
 
 int run_target_query(const ModelSpec& model, const HardwareSpec& hw, const planner::Query& q, int64_t context,
                      int64_t max_gpus, OutputFormat format) {
-  const std::vector<planner::TargetFit> r = planner::reach_target(model, hw, q, context, max_gpus);
+  std::vector<planner::TargetFit> r;
+  try {
+    r = planner::reach_target(model, hw, q, context, max_gpus);
+  } catch (const InputError& e) {
+    // The search plans at the target context: its errors about the context are the target's.
+    std::vector<Diagnostic> out = e.diagnostics();
+    for (Diagnostic& d : out)
+      if (d.pointer == "--context") d.pointer = "--target-context";
+    throw InputError(out);
+  }
   if (format == OutputFormat::Json) {
     ojson j;
     j["model"] = model.name;
@@ -143,6 +152,10 @@ int run_reach(const CLI::App& sub, const ReachOptions& o) {
       errs.add(Diagnostic{"", "--target-context", fmt::format("must be a positive token count (got '{}')", o.target_context),
                           "valid: a token count such as 1M"});
   }
+  if (sub.count("--target-context") > 0 && sub.count("--gpus") > 0)
+    errs.add(Diagnostic{"", "--gpus", "is not used with --target-context, which searches the GPU count (got " +
+                                          sub.get_option("--gpus")->as<std::string>() + ")",
+                        "drop --gpus; --max-gpus bounds the search"});
   if (sub.count("--max-gpus") > 0) {
     max_gpus = parse_tokens(o.max_gpus);
     if (!max_gpus && !tokens_beyond_int64(o.max_gpus))
