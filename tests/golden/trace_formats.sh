@@ -32,6 +32,13 @@ done
 # The measured device columns include the allocator's workspace category.
 "$flatpeak" trace measured.json --format csv | head -1 | grep -q ',workspace,' || fail "no workspace column in the measured csv"
 grep -q 'GPU budget' t.svg || fail "the plan's svg has no budget line"
+# An overhead and a reserve whose sum wraps int64 leave no budget line (it was drawn at a negative
+# usable size, far off the chart).
+sed -e '/^  "gpu": {/,/^  }/ s/"overhead_bytes": [0-9]*/"overhead_bytes": 9223372036854775807/' \
+    -e '/^  "gpu": {/,/^  }/ s/"fragmentation_bytes": [0-9]*/"fragmentation_bytes": 2/' "$plan" >wrapped.json
+grep -q '"overhead_bytes": 9223372036854775807' wrapped.json || fail "could not edit the plan"
+"$flatpeak" trace wrapped.json >w.txt 2>w.err || fail "table of the wrapped plan: $(cat w.err)"
+grep -q 'GPU budget' w.txt && fail "a wrapped overhead + reserve still gives a budget: $(grep 'GPU budget' w.txt)"
 
 # Unreadable and unknown inputs: exit 2, the file named.
 "$flatpeak" trace missing.json >m.out 2>m.err

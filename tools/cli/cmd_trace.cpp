@@ -198,7 +198,9 @@ Timeline read_timeline(const json& document, const std::string& file, const std:
       return g[key].get<int64_t>();
     };
     const auto budget = bytes("budget_bytes"), overhead = bytes("overhead_bytes"), reserve = bytes("fragmentation_bytes");
-    if (budget && overhead && reserve && *budget >= *overhead + *reserve) {
+    // Compared by subtraction: overhead + reserve can wrap (an edited 2^63 - 1 and 2 drew the
+    // budget line at a negative usable size).
+    if (budget && overhead && reserve && *overhead <= *budget && *reserve <= *budget - *overhead) {
       out.budget = budget;
       out.usable = *budget - *overhead - *reserve;
     }
