@@ -296,6 +296,53 @@ TEST(VerifyPlanFields, BuiltInCardsScheduleAndRoutingAreCheckedAgainstThePlan) {
   EXPECT_TRUE(diagnostics_with(plan, "/inputs/run/imbalance", "rho=2.5").empty());
 }
 
+// read_plan_inputs then scale_config (where the technique knobs are read), as verify runs them.
+std::vector<std::string> scaled_diagnostics_of(const nlohmann::json& plan) {
+  std::vector<std::string> out;
+  try {
+    scale_config(read_plan_inputs(plan, "plan.json"), std::nullopt, 2);
+  } catch (const InputError& e) {
+    for (const auto& d : e.diagnostics()) out.push_back(d.to_string());
+  }
+  return out;
+}
+
+// Knobs a plan always writes are required, and the loss must be the schedule's: an edited
+// practice plan with materialised logits, or without its boundaries knob, ran a different
+// schedule than it predicted and "failed" (exit 5). A ring rotation is checked at R = 1 too, and
+// a bucket count verify cannot run in reasonable time is refused with the smallest bucket that is.
+TEST(VerifyPlanFields, TechniqueKnobsMustBeThePlansOwn) {
+  const nlohmann::json practice =
+      plan_json("Qwen3-30B-A3B", "H200", {{"--gpus", "2"}, {"--context", "4K"}, {"--schedule", "practice"}});
+  EXPECT_EQ(scaled_diagnostics_of(practice), std::vector<std::string>{});
+  nlohmann::json edited = practice;
+  edited["knobs"]["vocab"]["value"] = "materialized";
+  EXPECT_EQ(scaled_diagnostics_of(edited),
+            std::vector<std::string>{"plan.json: /knobs/vocab/value: must be ring-dtp or blocked under schedule practice (got 'materialized')"});
+  edited = practice;
+  edited["knobs"].erase("boundaries");
+  EXPECT_EQ(scaled_diagnostics_of(edited), std::vector<std::string>{"plan.json: /knobs/boundaries: required field is missing"});
+  edited = practice;
+  edited["knobs"].erase("vocab");
+  EXPECT_EQ(scaled_diagnostics_of(edited), std::vector<std::string>{"plan.json: /knobs/vocab/value: required field is missing"});
+
+  const nlohmann::json flat = plan_json("Qwen3-30B-A3B", "H200", {{"--gpus", "2"}, {"--context", "4K"}, {"--schedule", "flatpeak"}});
+  ASSERT_EQ(flat["knobs"]["ring_size"]["value"], 1);
+  edited = flat;
+  edited["knobs"]["ring_rotate"]["value"] = "x";
+  EXPECT_EQ(scaled_diagnostics_of(edited), std::vector<std::string>{"plan.json: /knobs/ring_rotate/value: must be activations or weights (got \"x\")"});
+  edited = flat;
+  edited["knobs"]["vocab"]["value"] = "blocked";
+  EXPECT_EQ(scaled_diagnostics_of(edited),
+            std::vector<std::string>{"plan.json: /knobs/vocab/value: must be ring-dtp or materialized under schedule flatpeak (got 'blocked')"});
+  edited = flat;
+  edited["knobs"]["bucket_params"]["value"] = 1;
+  const std::vector<std::string> buckets = scaled_diagnostics_of(edited);
+  ASSERT_EQ(buckets.size(), 1u);
+  EXPECT_EQ(buckets[0].rfind("plan.json: /knobs/bucket_params/value: makes ", 0), 0u) << buckets[0];
+  EXPECT_NE(buckets[0].find("verify keeps the bucket count and runs at most 4096 (got 1)"), std::string::npos) << buckets[0];
+}
+
 TEST(VerifyPlanFields, OverheadTermsMustAddUpToTheOverhead) {
   nlohmann::json plan =
       plan_json("Qwen3-30B-A3B", calibrated_h200(), {{"--gpus", "8"}, {"--context", "16K"}});

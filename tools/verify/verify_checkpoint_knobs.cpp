@@ -50,9 +50,12 @@ void scale_checkpoint_knobs(const VerifyInputs& in, ScaledConfig& s) {
   auto bad = [&](const std::string& knob, const std::string& rule, const nlohmann::json& value) {
     errs.add(Diagnostic{in.file, "/knobs/" + knob + "/value", rule + " (got " + value.dump() + ")", ""});
   };
-  // Absent: the boundaries stay on the device (a plan without the knob has no offload).
+  // Every plan writes /knobs/boundaries (run_spec.cpp): one without it was edited.
   s.boundaries = "device";
-  if (knobs.contains("boundaries")) {
+  if (!knobs.contains("boundaries")) {
+    errs.add(Diagnostic{in.file, "/knobs/boundaries", "required field is missing",
+                        "device, sync-offload (practice) or sco, as the plan was made"});
+  } else {
     const auto& v = knobs["boundaries"];
     const bool practice = in.schedule == "practice";
     if (!v.is_string() || (v != "sco" && v != (practice ? "sync-offload" : "device")))

@@ -133,9 +133,22 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
     for (const auto& [name, knob] : knobs->items())
       if (knob.is_object() && knob.contains("value")) in.knob_values[name] = knob["value"];
   }
-  if (r.has("/knobs/vocab")) in.vocab_mode = r.text("/knobs/vocab/value");
-  if (in.vocab_mode != "materialized" && in.vocab_mode != "blocked" && in.vocab_mode != "ring-dtp")
+  // Every plan writes /knobs/vocab (run_spec.cpp); one without it was edited, and a default here
+  // would verify another schedule than the plan's.
+  const size_t errors_before_vocab = r.errs.size();
+  in.vocab_mode = r.text("/knobs/vocab/value");
+  if (r.errs.size() > errors_before_vocab) {
+    in.vocab_mode = "materialized";  // missing or not a string: reported
+  } else if (in.vocab_mode != "materialized" && in.vocab_mode != "blocked" && in.vocab_mode != "ring-dtp") {
     r.errs.add(Diagnostic{file, "/knobs/vocab/value", "must be materialized, blocked or ring-dtp (got '" + in.vocab_mode + "')", ""});
+  } else if (in.vocab_mode != "ring-dtp" && (in.schedule == "practice") != (in.vocab_mode == "blocked")) {
+    // The schedule's loss without Ring-DTP (run_spec.cpp): blocked under practice, materialised
+    // under baseline and flatpeak.
+    r.errs.add(Diagnostic{file, "/knobs/vocab/value",
+                          "must be ring-dtp or " + std::string(in.schedule == "practice" ? "blocked" : "materialized") +
+                              " under schedule " + in.schedule + " (got '" + in.vocab_mode + "')",
+                          ""});
+  }
   if (in.vocab_mode != "materialized") {
     in.token_block = r.integer("/knobs/token_block/value", 1);
     in.vocab_block = r.integer("/knobs/vocab_block/value", 1);
@@ -144,6 +157,12 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
       r.errs.add(Diagnostic{file, "/knobs/vocab_backward/value", "must be recompute or in-forward (got '" + in.vocab_backward + "')", ""});
   }
   if (in.vocab_mode == "ring-dtp") in.ring_size = r.integer("/knobs/ring_size/value", 1, kMaxGpus);
+  // Read only by a ring of more than one rank; checked whatever the ring size ("x" passed at R = 1).
+  if (r.has("/knobs/ring_rotate/value")) {
+    const json& v = plan.at(json::json_pointer("/knobs/ring_rotate/value"));
+    if (!v.is_string() || (v != "activations" && v != "weights"))
+      r.errs.add(Diagnostic{file, "/knobs/ring_rotate/value", "must be activations or weights (got " + v.dump() + ")", ""});
+  }
   // Knobs against the inputs (the planner's own rules, re-checked on the file as written).
   if (r.errs.empty()) {
     if (in.gpus % in.ring_size != 0)
@@ -169,7 +188,10 @@ VerifyInputs read_plan_inputs(const json& plan, const std::string& file) {
         const RoutingModel routing = parse_routing_model(in.imbalance);
         if (routing.kind != RoutingKind::File) validate_routing_model(routing, RoutingShape{in.ep, in.num_experts, in.top_k}, 0);
       } catch (const InputError& e) {
-        for (const auto& d : e.diagnostics()) r.errs.add(Diagnostic{file, "/inputs/run/imbalance", d.message, d.hint});
+        // A routing file's own errors name that file and their place in it; the model's rules
+        // (named --imbalance) become the plan field's.
+        for (const auto& d : e.diagnostics())
+          r.errs.add(d.file.empty() ? Diagnostic{file, "/inputs/run/imbalance", d.message, d.hint} : d);
       }
     }
   }

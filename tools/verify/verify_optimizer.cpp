@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/optimizer_schedule.h"
 #include "spec/errors.h"
@@ -89,6 +91,17 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(in, model));
   // ceil(P / bucket) without P + bucket - 1, which overflowed for a bucket near 2^63.
   const int64_t buckets = std::max<int64_t>(1, plan_params / plan_bucket_params + (plan_params % plan_bucket_params != 0 ? 1 : 0));
+  // Each bucket is a phase of the run and of the prediction: a plan's 3.5e9 one-parameter buckets
+  // ran for minutes at any scale. The default (64Mi parameters) makes tens of buckets.
+  constexpr int64_t kMaxVerifiedBuckets = 4096;
+  if (buckets > kMaxVerifiedBuckets) {
+    const int64_t smallest = plan_params / kMaxVerifiedBuckets + (plan_params % kMaxVerifiedBuckets != 0 ? 1 : 0);
+    throw InputError({Diagnostic{in.file, "/knobs/bucket_params/value",
+                                 fmt::format("makes {} buckets of the rank's {} parameters; verify keeps the bucket count "
+                                             "and runs at most {} (got {})",
+                                             buckets, plan_params, kMaxVerifiedBuckets, plan_bucket_params),
+                                 fmt::format("plan again with --bucket-params {} or more", smallest)}});
+  }
   s.bucket_count = buckets;
   s.bucket_params = std::max<int64_t>(1, (params + buckets - 1) / buckets);
   s.values.push_back({"P (params per rank)", plan_params, params});
