@@ -289,9 +289,9 @@ std::vector<bool> parse_sco_layers(const std::string& text, int64_t layers, Inpu
   const bool is_set = text.find_first_of(",-") != std::string::npos;
   if (!is_set) {
     auto n = parse_count(text);
-    if (!n && text == "0") n = 0;
+    if (!n && !text.empty() && text.find_first_not_of('0') == std::string::npos) n = 0;  // "0", "00"
     if (!n || *n > layers) {
-      bad(errs, "--sco-layers", fmt::format("must be all, a count in 0..{} or a set of layer indices", layers), "'" + text + "'");
+      bad(errs, "--sco-layers", fmt::format("must be all, auto, a count in 0..{} or a set of layer indices", layers), "'" + text + "'");
       return out;
     }
     for (int64_t i = 0; i < *n; ++i) out[static_cast<size_t>(i)] = true;
@@ -310,8 +310,15 @@ std::vector<bool> parse_sco_layers(const std::string& text, int64_t layers, Inpu
     };
     auto lo = index(item.substr(0, dash));
     auto hi = dash == std::string::npos ? lo : index(item.substr(dash + 1));
-    if (!lo || !hi || *lo > *hi || *hi >= layers) {
-      bad(errs, "--sco-layers", fmt::format("layer indices must lie in 0..{} (ranges low-high)", layers - 1), "'" + item + "'");
+    if (lo && hi && *lo > *hi && *lo < layers) {
+      bad(errs, "--sco-layers", fmt::format("the range {} runs backwards (ranges are low-high)", item), "'" + text + "'");
+      return out;
+    }
+    if (!lo || !hi || *hi >= layers) {
+      bad(errs, "--sco-layers",
+          fmt::format("layer indices must lie in 0..{} (ranges low-high){}", layers - 1,
+                      item.empty() ? ", and no item may be empty" : item == text ? "" : " (in '" + item + "')"),
+          "'" + text + "'");
       return out;
     }
     for (int64_t i = *lo; i <= *hi; ++i) out[static_cast<size_t>(i)] = true;

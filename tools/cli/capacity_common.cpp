@@ -104,9 +104,11 @@ std::vector<int64_t> parse_contexts(const std::string& text, InputErrors& errs) 
       errs.add(Diagnostic{"", "--context", fmt::format("the range {} runs backwards: {} > {}", item, *a, *b), valid});
       continue;
     }
-    for (int64_t s = *a; s <= *b; s *= 2) {
+    // Doubling up to b: s <= b / 2 before each doubling, so s never wraps (the loop stopped
+    // silently past 2^40 before: 1000G:2^63-1 gave two contexts).
+    for (int64_t s = *a;; s *= 2) {
       out.push_back(s);
-      if (s > (int64_t{1} << 40)) break;
+      if (s > *b / 2) break;
     }
   }
   return out;

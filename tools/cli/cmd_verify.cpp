@@ -50,6 +50,7 @@ struct VerifyOptions {
   std::string component;
   double tolerance = 0.01;
   bool tolerance_given = false;  // else 1 % on the cpu backend, 3 % on cuda (DESIGN.md)
+  bool component_given = false;
   std::string backend = "cpu";
   std::string trace_path;
   OutputFormat format = OutputFormat::Table;
@@ -164,7 +165,8 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
     errs.add(Diagnostic{"", "--backend", "cuda runs on one GPU without a launcher (got cuda under mpirun/srun)",
                         "run it without mpirun/srun"});
   const std::vector<std::string> components = verify_components();
-  if (!o.component.empty() && std::find(components.begin(), components.end(), o.component) == components.end()) {
+  if ((o.component_given || !o.component.empty()) &&
+      std::find(components.begin(), components.end(), o.component) == components.end()) {
     std::string list;
     for (const auto& c : components) list += (list.empty() ? "" : ", ") + c;
     const std::string guess = did_you_mean(o.component, components);
@@ -285,8 +287,9 @@ Command make_verify_command() {
         sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here")
             ->check([](const std::string& path) { return path.empty() ? std::string("must name a file (got '')") : std::string(); });
         add_format_option(sub, o->format);
-        return [o, tolerance]() {
+        return [o, tolerance, &sub]() {
           o->tolerance_given = tolerance->count() > 0;
+          o->component_given = sub.count("--component") > 0;  // --component '' is not "every component"
           return run_verify(*o);
         };
       }};

@@ -105,9 +105,10 @@ int main(int argc, char** argv) {
   try {
     const int code = run(argc, argv);
     std::cout.flush();
+    // A full disk or a closed pipe is the machine's failure, not a bug: the runtime code.
     if (!std::cout) {
       std::cerr << "flatpeak: error: could not write the result to standard output\n";
-      return kExitInternal;
+      return kExitBackend;
     }
     return code;
   } catch (const flatpeak::InputError& e) {
@@ -115,7 +116,7 @@ int main(int argc, char** argv) {
     return kExitInput;
   } catch (const std::bad_alloc&) {
     std::cerr << "flatpeak: error: out of host memory\n";
-    return kExitInternal;
+    return kExitBackend;
   } catch (const std::exception& e) {
     std::cerr << "flatpeak: error: internal error: " << e.what() << "\n";
     return kExitInternal;
