@@ -30,6 +30,7 @@
 #include "executor/ops/attention.h"
 #include "executor/ops/expert_ffn.h"
 #include "executor/ops/linear.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/decoder_layer_parts.h"
 
@@ -70,6 +71,7 @@ class LayerCore final : public DecoderLayer::Engine {
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
         D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
         FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0), gated_(c.shared_gate),
+        ln_(c.layer_norm), norm1_bias_(cast(w.norm1_bias)), norm2_bias_(cast(w.norm2_bias)),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
         wsg_(cast(w.shared_gate)), comm_(c.ep > 1 ? ep_group : nullptr) {
@@ -102,16 +104,44 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // ---- attention pieces
 
-  void rmsnorm(const Tensor& x, const S* w, Tensor& out, float* rstd) {
-    RmsNormArgs n;
+  // Per-token statistics of `rows` norms ([rows, T] fp32 each): rstd, and the mean with LayerNorm.
+  struct NormStats {
+    Tensor rstd, mean;
+  };
+  NormStats norm_stats(int64_t rows) {
+    NormStats s;
+    s.rstd = f32({rows, T_}, kAct);
+    if (ln_) s.mean = f32({rows, T_}, kAct);
+    return s;
+  }
+
+  // Norm `which` (1: before attention, 2: before the FFN) of x into out, its statistics in row
+  // `row` of `stats`: RMSNorm, or LayerNorm with its bias.
+  void norm(int which, const Tensor& x, Tensor& out, NormStats& stats, int64_t row) {
+    float* rstd = stats.rstd.template data<float>() + row * T_;
+    if (!ln_) {
+      RmsNormArgs n;
+      n.dtype = c_.dtype;
+      n.x = x.raw();
+      n.weight = which == 1 ? norm1_ : norm2_;
+      n.out = out.raw();
+      n.rstd = rstd;
+      n.tokens = T_;
+      n.hidden = H_;
+      rmsnorm_forward_cpu(n);
+      return;
+    }
+    LayerNormArgs n;
     n.dtype = c_.dtype;
     n.x = x.raw();
-    n.weight = w;
+    n.weight = which == 1 ? norm1_ : norm2_;
+    n.bias = which == 1 ? norm1_bias_ : norm2_bias_;
     n.out = out.raw();
+    n.mean = stats.mean.template data<float>() + row * T_;
     n.rstd = rstd;
     n.tokens = T_;
     n.hidden = H_;
-    rmsnorm_forward_cpu(n);
+    layernorm_forward_cpu(n);
   }
 
   void linear(const Tensor& x, const S* w, Tensor& y, int64_t in_f, int64_t out_f) {
@@ -141,9 +171,9 @@ class LayerCore final : public DecoderLayer::Engine {
     return at;
   }
 
-  void norm1(float* rstd1) {
+  void norm1(NormStats& stats) {
     n1_ = act({T_, H_});
-    rmsnorm(*x_, norm1_, n1_, rstd1);
+    norm(1, *x_, n1_, stats, 0);
   }
 
   // q, k, v, flash attention (o, lse). The op's tiles are on-chip memory on a GPU.
@@ -411,8 +441,8 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "attn");  // peak: norm-1 output, q, k, v, o, lse
     if (on_start) on_start();
     {
-      Tensor rstd1 = f32({T_}, kAct);  // not saved without grad
-      norm1(rstd1.data<float>());
+      NormStats stats1 = norm_stats(1);  // not saved without grad
+      norm1(stats1);
     }
     attention_forward();
     n1_.reset(), q_.reset(), k_.reset(), v_.reset(), lse_.reset();
@@ -422,8 +452,8 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "moe/route");  // peak: h1, norm-2 output; routing
     n2_ = act({T_, H_});
     {
-      Tensor rstd2 = f32({T_}, kAct);
-      rmsnorm(h1_, norm2_, n2_, rstd2.data<float>());
+      NormStats stats2 = norm_stats(1);
+      norm(2, h1_, n2_, stats2, 0);
     }
     route();
     a_.set_phase(p + "moe/dispatch");  // + sort indices, permuted probs, send, receive, received probs
@@ -462,14 +492,14 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "attn");  // peak: saved attention set, rstd [2, T], dy and the residual grad accumulator
     if (on_start) on_start();
     if (grad_stream) start_grad_stream(grad_stream());
-    rstd_ = f32({2, T_}, kAct);  // rstd of norm-1 and norm-2, saved
-    norm1(rstd_.data<float>());
+    stats_ = norm_stats(2);  // rstd (and the mean, LayerNorm) of norm-1 and norm-2, saved
+    norm1(stats_);
     attention_forward();
     if (dense_) return dense_recompute(p, keep_output);
     a_.set_phase(p + "moe/dispatch");  // + h1, norm-2 output; routing, send, receive
     attention_residual();
     n2_ = act({T_, H_});
-    rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
+    norm(2, h1_, n2_, stats_, 1);
     if (FS_ > 0) shared_forward();  // saved for backward
     if (gated_) save_shared_output_and_gate();
     route();
@@ -562,7 +592,6 @@ class LayerCore final : public DecoderLayer::Engine {
   // The MoE block's backward (phases moe/combine, moe/experts, moe/dispatch), ending with d h1
   // accumulated into the residual stream.
   void moe_backward(const std::string& p, const LayerWeightPtrs& gw) {
-    S* g_norm2 = static_cast<S*>(gw.norm2);
     S* g_wr = static_cast<S*>(gw.router);
     S* g_wgu = static_cast<S*>(gw.w_gate_up);
     S* g_wd = static_cast<S*>(gw.w_down);
@@ -676,7 +705,7 @@ class LayerCore final : public DecoderLayer::Engine {
       for (int64_t i = 0; i < T_ * H_; ++i) store_f32(dn2.data<S>() + i, dn2acc.data<float>()[i]);
       dn2acc.reset();
       Tensor dh1 = act({T_, H_});
-      rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, g_norm2);
+      norm_backward(2, h1_, 1, dn2, dh1, gw);
       accumulate_residual(dh1);
     }
     h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset(), sout_.reset(), sgate_.reset();
@@ -739,8 +768,8 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "ffn");  // peak: h1, norm-2 output, gate,up, act*up
     n2_ = act({T_, H_});
     {
-      Tensor rstd2 = f32({T_}, kAct);
-      rmsnorm(h1_, norm2_, n2_, rstd2.data<float>());
+      NormStats stats2 = norm_stats(1);
+      norm(2, h1_, n2_, stats2, 0);
     }
     shared_forward();
     sgu_.reset();
@@ -756,7 +785,7 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "ffn");  // + h1, norm-2 output, gate,up and act*up (saved)
     attention_residual();
     n2_ = act({T_, H_});
-    rmsnorm(h1_, norm2_, n2_, rstd_.data<float>() + T_);
+    norm(2, h1_, n2_, stats_, 1);
     shared_forward();
     Tensor y;
     if (keep_output) {
@@ -776,7 +805,7 @@ class LayerCore final : public DecoderLayer::Engine {
       gemm_cpu(false, false, T_, H_, 2 * FS_, 1.0f, dsgu.data<S>(), 2 * FS_, wsgu_, H_, false, dn2.data<S>(), H_);
     }
     Tensor dh1 = act({T_, H_});
-    rmsnorm_backward(h1_, norm2_, rstd_.data<float>() + T_, dn2, dh1, static_cast<S*>(gw.norm2));
+    norm_backward(2, h1_, 1, dn2, dh1, gw);
     dn2.reset();
     accumulate_residual(dh1);
     h1_.reset(), n2_.reset(), sgu_.reset(), sact_.reset();
@@ -788,7 +817,6 @@ class LayerCore final : public DecoderLayer::Engine {
     if (dy_.empty()) start_grad_stream(grad_stream());
     // The weights' gradients (+=): the unsharded grads of the layer's unit, zeroed by their owner.
     const LayerWeightPtrs gw = grads();
-    S* g_norm1 = static_cast<S*>(gw.norm1);
     S* g_wq = static_cast<S*>(gw.wq);
     S* g_wk = static_cast<S*>(gw.wk);
     S* g_wv = static_cast<S*>(gw.wv);
@@ -820,11 +848,11 @@ class LayerCore final : public DecoderLayer::Engine {
     d_o.reset(), dq.reset(), dk.reset(), dv.reset();
     {
       Tensor dxn = act({T_, H_});
-      rmsnorm_backward(*x_, norm1_, rstd_.data<float>(), dn1, dxn, g_norm1);
+      norm_backward(1, *x_, 0, dn1, dxn, gw);
       dn1.reset();
       accumulate_residual(dxn);
     }
-    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), o_.reset(), lse_.reset(), rstd_.reset();
+    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), o_.reset(), lse_.reset(), stats_ = NormStats{};
     // The layer input's gradient (the next layer's dy), in the storage dtype.
     Tensor dx = act({T_, H_});
     for (int64_t i = 0; i < T_ * H_; ++i) store_f32(dx.data<S>() + i, res_acc_.data<float>()[i]);
@@ -832,20 +860,42 @@ class LayerCore final : public DecoderLayer::Engine {
     return dx;
   }
 
-  void rmsnorm_backward(const Tensor& x, const S* w, float* rstd, const Tensor& d_out, Tensor& d_x, S* d_w) {
-    RmsNormArgs n;
+  // Norm `which`'s backward from its saved statistics (row `row` of stats_); its weight's (and
+  // bias') gradients added into gw.
+  void norm_backward(int which, const Tensor& x, int64_t row, const Tensor& d_out, Tensor& d_x, const LayerWeightPtrs& gw) {
+    float* rstd = stats_.rstd.template data<float>() + row * T_;
+    if (!ln_) {
+      RmsNormArgs n;
+      n.dtype = c_.dtype;
+      n.x = x.raw();
+      n.weight = which == 1 ? norm1_ : norm2_;
+      n.rstd = rstd;
+      n.d_out = d_out.raw();
+      n.d_x = d_x.raw();
+      n.d_weight = which == 1 ? gw.norm1 : gw.norm2;
+      n.tokens = T_;
+      n.hidden = H_;
+      Tensor ws = f32({rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+      n.workspace = ws.data<float>();
+      rmsnorm_backward_cpu(n);
+      return;
+    }
+    LayerNormArgs n;
     n.dtype = c_.dtype;
     n.x = x.raw();
-    n.weight = w;
+    n.weight = which == 1 ? norm1_ : norm2_;
+    n.bias = which == 1 ? norm1_bias_ : norm2_bias_;
+    n.mean = stats_.mean.template data<float>() + row * T_;
     n.rstd = rstd;
     n.d_out = d_out.raw();
     n.d_x = d_x.raw();
-    n.d_weight = d_w;
+    n.d_weight = which == 1 ? gw.norm1 : gw.norm2;
+    n.d_bias = which == 1 ? gw.norm1_bias : gw.norm2_bias;
     n.tokens = T_;
     n.hidden = H_;
-    Tensor ws = f32({rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+    Tensor ws = f32({layernorm_workspace_bytes(n) / 4}, Category::Workspace);
     n.workspace = ws.data<float>();
-    rmsnorm_backward_cpu(n);
+    layernorm_backward_cpu(n);
   }
 
   // residual accumulator += d; dy := the accumulator in the storage dtype (the stream's next input).
@@ -883,6 +933,8 @@ class LayerCore final : public DecoderLayer::Engine {
   const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here; FS_ shared or dense FFN width
   const bool dense_;  // a dense FFN layer: the SwiGLU MLP (shared_forward) in place of the MoE block
   const bool gated_;  // the shared experts' output scaled by a per-token sigmoid gate
+  const bool ln_;     // LayerNorm norms (with biases) in place of RMSNorm
+  const S *norm1_bias_, *norm2_bias_;  // LayerNorm's biases (null without)
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_, *wsg_;  // the caller's weights
   Communicator* comm_;                // the EP group (EP > 1), else null
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
@@ -890,7 +942,8 @@ class LayerCore final : public DecoderLayer::Engine {
   std::vector<int64_t> local_begin_;  // [E/EP + 1] each local expert's first expert-input row
   const Tensor* x_ = nullptr;  // the layer's input (boundary) of the current call
   Tensor dy_, res_acc_;
-  Tensor n1_, q_, k_, v_, o_, lse_, rstd_, h1_, n2_, sgu_, sact_;
+  Tensor n1_, q_, k_, v_, o_, lse_, h1_, n2_, sgu_, sact_;
+  NormStats stats_;  // the saved statistics of norm-1 (row 0) and norm-2 (row 1)
   Tensor sout_, sgate_;  // gated shared experts: their ungated output [T, H] and the gate [T] (then d gate logit), saved
   Tensor logits_, scores_, scattered_, topw_, topid_;
   std::unique_ptr<ByteBuffer> map_;

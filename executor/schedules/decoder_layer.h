@@ -45,6 +45,9 @@ struct LayerScheduleConfig {
   // F_d > 0: a dense layer, one SwiGLU FFN of this width (weights ffn_gate_up [2F_d, H], ffn_down
   // [H, F_d]; phases .../ffn) in place of the MoE block; experts, shared_ffn 0 and ep 1 then.
   int64_t dense_ffn = 0;
+  // LayerNorm norms with a bias (Phi-3.5-MoE; weights norm1_bias, norm2_bias [H]) in place of
+  // RMSNorm: each norm saves its per-token mean [T] fp32 beside its rstd.
+  bool layer_norm = false;
   int64_t layer_index = 0;  // layer component: phase names use L<layer_index>
   // Layer component: true runs the checkpointed step (no-grad forward, recompute + backward);
   // false the naive reference that keeps every activation from one forward with grad (phases fwd/...).
@@ -63,11 +66,13 @@ struct LayerWeightPtrs {
   // shared_*: the shared experts, or a dense layer's FFN (the same SwiGLU MLP over every token).
   void *router = nullptr, *w_gate_up = nullptr, *w_down = nullptr, *shared_gate_up = nullptr, *shared_down = nullptr;
   void* shared_gate = nullptr;  // [1, H] with LayerScheduleConfig::shared_gate
+  void *norm1_bias = nullptr, *norm2_bias = nullptr;  // [H] each with LayerScheduleConfig::layer_norm
 };
 
 // Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
 // norm2 [H], router [E, H], w_gate_up [E/ep, 2F, H], w_down [E/ep, H, F]; with shared experts
-// shared_gate_up [2F_s, H], shared_down [H, F_s], and with their gate shared_gate [1, H].
+// shared_gate_up [2F_s, H], shared_down [H, F_s], and with their gate shared_gate [1, H]; with
+// LayerNorm, norm1_bias [H] after norm1 and norm2_bias [H] after norm2.
 struct LayerWeightShape {
   std::string name;
   std::vector<int64_t> shape;

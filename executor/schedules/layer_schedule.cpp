@@ -51,6 +51,11 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
     add("shared_down", H * c.shared_ffn, 1.0f / std::sqrt(static_cast<float>(c.shared_ffn)), 0.0f);
     if (c.shared_gate) add("shared_gate", H, inv_h, 0.0f);
   }
+  // Last, so that every other input keeps its stream.
+  if (c.layer_norm) {
+    add("norm1_bias", H, 0.1f, 0.0f);
+    add("norm2_bias", H, 0.1f, 0.0f);
+  }
   return out;
 }
 

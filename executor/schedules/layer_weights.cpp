@@ -39,8 +39,10 @@ int64_t LayerWeightShape::numel() const {
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
   const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
   const int64_t EL = E / std::max<int64_t>(1, c.ep);
-  std::vector<LayerWeightShape> w = {{"norm1", {H}}, {"wq", {A * D, H}}, {"wk", {G * D, H}},
-                                     {"wv", {G * D, H}}, {"wo", {H, A * D}}, {"norm2", {H}}};
+  std::vector<LayerWeightShape> w = {{"norm1", {H}}};
+  if (c.layer_norm) w.push_back({"norm1_bias", {H}});
+  w.insert(w.end(), {{"wq", {A * D, H}}, {"wk", {G * D, H}}, {"wv", {G * D, H}}, {"wo", {H, A * D}}, {"norm2", {H}}});
+  if (c.layer_norm) w.push_back({"norm2_bias", {H}});
   if (c.dense_ffn > 0) {
     w.push_back({"ffn_gate_up", {2 * c.dense_ffn, H}});
     w.push_back({"ffn_down", {H, c.dense_ffn}});
@@ -70,6 +72,8 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   if (name == "wv") return w.wv;
   if (name == "wo") return w.wo;
   if (name == "norm2") return w.norm2;
+  if (name == "norm1_bias") return w.norm1_bias;
+  if (name == "norm2_bias") return w.norm2_bias;
   if (name == "router") return w.router;
   if (name == "w_gate_up") return w.w_gate_up;
   if (name == "w_down") return w.w_down;

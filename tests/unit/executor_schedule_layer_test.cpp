@@ -27,9 +27,11 @@ LayerScheduleConfig small(DType dtype) {
 TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
   for (DType dtype : {DType::BF16, DType::F32})
   for (int64_t shared : {0, 12, -12}) {  // -12: 12, gated (Qwen2-MoE)
+  for (bool layer_norm : {false, true}) {
     LayerScheduleConfig c = small(dtype);
     c.shared_ffn = std::abs(shared);
     c.shared_gate = shared < 0;
+    c.layer_norm = layer_norm;
     TrackingAllocator a1({512}), a2({512});
     const LayerScheduleResult ckpt = run_layer_schedule(a1, c, {});
     c.checkpointed = false;
@@ -38,7 +40,7 @@ TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
     EXPECT_EQ(ckpt.y.size(), c.tokens * c.hidden);
     EXPECT_EQ(ckpt.y.dtype, dtype);
     EXPECT_TRUE(ckpt.y == naive.y);
-    ASSERT_EQ(ckpt.grads.size(), shared > 0 ? 12u : shared < 0 ? 13u : 10u);
+    ASSERT_EQ(ckpt.grads.size(), (shared > 0 ? 12u : shared < 0 ? 13u : 10u) + (layer_norm ? 2u : 0u));
     int64_t elements = 0;
     for (const auto& [name, g] : ckpt.grads) {
       EXPECT_TRUE(g == naive.grads.at(name)) << name;
@@ -51,6 +53,31 @@ TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
     EXPECT_EQ(a1.live_allocations(), 0);
     EXPECT_EQ(a2.live_allocations(), 0);
   }
+  }
+}
+
+// LayerNorm saves each norm's mean [T] fp32 beside its rstd: [2, T] more activations (512 B at
+// T = 64, fp32, aligned to 512) in every phase that holds the saved set (the recompute and the
+// backward), and nothing more anywhere (the no-grad forward's [T] temporaries are freed within a
+// phase, before its peak).
+TEST(ExecutorScheduleLayer, LayerNormSavesItsMeanBesideTheRstd) {
+  LayerScheduleConfig c = small(DType::BF16);
+  LayerScheduleConfig ln = c;
+  ln.layer_norm = true;
+  TrackingAllocator a({512}), b({512});
+  run_layer_schedule(a, c, {}, false);
+  run_layer_schedule(b, ln, {}, false);
+  std::map<std::string, int64_t> rms;
+  for (const auto& r : a.phase_records())
+    if (r.space == MemorySpace::Device) rms[r.phase] = r.bytes_at_peak[static_cast<size_t>(Category::Activations)];
+  int saved_phases = 0;
+  for (const auto& r : b.phase_records()) {
+    if (r.space != MemorySpace::Device || r.phase == "init") continue;
+    const bool saved = r.phase.rfind("bwd/", 0) == 0;
+    EXPECT_EQ(r.bytes_at_peak[static_cast<size_t>(Category::Activations)] - rms.at(r.phase), saved ? 2 * 64 * 4 : 0) << r.phase;
+    saved_phases += saved ? 1 : 0;
+  }
+  EXPECT_EQ(saved_phases, 8);  // recompute attn, dispatch, experts, combine; backward combine, experts, dispatch, attn
 }
 
 // The inputs drawn straight into the tracked buffers are make_layer_inputs' values.
@@ -71,12 +98,14 @@ double loss_of(const LayerScheduleConfig& c, const LayerInputs& in) {
 }
 
 TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
-  for (bool gated : {false, true}) {
-  SCOPED_TRACE(gated ? "gated shared expert" : "shared expert");
+  for (int variant : {0, 1, 2}) {  // shared expert; gated; LayerNorm norms with biases (Phi-3.5-MoE)
+  const bool gated = variant == 1;
+  SCOPED_TRACE(variant == 0 ? "shared expert" : gated ? "gated shared expert" : "LayerNorm");
   LayerScheduleConfig c;
   c.tokens = 7; c.hidden = 8; c.q_heads = 4; c.kv_heads = 2; c.head_dim = 3;
   c.experts = 4; c.top_k = 2; c.expert_ffn = 5; c.shared_ffn = 3; c.dtype = DType::F32; c.seed = 3;
   c.shared_gate = gated;
+  c.layer_norm = variant == 2;
   const LayerInputs in = make_layer_inputs(c);
   TrackingAllocator a({1});
   const LayerScheduleResult got = run_layer_schedule(a, c, in);

@@ -86,9 +86,11 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
                         "plan with fewer GPUs or a smaller --ep"});
   if (s.q_heads <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_heads", the + " needs num_heads, num_kv_heads and head_dim", ""});
-  if (in.model && in.model->norm_bias)
+  // The decoder layer runs LayerNorm; the step's final norm and embedding path do not yet.
+  if (in.model && in.model->norm_bias && component == "step")
     errs.add(Diagnostic{in.file, "/inputs/model/source",
-                        the + " runs RMSNorm norms only (the model's are LayerNorm, which is not in the executor)", ""});
+                        the + " runs RMSNorm norms only (the model's are LayerNorm: the executor's layer has them, "
+                              "the step's final norm not yet)", ""});
 }
 
 ModelSpec layer_model(const VerifyContext& ctx) {
@@ -135,6 +137,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : scaled_with_h(in, s, in.expert_ffn_width);
   c.shared_ffn = scaled_with_h(in, s, in.shared_expert_ffn);
   c.shared_gate = card.shared_expert_gate && c.shared_ffn > 0;
+  c.layer_norm = card.norm_bias;
   return c;
 }
 
