@@ -569,10 +569,26 @@ int64_t FastPeaks::vocab_bytes(Voc kind, int64_t ring_size, RingRotate rotate, i
   x_w(s, t);
   // R > 1 with gradients in forward: the forward's largest live set is its gradient ring pass's,
   // the backward's (memory_terms_vocab.cpp).
+  // R = 1: one workspace buffer per block (memory_terms_vocab.cpp, add_block_workspace).
+  const auto workspace = [&](bool state, bool grads) {
+    int64_t words = mul(s.Tb, s.Vb);
+    if (state) words = checked_add(words, mul(3, s.Tb));
+    if (grads) words = checked_add(words, checked_add(mul(s.Tb, s.H), ceil_div(mul(s.Tb, s.Vb), 2)));
+    t.add(kVoc, words, kF32);
+  };
+  if (s.R == 1) {
+    const bool forward = kind == Voc::BlockForward;
+    workspace(forward, !forward || in_forward);
+    lse_loss(s, t);
+    if (!forward || in_forward) {
+      t.add(kVoc, mul(s.T, s.H), kB16);  // dX
+      dw(rotate, s, t);
+    }
+    return t.c[cat(kVoc)];
+  }
   if (kind == Voc::BlockForward && !(in_forward && s.R > 1)) {
     t.add(kVoc, mul(s.Tb, s.Vb), kF32);
-    if (s.R == 1) t.add(kVoc, mul(3, s.Tb), kF32);
-    else if (rotate == RingRotate::Weights) t.add(kVoc, mul(3, s.T), kF32);  // activations: it travels
+    if (rotate == RingRotate::Weights) t.add(kVoc, mul(3, s.T), kF32);  // activations: it travels
     lse_loss(s, t);
     ring(rotate, s, in_forward, t);
     if (in_forward) {

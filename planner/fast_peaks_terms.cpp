@@ -54,8 +54,8 @@ void attention_forward(const Ctx& c, int64_t layer, Acc& t) {
 
 void attention_saved(const Ctx& c, Acc& t) {
   t.add(kAct, mul(c.T, c.H), kB16);
-  t.add(kAct, c.T, kF32, 2);
-  if (c.m.norm_bias) t.add(kAct, c.T, kF32, 2);
+  t.add(kAct, mul(2, c.T), kF32);  // norm rstd [2, T]
+  if (c.m.norm_bias) t.add(kAct, mul(2, c.T), kF32);  // LayerNorm mean [2, T]
   qkvo(c, t);
 }
 

@@ -51,8 +51,9 @@ void add_attention_saved(const Context& c, int64_t layer, TermList& t, bool with
   const int64_t T = c.work.tokens;
   const int64_t H = c.model.hidden_size;
   t.add("norm-1 output (saved)", {{"T", T}, {"H", H}}, kBf16, kAct);
-  t.add("norm rstd (saved)", {{"T", T}}, kFp32, kAct, 2);
-  if (c.model.norm_bias) t.add("norm mean (saved, LayerNorm)", {{"T", T}}, kFp32, kAct, 2);
+  // Both norms' statistics in one [2, T] buffer each (the executor's layer; aligned once).
+  t.add("norm rstd (saved)", {{"2", 2}, {"T", T}}, kFp32, kAct);
+  if (c.model.norm_bias) t.add("norm mean (saved, LayerNorm)", {{"2", 2}, {"T", T}}, kFp32, kAct);
   add_qkvo(c, t, "saved ");
   if (with_residual) t.add("attention residual h1 (saved)", {{"T", T}, {"H", H}}, kBf16, kAct);
 }

@@ -7,6 +7,9 @@
 // fp32 for lse, loss, the online state and every cross-block accumulator. With R = 1 the loop is
 // token-block outer, so the online state and the fp32 dX accumulator cover one token block and dX
 // is written bf16 [T, H]; with R > 1 the ring visits each token block R times, so they cover T.
+// With R = 1 a block's buffers are one workspace allocation (executor/ops/cross_entropy.h), aligned
+// once: the logits block and the online state, or in the backward (which reads lse, not the state)
+// the logits block, the dX accumulator and the dlogits block; all of them with gradients in forward.
 // R > 1, what the ring carries: rotating activations, a token block travels with its online state
 // in the forward and with its lse and fp32 dX block in the backward, so no rank keeps a [3, T]
 // state (the block's state comes home complete and becomes lse and loss); rotating weights, a W
@@ -88,8 +91,35 @@ void add_dw(const Context& c, const VocabShape& s, TermList& t, const std::strin
 
 void add_block_backward(const Context& c, const VocabShape& s, TermList& t);
 
+// R = 1: the block's workspace, one buffer of fp32 words: the logits block [T_blk, V_blk]; the
+// online state [3, T_blk] (`state`); the dX accumulator [T_blk, H] and the dlogits block in bf16,
+// rounded up to whole words (`grads`).
+void add_block_workspace(const VocabShape& s, bool state, bool grads, TermList& t) {
+  int64_t words = checked_mul(s.Tb, s.Vb);
+  std::string parts = "logits block [T_blk, V_blk] fp32";
+  if (state) {
+    words = checked_add(words, checked_mul(3, s.Tb));
+    parts += ", online state [3, T_blk] fp32";
+  }
+  if (grads) {
+    words = checked_add(words, checked_add(checked_mul(s.Tb, s.H), ceil_div(checked_mul(s.Tb, s.Vb), 2)));
+    parts += ", dX accumulator [T_blk, H] fp32, dlogits block [T_blk, V_blk] bf16";
+  }
+  t.add_flat("loss block workspace (" + parts + ")", "fp32 words", words, kFp32, kVoc);
+}
+
 void add_block_forward(const Context& c, const VocabShape& s, TermList& t) {
   const bool grads = in_forward(c);
+  if (s.R == 1) {
+    add_x_w(s, t);
+    add_block_workspace(s, true, grads, t);
+    add_lse_loss(s, t);
+    if (grads) {
+      t.add("dX", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
+      add_dw(c, s, t);
+    }
+    return;
+  }
   if (grads && s.R > 1) {
     // The gradient ring pass inside the forward holds more than the forward ring pass (dX, dW,
     // dlogits against the online state, which is released once lse is known).
@@ -113,6 +143,12 @@ void add_block_forward(const Context& c, const VocabShape& s, TermList& t) {
 void add_block_backward(const Context& c, const VocabShape& s, TermList& t) {
   add_x_w(s, t);
   add_lse_loss(s, t);
+  if (s.R == 1) {
+    add_block_workspace(s, false, true, t);
+    t.add("dX", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
+    add_dw(c, s, t);
+    return;
+  }
   t.add("logits block (recomputed)", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kFp32, kVoc);
   t.add("dlogits block", {{"T_blk", s.Tb}, {"V_blk", s.Vb}}, kBf16, kVoc);
   add_ring(c, s, true, t);

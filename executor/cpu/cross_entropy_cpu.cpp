@@ -33,16 +33,20 @@ struct Workspace {
   void* dlogits;
 };
 
-Workspace carve(const CrossEntropyArgs& a) {
+// The backward alone keeps no row state (it reads the saved lse): its dX accumulator follows the
+// logits block (blocked_cross_entropy_backward_workspace_bytes).
+Workspace carve(const CrossEntropyArgs& a, bool backward_only) {
   const int64_t tb = a.token_block_rows;
   float* p = a.workspace;
   Workspace ws{};
   ws.logits = p;
   p += tb * a.vocab_block_rows;
-  ws.row_max = p;
-  ws.row_sum = p + tb;
-  ws.target_logit = p + 2 * tb;
-  p += 3 * tb;  // the forward uses only what comes before this point
+  if (!backward_only) {
+    ws.row_max = p;
+    ws.row_sum = p + tb;
+    ws.target_logit = p + 2 * tb;
+    p += 3 * tb;  // the forward uses only what comes before this point
+  }
   ws.dx_acc = p;
   ws.dlogits = p + tb * a.hidden;
   return ws;
@@ -115,7 +119,7 @@ void run(const CrossEntropyArgs& a, Pass pass) {
   if (pass != Pass::Forward) {
     require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
   }
-  const Workspace ws = carve(a);
+  const Workspace ws = carve(a, pass == Pass::Backward);
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
@@ -127,6 +131,12 @@ void run(const CrossEntropyArgs& a, Pass pass) {
 }
 
 }  // namespace
+
+int64_t blocked_cross_entropy_backward_workspace_bytes(const CrossEntropyArgs& a) {
+  const int64_t tb = a.token_block_rows;
+  const int64_t dlogits_bytes = tb * a.vocab_block_rows * (a.dtype == DType::BF16 ? 2 : 4);
+  return (tb * a.vocab_block_rows + tb * a.hidden) * 4 + (dlogits_bytes + 3) / 4 * 4;
+}
 
 int64_t blocked_cross_entropy_forward_workspace_bytes(const CrossEntropyArgs& a) {
   return (a.token_block_rows * a.vocab_block_rows + 3 * a.token_block_rows) * 4;

@@ -32,16 +32,20 @@ struct Workspace {
   void* dlogits;
 };
 
-Workspace carve(const CrossEntropyArgs& a) {
+// The backward alone keeps no row state (it reads the saved lse): its dX accumulator follows the
+// logits block (blocked_cross_entropy_backward_workspace_bytes).
+Workspace carve(const CrossEntropyArgs& a, bool backward_only) {
   const int64_t tb = a.token_block_rows;
   float* p = a.workspace;
   Workspace ws{};
   ws.logits = p;
   p += tb * a.vocab_block_rows;
-  ws.row_max = p;
-  ws.row_sum = p + tb;
-  ws.target_logit = p + 2 * tb;
-  p += 3 * tb;  // the forward uses only what comes before this point
+  if (!backward_only) {
+    ws.row_max = p;
+    ws.row_sum = p + tb;
+    ws.target_logit = p + 2 * tb;
+    p += 3 * tb;  // the forward uses only what comes before this point
+  }
   ws.dx_acc = p;
   ws.dlogits = p + tb * a.hidden;
   return ws;
@@ -104,7 +108,7 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
     require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
   }
   dispatch_compute(a.dtype, "cross_entropy", [](auto) {});
-  const Workspace ws = carve(a);
+  const Workspace ws = carve(a, pass == Pass::Backward);
   for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
     const int64_t tb = std::min(a.token_block_rows, a.tokens - t0);
     if (pass != Pass::Backward) forward_block(a, ws, blas, t0, tb);

@@ -137,7 +137,7 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
       alloc.set_phase("loss/bwd/blk" + std::to_string(b));
       if (b == 0) make_grads();
       exec::CrossEntropyArgs a = args_for(b);
-      DeviceBuffer ws(alloc, exec::blocked_cross_entropy_workspace_bytes(a), kVocab, s);
+      DeviceBuffer ws(alloc, exec::blocked_cross_entropy_backward_workspace_bytes(a), kVocab, s);
       a.workspace = ws.as<float>();
       exec::blocked_cross_entropy_backward_cuda(a, blas);
     }

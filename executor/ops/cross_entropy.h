@@ -23,7 +23,7 @@ struct CrossEntropyArgs {
   float grad_scale = 1.0f;          // g = dL/dloss_t for every kept token (1 / N_kept for a mean)
   void* d_x = nullptr;              // [T, H] overwritten
   float* d_w = nullptr;             // [V, H] fp32, accumulated (+=) over token blocks
-  float* workspace = nullptr;       // blocked_cross_entropy_workspace_bytes()
+  float* workspace = nullptr;       // blocked_cross_entropy_{forward_,backward_,}workspace_bytes()
   int64_t tokens = 0;
   int64_t vocab = 0;
   int64_t hidden = 0;
@@ -36,6 +36,9 @@ struct CrossEntropyArgs {
 int64_t blocked_cross_entropy_workspace_bytes(const CrossEntropyArgs& args);
 // What blocked_cross_entropy_forward_cpu alone needs: the logits block and the row state.
 int64_t blocked_cross_entropy_forward_workspace_bytes(const CrossEntropyArgs& args);
+// What blocked_cross_entropy_backward_cpu alone needs: the logits block, the dX accumulator and the
+// dlogits block; no row state (it reads the saved lse: 3·T_blk fp32 less than the fused pass).
+int64_t blocked_cross_entropy_backward_workspace_bytes(const CrossEntropyArgs& args);
 // Writes lse and loss. Per token, over vocab blocks in order, the block's (b = max z,
 // Σ e^(z−b)) is merged into the running (m, s) with lse_fold; then lse = m + log s. All fp32.
 void blocked_cross_entropy_forward_cpu(const CrossEntropyArgs& args);

@@ -126,7 +126,7 @@ LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, 
         make_grads();
       }
       CrossEntropyArgs a = args_for(b);
-      Tensor ws(alloc, DType::F32, {blocked_cross_entropy_workspace_bytes(a) / 4}, Category::Vocab);
+      Tensor ws(alloc, DType::F32, {blocked_cross_entropy_backward_workspace_bytes(a) / 4}, Category::Vocab);
       a.workspace = ws.data<float>();
       blocked_cross_entropy_backward_cpu(a);
     }

@@ -81,10 +81,11 @@ TEST(ExecutorScheduleVocab, PhaseBytesAreHandDerived) {
   TrackingAllocator alloc({1, -1, -1});
   run_vocab_schedule(alloc, config(s, VocabScheduleMode::Blocked, false, 1));
   const int64_t x = 64 * 16 * 2, w = 300 * 16 * 2, lse = 64 * 4, loss = 64 * 4;
-  // The forward holds the fp32 logits block and row state; the backward adds the fp32 dX rows of
-  // the token block and the bf16 dlogits block that the dX and dW GEMMs read.
+  // The forward holds the fp32 logits block and row state; the backward the fp32 logits block,
+  // the fp32 dX rows of the token block and the bf16 dlogits block that the dX and dW GEMMs read,
+  // but not the row state (it reads the saved lse).
   const int64_t ws_fwd = (16 * 128 + 3 * 16) * 4;
-  const int64_t ws = ws_fwd + 16 * 16 * 4 + 16 * 128 * 2;
+  const int64_t ws = 16 * 128 * 4 + 16 * 16 * 4 + 16 * 128 * 2;
   const int64_t dx = 64 * 16 * 2, dw = 300 * 16 * 4;
   const int64_t dw_naive = 300 * 16 * 2;  // materialised: one GEMM over T, bf16 output
   int64_t fwd = 0, bwd = 0;

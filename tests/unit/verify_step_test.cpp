@@ -163,20 +163,29 @@ TEST(VerifyJudging, SetsAsideOnlyOneUnitMissesUnderOneHundredUnits) {
   EXPECT_NE(tiny.unresolved_note.find("a larger --tolerance"), std::string::npos) << tiny.unresolved_note;
 }
 
-// Qwen3-30B-A3B's vocab component at --scale 1000 (T = 33, H = 8, V = 152) misses by one unit:
-// unresolved, not failed; at the scale the note names it is judged and passes.
+// Qwen3-30B-A3B's vocab component at --scale 1000 (T = 33, H = 8, V = 152), its backward's
+// prediction lowered by one allocation unit (the planner is exact there now; a one-unit miss is
+// what an alignment the planner does not know of gives): unresolved, not failed; at the scale the
+// note names it is judged and passes.
 TEST(VerifyJudging, TooFineAScaleIsUnresolvedAndTheNamedScaleJudges) {
+  const PredictionAdjust one_unit_low = [](nlohmann::ordered_json& timeline) {
+    for (auto& phase : timeline["phases"])
+      if (phase["name"] == "loss/bwd/blk0") phase["device"]["vocab"] = phase["device"]["vocab"].get<int64_t>() - 512;
+  };
   InputErrors errs;
   const planner::RunSpec spec = planner::parse_run_flags({{"--gpus", "8"}, {"--context", "32K"}, {"--schedule", "flatpeak"}}, errs);
   errs.throw_if_any();
   const nlohmann::json plan =
       nlohmann::json::parse(planner::plan_to_json(planner::make_plan(load_model("Qwen3-30B-A3B"), load_hardware("H200"), spec)).dump());
   const VerifyInputs in = read_plan_inputs(plan, "plan.json");
-  const VerifyReport fine = run_verification(in, scale_config(in, 1000.0, 1), {"vocab"}, 0.01);
+  const VerifyReport exact = run_verification(in, scale_config(in, 1000.0, 1), {"vocab"}, 0.01);
+  EXPECT_EQ(exact.unresolved_rows, 0);
+  EXPECT_TRUE(exact.pass);
+  const VerifyReport fine = run_verification(in, scale_config(in, 1000.0, 1), {"vocab"}, 0.01, one_unit_low);
   ASSERT_GT(fine.unresolved_rows, 0);
   EXPECT_TRUE(fine.pass);
   ASSERT_GE(fine.resolving_scale, 1.0);
-  const VerifyReport named = run_verification(in, scale_config(in, fine.resolving_scale, 1), {"vocab"}, 0.01);
+  const VerifyReport named = run_verification(in, scale_config(in, fine.resolving_scale, 1), {"vocab"}, 0.01, one_unit_low);
   EXPECT_EQ(named.unresolved_rows, 0);
   EXPECT_TRUE(named.pass);
 }
