@@ -120,6 +120,30 @@ int run_sweep(const CLI::App& sub, const SweepOptions& o) {
       for (const auto& d : e.diagnostics()) errs.add(d);
     }
   }
+  // A grid entry given twice (also as another spelling: an alias, "08", "32768" and "32K") would
+  // repeat its rows: most likely a typo for another value, so it is refused.
+  const auto once = [&errs](const char* flag, const std::vector<std::string>& keys, const std::vector<std::string>& given) {
+    for (size_t i = 0; i < keys.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        if (keys[i] == keys[j]) {
+          const std::string spelled = given[i] == keys[i] && given[j] == keys[j] ? "" : fmt::format(" ('{}' and '{}')", given[j], given[i]);
+          errs.add(Diagnostic{"", flag, fmt::format("lists {} twice{}: each grid entry once", keys[i], spelled), ""});
+          break;
+        }
+  };
+  if (errs.empty()) {
+    std::vector<std::string> model_keys, card_keys, count_keys, context_keys, schedule_keys;
+    for (const auto& m : models) model_keys.push_back(m.name);
+    for (const auto& c : cards) card_keys.push_back(c.name);
+    for (int64_t n : counts) count_keys.push_back(std::to_string(n));
+    for (int64_t ctx : contexts) context_keys.push_back(tokens_text(ctx));
+    for (planner::Schedule sch : schedules) schedule_keys.push_back(planner::to_string(sch));
+    once("--model", model_keys, model_names);
+    once("--gpu", card_keys, gpu_names);
+    once("--gpus", count_keys, count_keys);
+    once("--context", context_keys, context_keys);
+    once("--schedule", schedule_keys, schedule_keys);
+  }
   errs.throw_if_any();
 
   const size_t total = models.size() * cards.size() * counts.size() * contexts.size() * schedules.size();
