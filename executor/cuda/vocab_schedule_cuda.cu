@@ -198,8 +198,13 @@ int64_t vocab_schedule_cuda_peak_bytes(const VocabScheduleConfig& c, int64_t al)
            aligned(V * H * 2, al);
   }
   const exec::CrossEntropyArgs a = block_shape(c, std::min(c.token_block_rows, c.tokens));
-  return inputs + rows + aligned(T * H * 2, al) + aligned(V * H * 4, al) +
-         aligned(exec::blocked_cross_entropy_workspace_bytes(a), al);
+  const int64_t grads = aligned(T * H * 2, al) + aligned(V * H * 4, al);  // dX, the fp32 dW accumulator
+  if (c.gradients_in_forward) return inputs + rows + grads + aligned(exec::blocked_cross_entropy_workspace_bytes(a), al);
+  // Recompute: the forward's blocks hold the logits and row state, the backward's (beside dX and
+  // dW) the logits, dX accumulator and dlogits, no row state.
+  const int64_t forward = inputs + rows + aligned(exec::blocked_cross_entropy_forward_workspace_bytes(a), al);
+  const int64_t backward = inputs + rows + grads + aligned(exec::blocked_cross_entropy_backward_workspace_bytes(a), al);
+  return std::max(forward, backward);
 }
 
 VocabScheduleCudaResult run_vocab_schedule_cuda(DeviceAllocator& alloc, const CublasContext& blas,

@@ -31,8 +31,10 @@ bool split_number(const std::string& text, std::string& number, std::string& suf
   return true;
 }
 
+// Any number of digits (leading zeros included: "00000000000000000008" is 8); nullopt past int64,
+// found as the digits are read.
 std::optional<int64_t> parse_integer(const std::string& digits) {
-  if (digits.empty() || digits.size() > 19) return std::nullopt;
+  if (digits.empty()) return std::nullopt;
   int64_t value = 0;
   for (char c : digits) {
     if (!std::isdigit(static_cast<unsigned char>(c))) return std::nullopt;
@@ -118,13 +120,29 @@ const ByteUnit* byte_unit(const std::string& suffix) {
 
 }  // namespace
 
+namespace {
+
+// A decimal "digits[.digits]" as a long double, read from at most 19 integer digits (leading
+// zeros dropped) and 30 fraction digits: std::stold throws out_of_range on thousands of digits.
+// nullopt when the integer part alone is beyond int64.
+std::optional<long double> bounded_decimal(const std::string& number) {
+  const size_t dot = number.find('.');
+  std::string whole = number.substr(0, dot);
+  whole.erase(0, std::min(whole.find_first_not_of('0'), whole.size()));
+  if (whole.size() > 19) return std::nullopt;
+  const std::string fraction = dot == std::string::npos ? "" : number.substr(dot + 1, 30);
+  return std::stold((whole.empty() ? "0" : whole) + "." + (fraction.empty() ? "0" : fraction));
+}
+
+}  // namespace
+
 bool bytes_beyond_int64(const std::string& text) {
   std::string number, suffix;
   if (!split_number(text, number, suffix) || number == ".") return false;
   const ByteUnit* unit = byte_unit(suffix);
   if (unit == nullptr) return false;
-  const long double value = std::stold(number) * static_cast<long double>(unit->multiplier);
-  return value >= static_cast<long double>(std::numeric_limits<int64_t>::max());
+  const std::optional<long double> value = bounded_decimal(number);  // none: past 19 integer digits
+  return !value || *value * static_cast<long double>(unit->multiplier) >= static_cast<long double>(std::numeric_limits<int64_t>::max());
 }
 
 std::optional<int64_t> parse_bytes(const std::string& text) {
@@ -141,7 +159,9 @@ std::optional<int64_t> parse_bytes(const std::string& text) {
     return *value * multiplier;
   }
   if (suffix.empty() || suffix == "B") return std::nullopt;  // fractional bytes make no sense
-  const long double value = std::stold(number) * static_cast<long double>(unit->multiplier);
+  const std::optional<long double> decimal = bounded_decimal(number);
+  if (!decimal) return std::nullopt;
+  const long double value = *decimal * static_cast<long double>(unit->multiplier);
   if (!(value < static_cast<long double>(std::numeric_limits<int64_t>::max()))) return std::nullopt;
   return static_cast<int64_t>(std::floor(value));
 }

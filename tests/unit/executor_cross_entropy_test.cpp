@@ -65,14 +65,19 @@ TEST_P(ExecutorCrossEntropy, BlockedMatchesFp64AndFiniteDifferences) {
   a.d_x = dx.data(); a.d_w = dw.data(); a.tokens = s.T; a.vocab = s.V; a.hidden = s.H;
   a.token_block_rows = s.t_blk; a.vocab_block_rows = s.v_blk;
   a.grad_scale = 1.0f / static_cast<float>(s.T - 1);  // mean over the kept tokens
-  Buf<float> ws(blocked_cross_entropy_workspace_bytes(a) / 4);
+  // Each pass with a workspace of exactly its own size (under ASan a pass that reached past it
+  // would fail): the forward's logits block and row state, the backward's without the row state.
+  Buf<float> ws(blocked_cross_entropy_forward_workspace_bytes(a) / 4);
   a.workspace = ws.data();
   blocked_cross_entropy_forward_cpu(a);
+  Buf<float> ws_backward(blocked_cross_entropy_backward_workspace_bytes(a) / 4);
+  ASSERT_EQ(blocked_cross_entropy_workspace_bytes(a) - blocked_cross_entropy_backward_workspace_bytes(a), 3 * s.t_blk * 4);
   Vec lse_ref;
   const Vec loss_ref = ce_ref(x, w, y, s, &lse_ref);
   expect_close(to_f64(lse), lse_ref, 1e-6, "lse");
   expect_close(to_f64(loss), loss_ref, 1e-5, "loss");
   EXPECT_EQ(loss[s.T / 2], 0.0f);
+  a.workspace = ws_backward.data();
   blocked_cross_entropy_backward_cpu(a);
   const double g = 1.0 / static_cast<double>(s.T - 1);
   Vec r(s.T, g);
@@ -107,6 +112,8 @@ TEST_P(ExecutorCrossEntropy, GradientsInForwardBitwiseEqualRecompute) {
     a.lse = lse1.data(); a.loss = loss1.data(); a.d_x = dx1.data(); a.d_w = dw1.data();
     b.lse = lse2.data(); b.loss = loss2.data(); b.d_x = dx2.data(); b.d_w = dw2.data();
     blocked_cross_entropy_forward_cpu(a);
+    Buf<float> ws_backward(blocked_cross_entropy_backward_workspace_bytes(a) / 4);  // the backward's own, exactly
+    a.workspace = ws_backward.data();
     blocked_cross_entropy_backward_cpu(a);
     blocked_cross_entropy_fused_cpu(b);
     EXPECT_EQ(std::memcmp(lse1.data(), lse2.data(), sizeof(float) * static_cast<size_t>(s.T)), 0);

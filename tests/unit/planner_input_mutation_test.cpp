@@ -36,8 +36,8 @@ std::vector<fs::path> input_files() {
 }
 
 std::vector<nlohmann::json> mutations() {
-  return {-1, 0, 2147483647, int64_t{1} << 62, 1e300, "x", nlohmann::json::array(), nlohmann::json::object(),
-          nullptr, true, 0.5};
+  return {-1, 0, 2147483647, int64_t{1} << 62, 1e300, "x", "99999999999999999999", nlohmann::json::array(),
+          nlohmann::json::object(), nullptr, true, 0.5};
 }
 
 ModelSpec load_document(const nlohmann::json& doc, const std::string& file) {

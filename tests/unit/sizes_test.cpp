@@ -30,8 +30,11 @@ TEST(ParseTokens, RejectsEverythingElse) {
 TEST(ParseTokens, TooLargeIsToldApartFromMalformed) {
   for (const char* big : {"99999999999999999999", "9223372036854775808", "9000000000G", "9007199254740992M"})
     EXPECT_TRUE(tokens_beyond_int64(big)) << big;
-  for (const char* other : {"9223372036854775807", "8G", "0", "000", "-1", "1.5K", "99999999999999999999T", "abc", ""})
+  for (const char* other : {"9223372036854775807", "8G", "0", "000", "-1", "1.5K", "99999999999999999999T", "abc", "",
+                            "000000000000000000032K"})
     EXPECT_FALSE(tokens_beyond_int64(other)) << other;
+  EXPECT_EQ(parse_tokens("000000000000000000032K"), 32768);  // leading zeros are not digits of the value
+  EXPECT_TRUE(tokens_beyond_int64(std::string(5000, '9')));
 }
 
 TEST(ParseBytes, DecimalAndBinaryUnits) {
@@ -57,6 +60,14 @@ TEST(ParseBytes, TooLargeIsToldApartFromMalformed) {
   for (const char* big : {"99999999999999999999", "9000000TiB", "10000000TB", "8388608.5TiB"}) EXPECT_TRUE(bytes_beyond_int64(big)) << big;
   for (const char* other : {"9223372036854775806", "8TiB", "0", "-1", "1.5KiB", "99999999999XB", "9.3e18", "abc", "", "."})
     EXPECT_FALSE(bytes_beyond_int64(other)) << other;
+  // 5000 digits (std::stold throws out_of_range on them, which ended as an internal error).
+  EXPECT_TRUE(bytes_beyond_int64(std::string(5000, '9')));
+  EXPECT_TRUE(bytes_beyond_int64(std::string(5000, '1') + "GB"));
+  EXPECT_FALSE(bytes_beyond_int64("0." + std::string(5000, '0') + "1GB"));
+  EXPECT_TRUE(bytes_beyond_int64("8388608.5TiB"));
+  EXPECT_FALSE(parse_bytes(std::string(5000, '9') + ".5GB").has_value());
+  EXPECT_EQ(parse_bytes("0." + std::string(5000, '0') + "1GB"), 0);
+  EXPECT_EQ(parse_bytes("000000000000000000001.5KiB"), 1536);
 }
 
 TEST(ParseDecimal, PlainDecimalsOnly) {

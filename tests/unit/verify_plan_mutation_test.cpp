@@ -33,8 +33,10 @@ nlohmann::json plan_json(const std::string& model, const Flags& flags) {
 }
 
 std::vector<nlohmann::json> mutations() {
-  return {-1, 0, 1, 3, 2147483647, int64_t{1} << 62, 1e300, 0.5, "x", nlohmann::json::array(), nlohmann::json::object(),
-          nullptr, true};
+  // Strings too: knobs such as sco_layers are text ("all", "0,2,5-9"), and 20 digits overflowed
+  // std::stoll there (an internal error, exit 1).
+  return {-1, 0, 1, 3, 2147483647, int64_t{1} << 62, 1e300, 0.5, "x", "99999999999999999999", "0-99999999999999999999",
+          "", nlohmann::json::array(), nlohmann::json::object(), nullptr, true};
 }
 
 // Every pointer to a value in inputs/{model,hardware,run} (one level of objects deep) and knobs/*/value.
@@ -59,6 +61,7 @@ TEST(VerifyPlanMutation, EveryEditedFieldReadsOrIsAnInputError) {
       plan_json("Qwen3-30B-A3B", {{"--gpus", "8"}, {"--context", "32K"}, {"--schedule", "practice"}}),
       plan_json("gpt-oss-20b", {{"--gpus", "4"}, {"--context", "16K"}, {"--schedule", "baseline"}}),
       plan_json("GLM-4.5", {{"--gpus", "16"}, {"--context", "8K"}, {"--schedule", "flatpeak"}, {"--ring-size", "2"}}),
+      plan_json("Qwen3-30B-A3B", {{"--gpus", "8"}, {"--context", "32K"}, {"--schedule", "flatpeak"}, {"--sco", "on"}}),
   };
   int read = 0, refused = 0;
   for (const nlohmann::json& plan : plans) {

@@ -133,8 +133,9 @@ int run_sweep(const CLI::App& sub, const SweepOptions& o) {
   };
   if (errs.empty()) {
     std::vector<std::string> model_keys, card_keys, count_keys, context_keys, schedule_keys;
-    for (const auto& m : models) model_keys.push_back(m.name);
-    for (const auto& c : cards) card_keys.push_back(c.name);
+    // A card is its name and where it was read from: two files may hold cards of one name.
+    for (const auto& m : models) model_keys.push_back(m.source.rfind("embedded:", 0) == 0 ? m.name : m.name + " (" + m.source + ")");
+    for (const auto& c : cards) card_keys.push_back(c.source.rfind("embedded:", 0) == 0 ? c.name : c.name + " (" + c.source + ")");
     for (int64_t n : counts) count_keys.push_back(std::to_string(n));
     for (int64_t ctx : contexts) context_keys.push_back(tokens_text(ctx));
     for (planner::Schedule sch : schedules) schedule_keys.push_back(planner::to_string(sch));

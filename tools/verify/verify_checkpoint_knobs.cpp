@@ -10,9 +10,11 @@
 // layer j is offloaded when original layer floor(j · L/L') is. The prefetch depth is kept.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
 #include "spec/errors.h"
+#include "spec/sizes.h"
 #include "verify_config.h"
 
 namespace flatpeak::cli {
@@ -33,8 +35,10 @@ bool parse_layer_set(const std::string& text, int64_t L, std::vector<bool>& out)
     const size_t dash = item.find('-');
     const std::string lo_text = item.substr(0, dash);
     const std::string hi_text = dash == std::string::npos ? lo_text : item.substr(dash + 1);
-    if (!all_digits(lo_text) || !all_digits(hi_text)) return false;
-    const int64_t lo = std::stoll(lo_text), hi = std::stoll(hi_text);
+    // parse_decimal_integer: std::stoll threw out_of_range on 20 digits (an internal error).
+    const std::optional<int64_t> lo_value = parse_decimal_integer(lo_text), hi_value = parse_decimal_integer(hi_text);
+    if (!all_digits(lo_text) || !all_digits(hi_text) || !lo_value || !hi_value) return false;
+    const int64_t lo = *lo_value, hi = *hi_value;
     if (lo > hi || hi >= L) return false;
     for (int64_t i = lo; i <= hi; ++i) out[static_cast<size_t>(i)] = true;
     if (comma == std::string::npos) return true;
@@ -84,7 +88,7 @@ void scale_checkpoint_knobs(const VerifyInputs& in, ScaledConfig& s) {
       offloaded_original = L;
       s.sco_offloaded.assign(static_cast<size_t>(Ls), true);
     } else if (all_digits(text)) {
-      const int64_t n = std::stoll(text);
+      const int64_t n = parse_decimal_integer(text).value_or(L + 1);  // past int64: out of range too
       if (n > L) {
         bad("sco_layers", "a count must lie in 0..L = " + std::to_string(L), v);
       } else {
