@@ -136,9 +136,13 @@ void verify_vocab_ring(const VerifyContext& ctx, VerifyReport& report) {
   if (ctx.comm == nullptr) throw std::logic_error("verify_vocab_ring runs on every rank of a communicator");
   exec::Communicator& comm = *ctx.comm;
   const VerifyInputs& in = ctx.in;
-  if (in.vocab_mode != "ring-dtp" || in.ring_size == 1) {
-    // Materialised, blocked, or Ring-DTP on rings of one rank (which is the blocked loss): the
-    // loss needs no other rank; each rank runs it on its own tokens.
+  if (in.vocab_mode != "ring-dtp" || std::gcd(in.ring_size, comm.size()) == 1) {
+    // Materialised, blocked, or Ring-DTP on rings of one rank (which is the blocked loss, as the
+    // planner predicts it; also when the scaled ranks hold no whole ring of the plan's, e.g. R = 2
+    // on 3 ranks): the loss needs no other rank; each rank runs it on its own tokens.
+    if (in.vocab_mode == "ring-dtp" && in.ring_size > 1 && comm.rank() == 0)
+      report.notes.push_back("vocab: no ring of R = " + std::to_string(in.ring_size) + " within " + std::to_string(comm.size()) +
+                             " ranks: each rank ran the blocked loss (R = 1); use --max-ranks with a multiple of R to run the ring");
     const VerifyContext one_rank{ctx.in, ctx.scaled, ctx.adjust, nullptr};
     const size_t first = report.rows.size();
     verify_vocab(one_rank, report);
