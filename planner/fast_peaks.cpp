@@ -462,7 +462,7 @@ class Builder {
       t.add(kVoc, mul(s.T, s.V), kF32);
       t.add(kVoc, mul(s.T, s.V), kF32);
       t.add(kVoc, mul(s.T, s.H), kB16);
-      t.add(kVoc, mul(s.V, s.H), kB16);
+      t.add(kVoc, s.w_params, kB16);  // dW: the head unit's grads
       phase(home, base, t, FP::Bnd::Loss, index, head);
     } else if (c_.r.vocab_backward == VocabBackward::InForward) {
       Acc t = c_.acc();
@@ -498,6 +498,7 @@ FastPeaks::FastPeaks(const ModelSpec& model, const HardwareSpec& hardware, const
   al_ = run.alignment_bytes;
   boundary_one_ = align_up(checked_mul(checked_mul(T_, model.hidden_size), 2), al_);
   head_gathered_ = work.units[static_cast<size_t>(work.head_unit)].gathered_params;
+  loss_w_params_ = loss_weight_params(model, work);
   shard_params_ = work.shard_params;
   stub_.expert_params_each = work.expert_params_each;
   const Ctx c{model, run, work, T_, model.hidden_size, al_};
@@ -563,7 +564,7 @@ int64_t FastPeaks::dispatch_bytes(Disp kind, const MoeLoad& load) const {
 
 int64_t FastPeaks::vocab_bytes(Voc kind, int64_t ring_size, RingRotate rotate, int64_t token_block, int64_t vocab_block) const {
   const int64_t R = run_.vocab == VocabMode::RingDtp ? ring_size : 1;
-  const VocabShape s = vocab_shape_of(T_, model_.hidden_size, model_.vocab_size, R, token_block, vocab_block);
+  const VocabShape s = vocab_shape_of(T_, model_.hidden_size, model_.vocab_size, R, token_block, vocab_block, loss_w_params_);
   const bool in_forward = run_.vocab_backward == VocabBackward::InForward;
   Acc t(al_);
   x_w(s, t);

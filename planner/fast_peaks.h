@@ -171,6 +171,7 @@ class FastPeaks {
   int64_t L_ = 0, T_ = 0, al_ = 1;
   int64_t boundary_one_ = 0;        // one [T, H] bf16 boundary, aligned
   int64_t head_gathered_ = 0;       // LM head unit's gathered params
+  int64_t loss_w_params_ = 0;       // the buffer the loss reads W from at R = 1 (loss_weight_params)
   int64_t host_fixed_per_gpu_ = 0;  // host terms that no searched knob moves
   int64_t shard_params_ = 0;
   int64_t gpus_per_node_ = 1, host_fixed_per_node_ = 0, host_budget_ = 0;

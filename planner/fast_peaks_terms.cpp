@@ -339,14 +339,15 @@ bool pipelined(const Ctx& c) { return c.r.llep && c.r.chunk_cap_rows > 0; }
 
 // ---- vocabulary (memory_terms_vocab.cpp)
 
-VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block) {
+VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block,
+                          int64_t w_params) {
   const int64_t shard = ceil_div(V, R);
-  return VocabShape{T, H, V, R, shard, std::min(token_block, T), std::min(vocab_block, shard)};
+  return VocabShape{T, H, V, R, shard, std::min(token_block, T), std::min(vocab_block, shard), w_params};
 }
 
 void x_w(const VocabShape& s, Acc& t) {
   t.add(kVoc, mul(s.T, s.H), kB16);
-  if (s.R == 1) t.add(kVoc, mul(s.V, s.H), kB16);
+  if (s.R == 1) t.add(kVoc, s.w_params, kB16);
   else t.add(kVoc, mul(s.shard, s.H), kB16);
 }
 
@@ -383,12 +384,12 @@ void dw(RingRotate rotate, const VocabShape& s, Acc& t) {
   if (s.R > 1 && rotate == RingRotate::Weights) {
     t.add(kVoc, mul(s.shard, s.H), kF32, 2);  // two buffers: after the last hop one is released
   } else if (s.R > 1) t.add(kVoc, mul(s.shard, s.H), kF32);
-  else t.add(kVoc, mul(s.V, s.H), kF32);
+  else t.add(kVoc, s.w_params, kF32);
 }
 
 VocabShape vocab_shape(const Ctx& c) {
   const int64_t R = c.r.vocab == VocabMode::RingDtp ? c.r.ring_size : 1;
-  return vocab_shape_of(c.T, c.H, c.m.vocab_size, R, c.r.token_block, c.r.vocab_block);
+  return vocab_shape_of(c.T, c.H, c.m.vocab_size, R, c.r.token_block, c.r.vocab_block, loss_weight_params(c.m, c.w));
 }
 
 void loss_saved(const Ctx& c, Acc& t) {

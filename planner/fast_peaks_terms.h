@@ -154,9 +154,11 @@ bool pipelined(const Ctx& c);
 
 struct VocabShape {
   int64_t T, H, V, R, shard, Tb, Vb;
+  int64_t w_params;  // R = 1: the buffer W is read from (loss_weight_params)
 };
 
-VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block);
+VocabShape vocab_shape_of(int64_t T, int64_t H, int64_t V, int64_t R, int64_t token_block, int64_t vocab_block,
+                          int64_t w_params);
 
 void x_w(const VocabShape& s, Acc& t);
 

@@ -1,7 +1,8 @@
 // The vocabulary projection and loss (reference/vocab-checkpoint-optimizer.md §1).
 // Materialized (baseline): at the loss backward, bf16 logits [T, V] + fp32 log-softmax [T, V] +
-// fp32 dlogits [T, V] (10 bytes per element) + X [T, H], W [V, H] (gathered bf16), lse and
-// per-token loss [T] fp32, bf16 dX, and dW as one GEMM over all T with bf16 output.
+// fp32 dlogits [T, V] (10 bytes per element) + X [T, H], W (read from the gathered final norm + LM
+// head unit [H + V·H], bf16), lse and per-token loss [T] fp32, bf16 dX, and dW as one GEMM over all
+// T with bf16 output into the unit's grads [H + V·H].
 // Blocked (R = 1) and Ring-DTP: blocks of [T_blk, V_blk] fp32 logits folded into an online
 // log-sum-exp; the backward turns each into a bf16 dlogits block (the dX and dW GEMMs' operand);
 // fp32 for lse, loss, the online state and every cross-block accumulator. With R = 1 the loop is
@@ -29,18 +30,21 @@ constexpr Category kVoc = Category::Vocab;
 
 struct VocabShape {
   int64_t T, H, V, R, shard, Tb, Vb;
+  int64_t w_params;  // R = 1: the buffer W is read from, the gathered head unit [H + V·H] (loss_weight_params)
+  bool tied;         // W is the embedding table [V, H]
 };
 
 VocabShape shape_of(const Context& c) {
   const int64_t R = c.run.vocab == VocabMode::RingDtp ? c.run.ring_size : 1;
   const int64_t T = c.work.tokens, shard = ceil_div(c.model.vocab_size, R);
   return VocabShape{T, c.model.hidden_size, c.model.vocab_size, R, shard, std::min(c.run.token_block, T),
-                    std::min(c.run.vocab_block, shard)};
+                    std::min(c.run.vocab_block, shard), loss_weight_params(c.model, c.work), c.model.tie_word_embeddings};
 }
 
 void add_x_w(const VocabShape& s, TermList& t) {
   t.add("X (final norm output)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
-  if (s.R == 1) t.add("W (LM head, gathered)", {{"V", s.V}, {"H", s.H}}, kBf16, kVoc);
+  if (s.R == 1 && s.tied) t.add_flat("W (embedding table, gathered: tied head)", "V·H", s.w_params, kBf16, kVoc);
+  else if (s.R == 1) t.add_flat("W (LM head unit, gathered: final norm, then W [V, H])", "U", s.w_params, kBf16, kVoc);
   else t.add("W shard (LM head, gathered)", {{"V/R", s.shard}, {"H", s.H}}, kBf16, kVoc);
 }
 
@@ -86,7 +90,7 @@ void add_dw(const Context& c, const VocabShape& s, TermList& t, const std::strin
   } else if (s.R > 1)
     t.add(prefix + "dW shard accumulator" + suffix, {{"V/R", s.shard}, {"H", s.H}}, kFp32, kVoc);
   else
-    t.add(prefix + "dW accumulator" + suffix, {{"V", s.V}, {"H", s.H}}, kFp32, kVoc);
+    t.add_flat(prefix + "dW accumulator" + suffix, "U", s.w_params, kFp32, kVoc);
 }
 
 void add_block_backward(const Context& c, const VocabShape& s, TermList& t);
@@ -193,7 +197,7 @@ std::vector<PhaseTerms> loss_backward_phases(const Context& c) {
     t.add("log-softmax", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
     t.add("dlogits", {{"T", s.T}, {"V", s.V}}, kFp32, kVoc);
     t.add("dX", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
-    t.add("dW", {{"V", s.V}, {"H", s.H}}, kBf16, kVoc);
+    t.add_flat("dW", "U", s.w_params, kBf16, kVoc);
     return out;
   }
   if (in_forward(c)) return out;  // gradients were computed during the forward pass

@@ -190,4 +190,9 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
   return w;
 }
 
+int64_t loss_weight_params(const ModelSpec& model, const Workload& w) {
+  if (model.tie_word_embeddings) return w.counts.embedding;
+  return w.units[static_cast<size_t>(w.head_unit)].gathered_params;
+}
+
 }  // namespace flatpeak::planner

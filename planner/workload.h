@@ -118,4 +118,8 @@ Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool uni
 // one; 0 without MoE layers.
 int64_t distinct_moe_routings(const ResolvedRun& run, const Workload& w);
 
+// Params of the buffer the loss reads W from (R = 1): the gathered final norm + LM head unit (the
+// norm first, W after it), or the embedding table [V, H] when the head is tied to it.
+int64_t loss_weight_params(const ModelSpec& model, const Workload& w);
+
 }  // namespace flatpeak::planner

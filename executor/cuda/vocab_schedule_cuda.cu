@@ -32,10 +32,17 @@ void check(const VocabScheduleConfig& c) {
     throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
   if (c.mode == exec::VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
+  if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
+    throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
   if (c.vocab > 0x7fffffff) throw std::invalid_argument("vocab schedule: vocab must be < 2^31 (int32 targets)");
 }
 
 int64_t aligned(int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; }
+
+// W's buffer, the LM head unit [U] (run_vocab_schedule's): W [V, H] at head_unit_before_w.
+int64_t head_unit_params(const VocabScheduleConfig& c) {
+  return c.head_unit_before_w + c.vocab * c.hidden + c.head_unit_after_w;
+}
 
 // The op's arguments for one token block (run_vocab_schedule's args_for), without pointers.
 exec::CrossEntropyArgs block_shape(const VocabScheduleConfig& c, int64_t rows) {
@@ -49,15 +56,23 @@ exec::CrossEntropyArgs block_shape(const VocabScheduleConfig& c, int64_t rows) {
   return a;
 }
 
-// X [T, H] bf16, W [V, H] bf16 (vocab), targets [T] i32 (workspace), filled from the seed.
+// X [T, H] bf16, the head unit [U] bf16 holding W [V, H] (vocab), targets [T] i32 (workspace),
+// filled from the seed as run_vocab_schedule fills them.
 struct LossData {
   DeviceBuffer x, w, targets;
+  const Bf16* w_first = nullptr;  // W [V, H] inside w
   LossData(DeviceAllocator& alloc, const VocabScheduleConfig& c, cudaStream_t s)
       : x(alloc, c.tokens * c.hidden * 2, kVocab, s),
-        w(alloc, c.vocab * c.hidden * 2, kVocab, s),
+        w(alloc, head_unit_params(c) * 2, kVocab, s),
         targets(alloc, c.tokens * 4, Category::Workspace, s) {
     exec::cuda_detail::fill_bf16_cuda(x.as<Bf16>(), c.tokens * c.hidden, c.seed * 3 + 1, 1.0f, s);
-    exec::cuda_detail::fill_bf16_cuda(w.as<Bf16>(), c.vocab * c.hidden, c.seed * 3 + 2, 0.5f, s);
+    const int64_t VH = c.vocab * c.hidden;
+    Bf16* unit = w.as<Bf16>();
+    if (c.head_unit_before_w > 0) exec::cuda_detail::fill_bf16_cuda(unit, c.head_unit_before_w, c.seed * 3 + 4, 1.0f, s);
+    exec::cuda_detail::fill_bf16_cuda(unit + c.head_unit_before_w, VH, c.seed * 3 + 2, 0.5f, s);
+    if (c.head_unit_after_w > 0)
+      exec::cuda_detail::fill_bf16_cuda(unit + c.head_unit_before_w + VH, c.head_unit_after_w, c.seed * 3 + 5, 0.5f, s);
+    w_first = unit + c.head_unit_before_w;
     exec::cuda_detail::fill_targets_cuda(targets.as<int32_t>(), c.tokens, c.vocab, c.seed * 3 + 3, s);
   }
 };
@@ -89,7 +104,8 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
   cudaStream_t s = blas.stream();
   VocabScheduleCudaResult result;
   LossData in(alloc, c, s);
-  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, Tb = std::min(c.token_block_rows, c.tokens);
+  const int64_t T = c.tokens, H = c.hidden, Tb = std::min(c.token_block_rows, c.tokens);
+  const int64_t U = head_unit_params(c);
   const int64_t blocks = (T + Tb - 1) / Tb;
   ScopedEvent start, mid, stop;
   start.record(s);
@@ -100,19 +116,19 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
     const int64_t t0 = block * Tb, rows = std::min(Tb, T - t0);
     exec::CrossEntropyArgs a = block_shape(c, rows);
     a.x = in.x.as<Bf16>() + t0 * H;
-    a.w = in.w.raw();
+    a.w = in.w_first;
     a.targets = in.targets.as<int32_t>() + t0;
     a.lse = lse.as<float>() + t0;
     a.loss = loss.as<float>() + t0;
     a.grad_scale = 1.0f / static_cast<float>(T);
     a.d_x = dx.raw() == nullptr ? nullptr : static_cast<void*>(dx.as<Bf16>() + t0 * H);
-    a.d_w = dw.as<float>();
+    a.d_w = dw.raw() == nullptr ? nullptr : dw.as<float>() + c.head_unit_before_w;
     return a;
   };
   auto make_grads = [&]() {
     dx = DeviceBuffer(alloc, T * H * 2, kVocab, s);  // [T, H] bf16
-    dw = DeviceBuffer(alloc, V * H * 4, kVocab, s);  // [V, H] fp32, +=
-    FLATPEAK_CUDA_CHECK(cudaMemsetAsync(dw.raw(), 0, static_cast<size_t>(V * H) * 4, s));
+    dw = DeviceBuffer(alloc, U * 4, kVocab, s);  // the head unit's grads [U] fp32, dW [V, H] +=
+    FLATPEAK_CUDA_CHECK(cudaMemsetAsync(dw.raw(), 0, static_cast<size_t>(U) * 4, s));
   };
   if (c.gradients_in_forward) make_grads();
   for (int64_t b = 0; b < blocks; ++b) {
@@ -162,7 +178,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   exec::MaterializedCrossEntropyArgs m;
   m.dtype = DType::BF16;
   m.x = in.x.raw();
-  m.w = in.w.raw();
+  m.w = in.w_first;
   m.targets = in.targets.as<int32_t>();
   m.logits = logits.raw();
   m.log_probs = log_probs.as<float>();
@@ -177,10 +193,10 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   alloc.set_phase("loss/bwd");
   DeviceBuffer dlogits(alloc, T * V * 4, kVocab, s);  // [T, V] fp32
   DeviceBuffer dx(alloc, T * H * 2, kVocab, s);       // [T, H] bf16
-  DeviceBuffer dw(alloc, V * H * 2, kVocab, s);       // [V, H] bf16: one GEMM over T
+  DeviceBuffer dw(alloc, head_unit_params(c) * 2, kVocab, s);  // the head unit's grads [U] bf16: dW one GEMM over T
   m.d_logits = dlogits.as<float>();
   m.d_x = dx.raw();
-  m.d_w = dw.raw();
+  m.d_w = dw.as<Bf16>() + c.head_unit_before_w;
   exec::materialized_cross_entropy_backward_cuda(m, blas);
   finish_timed_run(result, start, mid, stop, loss, T, s);
   return result;
@@ -190,15 +206,15 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
 
 int64_t vocab_schedule_cuda_peak_bytes(const VocabScheduleConfig& c, int64_t al) {
   check(c);
-  const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
-  const int64_t inputs = aligned(T * H * 2, al) + aligned(V * H * 2, al) + aligned(T * 4, al);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, U = head_unit_params(c);
+  const int64_t inputs = aligned(T * H * 2, al) + aligned(U * 2, al) + aligned(T * 4, al);
   const int64_t rows = 2 * aligned(T * 4, al);  // lse, loss
   if (c.mode == exec::VocabScheduleMode::Materialized) {
     return inputs + rows + aligned(T * V * 2, al) + 2 * aligned(T * V * 4, al) + aligned(T * H * 2, al) +
-           aligned(V * H * 2, al);
+           aligned(U * 2, al);
   }
   const exec::CrossEntropyArgs a = block_shape(c, std::min(c.token_block_rows, c.tokens));
-  const int64_t grads = aligned(T * H * 2, al) + aligned(V * H * 4, al);  // dX, the fp32 dW accumulator
+  const int64_t grads = aligned(T * H * 2, al) + aligned(U * 4, al);  // dX, the fp32 dW accumulator [U]
   if (c.gradients_in_forward) return inputs + rows + grads + aligned(exec::blocked_cross_entropy_workspace_bytes(a), al);
   // Recompute: the forward's blocks hold the logits and row state, the backward's (beside dX and
   // dW) the logits, dX accumulator and dlogits, no row state.

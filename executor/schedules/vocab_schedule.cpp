@@ -18,14 +18,21 @@ namespace flatpeak::exec {
 
 namespace {
 
+int64_t head_unit_params(const VocabScheduleConfig& c) {
+  return c.head_unit_before_w + c.vocab * c.hidden + c.head_unit_after_w;
+}
+
 struct LossData {
-  Tensor x, w, targets;
+  Tensor x, w, targets;  // w: the head unit, W [V, H] at head_unit_before_w
   LossData(TrackingAllocator& alloc, const VocabScheduleConfig& c)
-      : x(alloc, DType::BF16, {c.tokens, c.hidden}, Category::Vocab),   // [T, H] bf16
-        w(alloc, DType::BF16, {c.vocab, c.hidden}, Category::Vocab),    // [V, H] bf16
-        targets(alloc, DType::I32, {c.tokens}, Category::Workspace) {  // [T] i32 labels
+      : x(alloc, DType::BF16, {c.tokens, c.hidden}, Category::Vocab),    // [T, H] bf16
+        w(alloc, DType::BF16, {head_unit_params(c)}, Category::Vocab),  // [U] bf16
+        targets(alloc, DType::I32, {c.tokens}, Category::Workspace) {   // [T] i32 labels
     fill_bf16(x.data<Bf16>(), x.numel(), c.seed * 3 + 1, 1.0f);
-    fill_bf16(w.data<Bf16>(), w.numel(), c.seed * 3 + 2, 0.5f);
+    // W is the same for any unit around it; the rest of the unit (never read here) is random too.
+    fill_bf16(w.data<Bf16>(), c.head_unit_before_w, c.seed * 3 + 4, 1.0f);
+    fill_bf16(w.data<Bf16>() + c.head_unit_before_w, c.vocab * c.hidden, c.seed * 3 + 2, 0.5f);
+    fill_bf16(w.data<Bf16>() + c.head_unit_before_w + c.vocab * c.hidden, c.head_unit_after_w, c.seed * 3 + 5, 0.5f);
     fill_targets(targets.data<int32_t>(), c.tokens, c.vocab, c.seed * 3 + 3);
   }
 };
@@ -33,6 +40,8 @@ struct LossData {
 void check(const VocabScheduleConfig& c) {
   if (c.tokens <= 0 || c.hidden <= 0 || c.vocab <= 0)
     throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
+  if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
+    throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
   if (c.mode == VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
 }
@@ -45,17 +54,17 @@ double mean_of(const Tensor& loss) {
 }
 
 // dX is bf16; dW is the fp32 accumulator (blocked) or the bf16 GEMM output (materialised).
-void copy_out(const Tensor& dx, const Tensor& dw, VocabScheduleResult& r) {
+void copy_out(const Tensor& dx, const void* dw_first, DType dw_dtype, int64_t dw_numel, VocabScheduleResult& r) {
   r.d_x.resize(static_cast<size_t>(dx.numel()));
   const Bf16* px = dx.data<Bf16>();
   for (int64_t i = 0; i < dx.numel(); ++i) r.d_x[static_cast<size_t>(i)] = to_f32(px[i]);
-  if (dw.dtype() == DType::F32) {
-    const float* pw = dw.data<float>();
-    r.d_w.assign(pw, pw + dw.numel());
+  if (dw_dtype == DType::F32) {
+    const float* pw = static_cast<const float*>(dw_first);
+    r.d_w.assign(pw, pw + dw_numel);
   } else {
-    r.d_w.resize(static_cast<size_t>(dw.numel()));
-    const Bf16* pw = dw.data<Bf16>();
-    for (int64_t i = 0; i < dw.numel(); ++i) r.d_w[static_cast<size_t>(i)] = to_f32(pw[i]);
+    r.d_w.resize(static_cast<size_t>(dw_numel));
+    const Bf16* pw = static_cast<const Bf16*>(dw_first);
+    for (int64_t i = 0; i < dw_numel; ++i) r.d_w[static_cast<size_t>(i)] = to_f32(pw[i]);
   }
 }
 
@@ -189,19 +198,21 @@ VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabSche
   LossData data(alloc, config);
   LossInputs in;
   in.x = std::move(data.x);
-  in.w = data.w.data<Bf16>();
+  in.w = data.w.data<Bf16>() + config.head_unit_before_w;
   in.w_storage = std::move(data.w);
   in.targets = data.targets.data<int32_t>();
-  Tensor dw;
+  Tensor dw;              // the head unit's grads [U]
+  void* dw_first = nullptr;  // dW [V, H], +=
   in.make_dw = [&](DType dtype) {
-    dw = Tensor(alloc, dtype, {config.vocab, config.hidden}, Category::Vocab);  // [V, H], +=
+    dw = Tensor(alloc, dtype, {head_unit_params(config)}, Category::Vocab);
     std::memset(dw.raw(), 0, static_cast<size_t>(dw.bytes()));
-    return dw.raw();
+    dw_first = static_cast<unsigned char*>(dw.raw()) + config.head_unit_before_w * dtype_bytes(dtype);
+    return dw_first;
   };
   const LossOutputs out = run_vocab_loss(alloc, config, in);
   VocabScheduleResult result;
   result.mean_loss = out.mean_loss;
-  copy_out(out.d_x, dw, result);
+  copy_out(out.d_x, dw_first, dw.dtype(), config.vocab * config.hidden, result);
   return result;
 }
 

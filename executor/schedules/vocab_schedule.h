@@ -26,6 +26,11 @@ struct VocabScheduleConfig {
   VocabScheduleMode mode = VocabScheduleMode::Blocked;
   bool gradients_in_forward = false;  // blocked only: dX, dW computed during the forward pass
   uint64_t seed = 1;                  // X, W and targets are a pure function of the seed
+  // W's buffer as a step gathers it, the LM head unit: `head_unit_before_w` elements (the final
+  // norm's weight) before W [V, H] and `head_unit_after_w` (the head's bias) after it; dW's buffer
+  // is the unit's grads, laid out the same. 0 and 0: W alone.
+  int64_t head_unit_before_w = 0;
+  int64_t head_unit_after_w = 0;
 };
 
 // Results copied out of the tracked buffers (after they are released).
@@ -38,8 +43,9 @@ struct VocabScheduleResult {
 // Runs forward and backward with every buffer from `alloc`; sets the traces/ phase names
 // loss/fwd[/blkI] and loss/bwd[/blkI] (I = token block); with gradients in forward, loss/bwd is
 // one phase in which dX and dW are held. Buffers and categories:
-//   X [T, H] bf16, W [V, H] bf16, lse [T] fp32, per-token loss [T] fp32, dX [T, H] bf16,
-//   dW [V, H] fp32 — vocab; targets [T] i32 — workspace (input labels, no timeline column);
+//   X [T, H] bf16, the head unit holding W [V, H] bf16, lse [T] fp32, per-token loss [T] fp32, dX
+//   [T, H] bf16, the head unit's grads holding dW [V, H] (fp32 blocked, bf16 materialised) — vocab;
+//   targets [T] i32 — workspace (input labels, no timeline column);
 //   blocked: the op's workspace (fp32 logits block [T_blk, V_blk], dX rows [T_blk, H], row state) — vocab;
 //   materialised: logits [T, V] bf16, log-softmax [T, V] fp32, dlogits [T, V] fp32 — vocab.
 VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabScheduleConfig& config);

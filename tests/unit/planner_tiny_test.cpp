@@ -65,14 +65,16 @@ TEST(PlannerTiny, BaselinePhasesAndPeaks) {
             state + 864 + 528 + 512 + 512 + route + 384 + 512 + 512 + 128);
 
   // Loss (materialized): boundaries x0, x1 + final hidden (768).
-  // loss/fwd vocab: X 256 + W 32*8*2 = 512 + lse and per-token loss [16] fp32, 64 each +
-  // logits 16*32*2 = 1024 + log-softmax 2048 = 3968.
-  EXPECT_EQ(phase(p, "loss/fwd").device_bytes(), state + 768 + 3968);
-  // loss/bwd vocab: + dlogits 2048 + dX 256 + dW 512 (bf16, one GEMM) = 6784; FSDP prefetch of L1 (864).
+  // loss/fwd vocab: X 256 + W, read from the gathered head unit (final norm 8, then 32*8):
+  // 264*2 = 528 + lse and per-token loss [16] fp32, 64 each + logits 16*32*2 = 1024 + log-softmax
+  // 2048 = 3984.
+  EXPECT_EQ(phase(p, "loss/fwd").device_bytes(), state + 768 + 3984);
+  // loss/bwd vocab: + dlogits 2048 + dX 256 + dW into the unit's grads 528 (bf16, one GEMM) = 6816;
+  // FSDP prefetch of L1 (864).
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/bwd");
-  EXPECT_EQ(vocab.component_bytes, 6784);
-  EXPECT_EQ(vocab.bytes, state + 768 + 6784 + 864);
+  EXPECT_EQ(vocab.component_bytes, 6816);
+  EXPECT_EQ(vocab.bytes, state + 768 + 6816 + 864);
 
   // Backward: of the folded layers L0-L1, L0 is the worst instance (one boundary fewer than L1,
   // 256 B, but L1's grad shard reduced, 312*4 = 1248 B, and its reduce-scatter input in flight).
@@ -160,8 +162,8 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
       {"fwd/L0/moe/dispatch", fwd_base + 512 + route + meta + 256 + 256 + 64},
       {"fwd/L0/moe/experts", fwd_base + 512 + route + meta + saved_experts + probs},
       {"fwd/L0/moe/combine", fwd_base + 512 + route + meta + 4 * 256},
-      {"loss/fwd", state + 512 + 3968},  // with lse and per-token loss (64 B each)
-      {"loss/bwd", state + 512 + 640 + 6784},
+      {"loss/fwd", state + 512 + 3984},  // with lse and per-token loss (64 B each); W from the head unit (528)
+      {"loss/bwd", state + 512 + 640 + 6816},
       {"bwd/L0/recompute/attn", rec_base + attn_saved + 768},
       {"bwd/L0/recompute/moe/dispatch", rec_base + block + route + meta + 256 + 256 + 64},
       {"bwd/L0/recompute/moe/experts", rec_base + block + route + meta + saved_experts + 256 + probs},
@@ -180,7 +182,7 @@ TEST(PlannerTiny, BaselineEveryPhaseOneLayerTop1) {
   }
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).phase, "bwd/L0/recompute/moe/combine");
   EXPECT_EQ(p.summary.peak(PeakKind::Dispatch).component_bytes, route + meta + saved_experts + probs + 4 * 256);
-  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6784);
+  EXPECT_EQ(p.summary.peak(PeakKind::Vocab).bytes, state + 512 + 640 + 6816);
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).phase, "bwd/L0/moe/experts");
   EXPECT_EQ(p.summary.peak(PeakKind::Checkpoint).component_bytes, 256);
   EXPECT_EQ(p.summary.peak(PeakKind::Layer).phase, "bwd/L0/attn");
@@ -296,15 +298,16 @@ TEST(PlannerTiny, PracticeBlockedLossAndSyncOffload) {
   // Liger heuristic: ceil(V/H) = 4, next_pow2(ceil(16/4)) = 4 tokens per block; V_blk = V.
   EXPECT_EQ(p.run.token_block, 4);
   EXPECT_EQ(p.run.vocab_block, 32);
-  // Gradients in forward: X 256, W 512, logits block 4*32*4 = 512, online state of the token block
+  // Gradients in forward: X 256, W from the head unit (8 + 32*8)*2 = 528, logits block 4*32*4 = 512, online state of the token block
   // 3*4*4 = 48, lse 64, per-token loss 64, dlogits block 4*32*2 = 256, dX acc of the token block
-  // 4*8*4 = 128 written into dX 16*8*2 = 256 (R = 1, token-block outer), dW acc 32*8*4 = 1024.
+  // 4*8*4 = 128 written into dX 16*8*2 = 256 (R = 1, token-block outer), dW acc: the head unit's
+  // grads (8 + 32*8)*4 = 1056.
   const Peak& vocab = p.summary.peak(PeakKind::Vocab);
   EXPECT_EQ(vocab.phase, "loss/fwd/blk0");
-  EXPECT_EQ(vocab.component_bytes, 256 + 512 + 512 + 48 + 64 + 64 + 256 + 128 + 256 + 1024);
-  // The backward holds what the forward computed: dX bf16 256, the fp32 dW accumulator 1024 and
+  EXPECT_EQ(vocab.component_bytes, 256 + 528 + 512 + 48 + 64 + 64 + 256 + 128 + 256 + 1056);
+  // The backward holds what the forward computed: dX bf16 256, the fp32 dW accumulator 1056 and
   // the per-token loss 64.
-  EXPECT_EQ(phase(p, "loss/bwd").terms.bytes(Category::Vocab), 256 + 1024 + 64);
+  EXPECT_EQ(phase(p, "loss/bwd").terms.bytes(Category::Vocab), 256 + 1056 + 64);
   // Synchronous offload: only the boundary in use is on the device; host holds both.
   EXPECT_EQ(phase(p, "fwd/L1/attn").terms.bytes(Category::Boundaries), 256);
   EXPECT_EQ(phase(p, "loss/fwd/blk0").terms.bytes(Category::Boundaries), 256);  // final hidden only
@@ -590,9 +593,9 @@ TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {
   EXPECT_TRUE(p.run.mtp);
   EXPECT_TRUE(has_phase(p, "fwd/MTP0/attn"));
   EXPECT_TRUE(has_phase(p, "loss/mtp0/bwd"));
-  // While the MTP loss runs backward (6784 with its lse and loss), the main loss keeps X, logits,
+  // While the MTP loss runs backward (6816 with its lse and loss), the main loss keeps X, logits,
   // log-softmax, lse and loss (256+1024+2048+64+64).
-  EXPECT_EQ(phase(p, "loss/mtp0/bwd").terms.bytes(Category::Vocab), 6784 + 3456);
+  EXPECT_EQ(phase(p, "loss/mtp0/bwd").terms.bytes(Category::Vocab), 6816 + 3456);
   EXPECT_EQ(p.summary.peak(PeakKind::Vocab).phase, "loss/mtp0/bwd");
   const Plan off = plan_of(m, tiny_gpu(), with({{"--mtp", "off"}}));
   EXPECT_FALSE(has_phase(off, "loss/mtp0/bwd"));

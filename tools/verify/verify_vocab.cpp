@@ -5,6 +5,7 @@
 
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/vocab_schedule.h"
+#include "spec/param_count.h"
 #include "verify_common.h"
 
 namespace flatpeak::cli {
@@ -20,6 +21,14 @@ exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const Sc
   c.vocab_block_rows = s.vocab_block;
   c.mode = in.vocab_mode == "materialized" ? exec::VocabScheduleMode::Materialized : exec::VocabScheduleMode::Blocked;
   c.gradients_in_forward = in.vocab_backward == "in-forward";
+  // W is read from the gathered LM head unit, as in a step and as the planner counts it: the final
+  // norm before W, the head's bias after it. A tied head reads the embedding table, W alone.
+  const ModelSpec model = scaled_model(in, s);
+  if (!model.tie_word_embeddings) {
+    const ParamCounts pc = count_params(model);
+    c.head_unit_before_w = pc.final_norm;
+    c.head_unit_after_w = pc.lm_head - s.vocab * s.hidden;
+  }
   return c;
 }
 
