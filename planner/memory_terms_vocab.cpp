@@ -43,7 +43,7 @@ VocabShape shape_of(const Context& c) {
 
 void add_x_w(const VocabShape& s, TermList& t) {
   t.add("X (final norm output)", {{"T", s.T}, {"H", s.H}}, kBf16, kVoc);
-  if (s.R == 1 && s.tied) t.add_flat("W (embedding table, gathered: tied head)", "V·H", s.w_params, kBf16, kVoc);
+  if (s.R == 1 && s.tied) t.add_flat("W (embedding table, gathered: tied head) and the head unit (final norm)", "V·H+U", s.w_params, kBf16, kVoc);
   else if (s.R == 1) t.add_flat("W (LM head unit, gathered: final norm, then W [V, H])", "U", s.w_params, kBf16, kVoc);
   else t.add("W shard (LM head, gathered)", {{"V/R", s.shard}, {"H", s.H}}, kBf16, kVoc);
 }

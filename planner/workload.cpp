@@ -191,8 +191,8 @@ Workload make_workload(const ModelSpec& model, const ResolvedRun& run) {
 }
 
 int64_t loss_weight_params(const ModelSpec& model, const Workload& w) {
-  if (model.tie_word_embeddings) return w.counts.embedding;
-  return w.units[static_cast<size_t>(w.head_unit)].gathered_params;
+  const int64_t head = w.units[static_cast<size_t>(w.head_unit)].gathered_params;
+  return model.tie_word_embeddings ? checked_add(w.counts.embedding, head) : head;
 }
 
 }  // namespace flatpeak::planner

@@ -119,7 +119,8 @@ Workload workload_units(const ModelSpec& model, const ResolvedRun& run, bool uni
 int64_t distinct_moe_routings(const ResolvedRun& run, const Workload& w);
 
 // Params of the buffer the loss reads W from (R = 1): the gathered final norm + LM head unit (the
-// norm first, W after it), or the embedding table [V, H] when the head is tied to it.
+// norm first, W after it). With a tied head W is the gathered embedding table [V, H] and the head
+// unit (the final norm) is gathered beside it: both, counted as one term.
 int64_t loss_weight_params(const ModelSpec& model, const Workload& w);
 
 }  // namespace flatpeak::planner

@@ -52,12 +52,17 @@ Workspace carve(const CrossEntropyArgs& a, bool backward_only) {
   return ws;
 }
 
-// logits[r, c] = x[t0 + r] · w[v0 + c], fp32.
+// logits[r, c] = x[t0 + r] · w[v0 + c] (+ bias[v0 + c]), fp32.
 template <class T>
 void logits_block(const CrossEntropyArgs& a, int64_t t0, int64_t tb, int64_t v0, int64_t vb,
                   float* logits) {
+  if (a.bias) {
+    const T* b = static_cast<const T*>(a.bias) + v0;
+    for (int64_t r = 0; r < tb; ++r)
+      for (int64_t c = 0; c < vb; ++c) logits[r * vb + c] = to_f32(b[c]);
+  }
   gemm_cpu(false, true, tb, vb, a.hidden, 1.0f, static_cast<const T*>(a.x) + t0 * a.hidden,
-           a.hidden, static_cast<const T*>(a.w) + v0 * a.hidden, a.hidden, false, logits, vb);
+           a.hidden, static_cast<const T*>(a.w) + v0 * a.hidden, a.hidden, a.bias != nullptr, logits, vb);
 }
 
 template <class T>
@@ -107,6 +112,13 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, 
     gemm_cpu(true, false, vb, a.hidden, tb, 1.0f, dz, vb,
              static_cast<const T*>(a.x) + t0 * a.hidden, a.hidden, true, a.d_w + v0 * a.hidden,
              a.hidden);
+    if (a.d_bias) {  // d bias += Σ_r dz, fp32
+      for (int64_t c = 0; c < vb; ++c) {
+        float sum = 0.0f;
+        for (int64_t r = 0; r < tb; ++r) sum += to_f32(dz[r * vb + c]);
+        a.d_bias[v0 + c] += sum;
+      }
+    }
   }
   T* dx = static_cast<T*>(a.d_x) + t0 * a.hidden;
   for (int64_t i = 0; i < tb * a.hidden; ++i) store_f32(&dx[i], ws.dx_acc[i]);
@@ -118,6 +130,7 @@ void run(const CrossEntropyArgs& a, Pass pass) {
   check(a);
   if (pass != Pass::Forward) {
     require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
+    require(!a.bias || a.d_bias, "cross_entropy", "backward with a bias needs d_bias");
   }
   const Workspace ws = carve(a, pass == Pass::Backward);
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
@@ -160,8 +173,12 @@ void materialized_cross_entropy_forward_cpu(const MaterializedCrossEntropyArgs& 
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     T* logits = static_cast<T*>(a.logits);
+    if (a.bias) {  // the GEMM adds x·Wᵀ to the bias in fp32 and rounds once
+      const T* b = static_cast<const T*>(a.bias);
+      for (int64_t t = 0; t < a.tokens; ++t) std::copy(b, b + a.vocab, logits + t * a.vocab);
+    }
     gemm_cpu(false, true, a.tokens, a.vocab, a.hidden, 1.0f, static_cast<const T*>(a.x), a.hidden,
-             static_cast<const T*>(a.w), a.hidden, false, logits, a.vocab);
+             static_cast<const T*>(a.w), a.hidden, a.bias != nullptr, logits, a.vocab);
     for (int64_t t = 0; t < a.tokens; ++t) {
       const T* z = logits + t * a.vocab;
       float* lp = a.log_probs + t * a.vocab;
@@ -182,6 +199,7 @@ void materialized_cross_entropy_forward_cpu(const MaterializedCrossEntropyArgs& 
 void materialized_cross_entropy_backward_cpu(const MaterializedCrossEntropyArgs& a) {
   require(a.log_probs && a.d_logits && a.d_x && a.d_w && a.x && a.w && a.targets,
           "cross_entropy", "materialised backward needs log_probs, d_logits, d_x, d_w, x, w");
+  require(!a.bias || a.d_bias, "cross_entropy", "materialised backward with a bias needs d_bias");
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t = 0; t < a.tokens; ++t) {
@@ -197,6 +215,14 @@ void materialized_cross_entropy_backward_cpu(const MaterializedCrossEntropyArgs&
     // One GEMM over all T: fp32 accumulation inside, dW written once in the compute dtype.
     gemm_cpu(true, false, a.vocab, a.hidden, a.tokens, 1.0f, dz, a.vocab,
              static_cast<const T*>(a.x), a.hidden, false, static_cast<T*>(a.d_w), a.hidden);
+    if (a.d_bias) {  // d bias = Σ_t dz in fp32, written once in the compute dtype
+      T* db = static_cast<T*>(a.d_bias);
+      for (int64_t j = 0; j < a.vocab; ++j) {
+        float sum = 0.0f;
+        for (int64_t t = 0; t < a.tokens; ++t) sum += dz[t * a.vocab + j];
+        store_f32(&db[j], sum);
+      }
+    }
   });
 }
 

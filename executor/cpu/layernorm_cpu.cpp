@@ -6,7 +6,7 @@ namespace {
 
 void check(const LayerNormArgs& a) {
   require(a.tokens >= 0 && a.hidden > 0, "layernorm", "tokens must be >= 0 and hidden > 0");
-  require(a.x && a.weight && a.bias && a.mean && a.rstd, "layernorm", "needs x, weight, bias, mean and rstd");
+  require(a.x && a.weight && a.mean && a.rstd, "layernorm", "needs x, weight, mean and rstd");
 }
 
 }  // namespace
@@ -15,7 +15,7 @@ int64_t layernorm_workspace_bytes(const LayerNormArgs& a) { return 2 * a.hidden 
 
 void layernorm_forward_cpu(const LayerNormArgs& a) {
   check(a);
-  require(a.out != nullptr, "layernorm", "forward needs out");
+  require(a.out && a.bias, "layernorm", "forward needs out and bias");
   dispatch_compute(a.dtype, "layernorm", [&](auto tag) {
     using T = decltype(tag);
     const T* x = static_cast<const T*>(a.x);
@@ -24,12 +24,8 @@ void layernorm_forward_cpu(const LayerNormArgs& a) {
     T* out = static_cast<T*>(a.out);
     for (int64_t t = 0; t < a.tokens; ++t) {
       const T* xr = x + t * a.hidden;
-      float sum = 0.0f;
-      for (int64_t h = 0; h < a.hidden; ++h) sum += to_f32(xr[h]);
-      const float mean = sum / static_cast<float>(a.hidden);
-      float sum_sq = 0.0f;
-      for (int64_t h = 0; h < a.hidden; ++h) sum_sq += (to_f32(xr[h]) - mean) * (to_f32(xr[h]) - mean);
-      const float rstd = layernorm_rstd(sum_sq, a.hidden, a.eps);
+      float mean = 0.0f, rstd = 0.0f;
+      layernorm_row_stats(xr, a.hidden, a.eps, mean, rstd);
       a.mean[t] = mean;
       a.rstd[t] = rstd;
       for (int64_t h = 0; h < a.hidden; ++h)

@@ -55,14 +55,25 @@ const void* offset_rows(const void* base, int64_t row, int64_t hidden, DType dty
   return static_cast<const unsigned char*>(base) + row * hidden * dtype_bytes(dtype);
 }
 
+// The head bias of vocab rows v0.. over [rows, vb] of `out` (the logits GEMM then adds into it).
+template <class To>
+void broadcast_bias(const void* bias, DType dtype, int64_t v0, int64_t rows, int64_t vb, To* out, cudaStream_t stream) {
+  if (bias == nullptr) return;
+  dispatch_compute(dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    cuda_detail::launch_broadcast_bias(static_cast<const T*>(bias) + v0, out, rows, vb, stream);
+  });
+}
+
 void forward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
                    int64_t t0, int64_t tb) {
   cuda_detail::blocked_forward_block(
       ws.logits, ws.row_max, ws.row_sum, ws.target_logit, a.targets + t0, a.lse + t0, a.loss + t0,
       tb, a.vocab, a.vocab_block_rows, blas.stream(), [&](int64_t v0, int64_t vb) {
+        broadcast_bias(a.bias, a.dtype, v0, tb, vb, ws.logits, blas.stream());
         cuda::gemm_cuda(blas, false, true, tb, vb, a.hidden, 1.0f, a.dtype,
                         offset_rows(a.x, t0, a.hidden, a.dtype), a.hidden, a.dtype,
-                        offset_rows(a.w, v0, a.hidden, a.dtype), a.hidden, false, DType::F32,
+                        offset_rows(a.w, v0, a.hidden, a.dtype), a.hidden, a.bias != nullptr, DType::F32,
                         ws.logits, vb);
       });
 }
@@ -74,8 +85,9 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(ws.dx_acc, 0, static_cast<size_t>(tb * H) * 4, stream));
   const void* x_blk = offset_rows(a.x, t0, H, a.dtype);
   auto logits_gemm = [&](int64_t v0, int64_t vb) {
+    broadcast_bias(a.bias, a.dtype, v0, tb, vb, ws.logits, stream);
     cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype, x_blk, H, a.dtype,
-                    offset_rows(a.w, v0, H, a.dtype), H, false, DType::F32, ws.logits, vb);
+                    offset_rows(a.w, v0, H, a.dtype), H, a.bias != nullptr, DType::F32, ws.logits, vb);
   };
   // dX_blk += dz · W_blk;  dW_blk += dzᵀ · X_blk  (compute-dtype operands, fp32 accumulators)
   auto grad_gemms = [&](int64_t v0, int64_t vb) {
@@ -84,6 +96,11 @@ void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::
                     H, true, DType::F32, ws.dx_acc, H);
     cuda::gemm_cuda(blas, true, false, vb, H, tb, 1.0f, a.dtype, ws.dlogits, vb, a.dtype, x_blk,
                     H, true, DType::F32, a.d_w + v0 * H, H);
+    if (a.d_bias != nullptr)  // d bias += Σ_r dz (fp32)
+      dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+        using T = decltype(tag);
+        cuda_detail::launch_bias_grad(static_cast<const T*>(ws.dlogits), tb, vb, a.d_bias + v0, true, stream);
+      });
   };
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
@@ -106,6 +123,7 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
           "needs x, w, targets, lse, loss and a workspace");
   if (pass != Pass::Forward) {
     require(a.d_x && a.d_w, "cross_entropy", "backward needs d_x and d_w");
+    require(!a.bias || a.d_bias, "cross_entropy", "backward with a bias needs d_bias");
   }
   dispatch_compute(a.dtype, "cross_entropy", [](auto) {});
   const Workspace ws = carve(a, pass == Pass::Backward);
@@ -133,8 +151,12 @@ void materialized_cross_entropy_forward_cuda(const MaterializedCrossEntropyArgs&
                                              const cuda::CublasContext& blas) {
   check_materialized(a);
   if (a.tokens == 0) return;
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using T = decltype(tag);
+    broadcast_bias(a.bias, a.dtype, 0, a.tokens, a.vocab, static_cast<T*>(a.logits), blas.stream());
+  });
   cuda::gemm_cuda(blas, false, true, a.tokens, a.vocab, a.hidden, 1.0f, a.dtype, a.x, a.hidden,
-                  a.dtype, a.w, a.hidden, false, a.dtype, a.logits, a.vocab);
+                  a.dtype, a.w, a.hidden, a.bias != nullptr, a.dtype, a.logits, a.vocab);
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     cuda_detail::materialized_log_softmax(static_cast<const T*>(a.logits), a.log_probs, a.targets,
@@ -147,6 +169,7 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
   check_materialized(a);
   require(a.d_logits && a.d_x && a.d_w, "cross_entropy",
           "materialised backward needs d_logits, d_x and d_w");
+  require(!a.bias || a.d_bias, "cross_entropy", "materialised backward with a bias needs d_bias");
   const int64_t T = a.tokens, V = a.vocab, H = a.hidden;
   if (T == 0) return;
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
@@ -159,6 +182,11 @@ void materialized_cross_entropy_backward_cuda(const MaterializedCrossEntropyArgs
                   a.dtype, a.d_x, H);
   cuda::gemm_cuda(blas, true, false, V, H, T, 1.0f, a.dtype, a.logits, V, a.dtype, a.x, H, false,
                   a.dtype, a.d_w, H);
+  // d bias = Σ_t d_logits in fp32 (the CPU sums the same fp32 values), written in the compute dtype.
+  dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
+    using Tc = decltype(tag);
+    cuda_detail::launch_bias_grad(a.d_logits, T, V, static_cast<Tc*>(a.d_bias), false, blas.stream());
+  });
 }
 
 namespace cuda_detail {

@@ -80,6 +80,26 @@ __global__ void store_kernel(const float* src, T* dst, int64_t n) {
   for (int64_t i = global_thread(); i < n; i += grid_threads()) store_f32(&dst[i], src[i]);
 }
 
+// ---- the LM head's bias (both schedules) ----
+
+// out[r, c] = bias[c] over [rows, cols]: the logits GEMM then adds x·Wᵀ into it (beta = 1) and rounds
+// once, as the CPU op does.
+template <class Tb, class To>
+__global__ void broadcast_bias_kernel(const Tb* bias, To* out, int64_t rows, int64_t cols) {
+  for (int64_t i = global_thread(); i < rows * cols; i += grid_threads()) store_f32(&out[i], to_f32(bias[i % cols]));
+}
+
+// One thread per column: d_bias[c] (+)= Σ_r dz[r, c], the sum in fp32 over the rows in order (the
+// CPU's order). Adjacent threads read adjacent columns.
+template <class Tz, class To>
+__global__ void bias_grad_kernel(const Tz* dz, int64_t rows, int64_t cols, To* d_bias, bool accumulate) {
+  for (int64_t c = global_thread(); c < cols; c += grid_threads()) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) sum += to_f32(dz[r * cols + c]);
+    store_f32(&d_bias[c], accumulate ? to_f32(d_bias[c]) + sum : sum);
+  }
+}
+
 // ---- materialised (the naive baseline) ----
 
 // One block per token row: max and Σ e^(z − max) over the stored logits, then the fp32 log-probs.
@@ -149,6 +169,18 @@ void launch_dlogits(const float* logits, T* dz, int64_t rows, int64_t vb, int64_
                     cudaStream_t stream) {
   FLATPEAK_LAUNCH(dlogits_kernel<T>, static_cast<unsigned>(rows), kThreads, 0, stream, logits, dz,
                   vb, v0, targets, lse, grad_scale);
+}
+
+// The head bias's two steps (no-ops without a bias).
+template <class Tb, class To>
+void launch_broadcast_bias(const Tb* bias, To* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (bias == nullptr || rows <= 0 || cols <= 0) return;
+  FLATPEAK_LAUNCH((broadcast_bias_kernel<Tb, To>), grid_for(rows * cols), kThreads, 0, stream, bias, out, rows, cols);
+}
+template <class Tz, class To>
+void launch_bias_grad(const Tz* dz, int64_t rows, int64_t cols, To* d_bias, bool accumulate, cudaStream_t stream) {
+  if (d_bias == nullptr || cols <= 0) return;
+  FLATPEAK_LAUNCH((bias_grad_kernel<Tz, To>), grid_for(cols), kThreads, 0, stream, dz, rows, cols, d_bias, accumulate);
 }
 
 // The blocked forward of one token block of tb rows: the running (max, sum) initialised, then per

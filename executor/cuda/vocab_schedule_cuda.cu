@@ -34,6 +34,8 @@ void check(const VocabScheduleConfig& c) {
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
   if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
     throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
+  if (c.head_bias && c.head_unit_after_w < c.vocab)
+    throw std::invalid_argument("vocab schedule: a head bias needs head_unit_after_w >= vocab");
   if (c.vocab > 0x7fffffff) throw std::invalid_argument("vocab schedule: vocab must be < 2^31 (int32 targets)");
 }
 
@@ -117,12 +119,14 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
     exec::CrossEntropyArgs a = block_shape(c, rows);
     a.x = in.x.as<Bf16>() + t0 * H;
     a.w = in.w_first;
+    a.bias = c.head_bias ? in.w_first + c.vocab * H : nullptr;
     a.targets = in.targets.as<int32_t>() + t0;
     a.lse = lse.as<float>() + t0;
     a.loss = loss.as<float>() + t0;
     a.grad_scale = 1.0f / static_cast<float>(T);
     a.d_x = dx.raw() == nullptr ? nullptr : static_cast<void*>(dx.as<Bf16>() + t0 * H);
     a.d_w = dw.raw() == nullptr ? nullptr : dw.as<float>() + c.head_unit_before_w;
+    a.d_bias = dw.raw() == nullptr || !c.head_bias ? nullptr : dw.as<float>() + c.head_unit_before_w + c.vocab * H;
     return a;
   };
   auto make_grads = [&]() {
@@ -179,6 +183,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   m.dtype = DType::BF16;
   m.x = in.x.raw();
   m.w = in.w_first;
+  m.bias = c.head_bias ? in.w_first + V * H : nullptr;
   m.targets = in.targets.as<int32_t>();
   m.logits = logits.raw();
   m.log_probs = log_probs.as<float>();
@@ -197,6 +202,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   m.d_logits = dlogits.as<float>();
   m.d_x = dx.raw();
   m.d_w = dw.as<Bf16>() + c.head_unit_before_w;
+  m.d_bias = c.head_bias ? static_cast<void*>(dw.as<Bf16>() + c.head_unit_before_w + V * H) : nullptr;
   exec::materialized_cross_entropy_backward_cuda(m, blas);
   finish_timed_run(result, start, mid, stop, loss, T, s);
   return result;

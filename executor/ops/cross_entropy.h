@@ -1,6 +1,8 @@
 // Cross-entropy of the vocabulary projection, blocked with an online log-sum-exp (no [T, V]
 // buffer: one [T_blk, V_blk] fp32 block of logits at a time), and the materialised version the
 // naive schedule runs, for comparison.
+// With a head bias the logits are x·Wᵀ + b (the bias added in fp32 before the one rounding) and its
+// gradient is Σ_t dz, summed in fp32 over the tokens (blocked: of the rounded dz the GEMMs read).
 //   CrossEntropyArgs a; a.x = x; a.w = w; a.targets = y; a.lse = lse; a.loss = loss;
 //   a.tokens = T; a.vocab = V; a.hidden = H; a.grad_scale = 1.0f / T; a.workspace = ws;
 //   blocked_cross_entropy_forward_cpu(a);  a.d_x = dx; a.d_w = dw; blocked_cross_entropy_backward_cpu(a);
@@ -17,12 +19,14 @@ struct CrossEntropyArgs {
   DType dtype = DType::F32;         // storage of x, w, d_x (f32 or bf16)
   const void* x = nullptr;          // [T, H] final hidden states
   const void* w = nullptr;          // [V, H] LM head
+  const void* bias = nullptr;       // [V] LM head bias in the storage dtype (Phi-3.5-MoE), or null
   const int32_t* targets = nullptr; // [T] in 0..V-1, or negative: ignored (loss 0, no gradient)
   float* lse = nullptr;             // [T] fp32 log-sum-exp of the logits; forward writes
   float* loss = nullptr;            // [T] fp32 lse − z_target (0 for ignored tokens)
   float grad_scale = 1.0f;          // g = dL/dloss_t for every kept token (1 / N_kept for a mean)
   void* d_x = nullptr;              // [T, H] overwritten
   float* d_w = nullptr;             // [V, H] fp32, accumulated (+=) over token blocks
+  float* d_bias = nullptr;          // [V] fp32, accumulated (+=) over token blocks; with bias, backward
   float* workspace = nullptr;       // blocked_cross_entropy_{forward_,backward_,}workspace_bytes()
   int64_t tokens = 0;
   int64_t vocab = 0;
@@ -57,6 +61,7 @@ struct MaterializedCrossEntropyArgs {
   DType dtype = DType::F32;          // storage of x, w, logits, d_x
   const void* x = nullptr;           // [T, H]
   const void* w = nullptr;           // [V, H]
+  const void* bias = nullptr;        // [V] compute dtype, or null
   const int32_t* targets = nullptr;  // [T], negative = ignored
   void* logits = nullptr;            // [T, V] compute dtype
   float* log_probs = nullptr;        // [T, V] fp32
@@ -66,6 +71,7 @@ struct MaterializedCrossEntropyArgs {
   float grad_scale = 1.0f;
   void* d_x = nullptr;               // [T, H] overwritten
   void* d_w = nullptr;               // [V, H] compute dtype, overwritten
+  void* d_bias = nullptr;            // [V] compute dtype, overwritten; with bias, backward
   int64_t tokens = 0;
   int64_t vocab = 0;
   int64_t hidden = 0;

@@ -42,6 +42,18 @@ FLATPEAK_HD inline float layernorm_rstd(float sum_squared_deviations, int64_t hi
   return 1.0f / sqrtf(sum_squared_deviations / static_cast<float>(hidden) + eps);
 }
 
+// One row's mean and rstd as the CPU forward computes and saves them (two passes over the row):
+// a step that recomputes them for the backward calls this too, so they are the forward's bit for bit.
+template <class T>
+inline void layernorm_row_stats(const T* row, int64_t hidden, float eps, float& mean, float& rstd) {
+  float sum = 0.0f;
+  for (int64_t h = 0; h < hidden; ++h) sum += to_f32(row[h]);
+  mean = sum / static_cast<float>(hidden);
+  float sum_sq = 0.0f;
+  for (int64_t h = 0; h < hidden; ++h) sum_sq += (to_f32(row[h]) - mean) * (to_f32(row[h]) - mean);
+  rstd = layernorm_rstd(sum_sq, hidden, eps);
+}
+
 // dx for one element: rstd · (g − mean(g) − x̂ · mean(g · x̂)) with g = w ⊙ dy, x̂ = (x − mean) · rstd.
 FLATPEAK_HD inline float layernorm_dx(float g, float xhat, float rstd, float mean_g, float mean_g_xhat) {
   return rstd * (g - mean_g - xhat * mean_g_xhat);

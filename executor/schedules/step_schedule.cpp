@@ -38,6 +38,7 @@
 #include "executor/memory/tensor.h"
 #include "executor/ops/adamw.h"
 #include "executor/ops/embedding.h"
+#include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/schedule_util.h"
 #include "spec/param_count.h"
@@ -61,7 +62,6 @@ void check(const StepScheduleConfig& c) {
   for (const LayerSpec& l : m.layers)
     require(l.ffn == FfnKind::Moe || m.dense_ffn_width > 0, "a dense FFN layer needs dense_ffn_width > 0");
   require(!m.tie_word_embeddings, "an untied LM head only");
-  require(!m.lm_head_bias && !m.norm_bias, "RMSNorm norms and an LM head without a bias only");
   require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
@@ -88,6 +88,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
     l.shared_ffn = m.shared_expert_ffn_width;
     l.shared_gate = m.shared_expert_gate && l.shared_ffn > 0;
   }
+  l.layer_norm = m.norm_bias;
   l.dtype = DType::BF16;
   check_layer_config(l);
   return l;
@@ -422,17 +423,35 @@ class StepRun {
     Tensor targets(a_, DType::I32, {T_}, Category::Workspace);  // input labels: the next token
     for (int64_t t = 0; t < T_; ++t)
       targets.data<int32_t>()[t] = t + 1 < T_ ? token_id(t + 1) : static_cast<int32_t>(mix64(data_seed_ * 7 + 13, 0) % static_cast<uint64_t>(V_));
+    const bool layer_norm = c_.model.norm_bias;
+    const int64_t norm_params = layer_norm ? 2 * H_ : H_;  // the final norm's weight (and LayerNorm's bias)
     Tensor& head = gathered_[static_cast<size_t>(head_)];
-    head.set_category(Category::Vocab);  // the gathered head: [final norm | W]
-    Tensor head_grads;                   // [U] the head's grads: dW after the final norm's [H]
+    head.set_category(Category::Vocab);  // the gathered head: [final norm | W | head bias]
+    Tensor head_grads;                   // [U] the head's grads, laid out as the unit
     Tensor norm_weight;                  // [H] the final norm's weight, kept when W goes
     LossInputs io;
-    io.w = head.data<Bf16>() + H_;
+    io.w = head.data<Bf16>() + norm_params;
+    if (c_.model.lm_head_bias) io.bias = io.w + V_ * H_;
     io.w_storage = std::move(head);
     io.targets = targets.data<int32_t>();
     io.on_forward = [&] {
       io.x = Tensor(a_, DType::BF16, {T_, H_}, Category::Vocab);  // X = final_norm(h_L)
       Tensor rstd(a_, DType::F32, {T_}, Category::Activations);   // recomputed in backward
+      if (layer_norm) {
+        Tensor mean(a_, DType::F32, {T_}, Category::Activations);  // recomputed in backward
+        LayerNormArgs n;
+        n.dtype = DType::BF16;
+        n.x = h_last.raw();
+        n.weight = io.w_storage.raw();
+        n.bias = io.w_storage.data<Bf16>() + H_;
+        n.out = io.x.raw();
+        n.mean = mean.data<float>();
+        n.rstd = rstd.data<float>();
+        n.tokens = T_;
+        n.hidden = H_;
+        layernorm_forward_cpu(n);
+        return;
+      }
       RmsNormArgs n;
       n.dtype = DType::BF16;
       n.x = h_last.raw();
@@ -449,10 +468,13 @@ class StepRun {
       const int64_t n = dtype == DType::F32 ? shards_->reduce_scatter_input_params(static_cast<size_t>(head_)) : U(head_);
       head_grads = Tensor(a_, dtype, {n}, Category::Vocab);
       zero(head_grads);
-      return static_cast<void*>(static_cast<unsigned char*>(head_grads.raw()) + H_ * dtype_bytes(dtype));
+      unsigned char* dw = static_cast<unsigned char*>(head_grads.raw()) + norm_params * dtype_bytes(dtype);
+      if (c_.model.lm_head_bias) io.d_bias = dw + V_ * H_ * dtype_bytes(dtype);
+      return static_cast<void*>(dw);
     };
     io.on_backward = [&] { gather(layer_unit(L_ - 1)); };  // prefetch
     io.before_release = [&] {
+      // The norm's backward reads its weight, not LayerNorm's bias (whose gradient is Σ dy).
       norm_weight = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);  // gathered, kept for the norm's backward
       std::memcpy(norm_weight.raw(), io.w_storage.raw(), static_cast<size_t>(H_) * 2);
     };
@@ -460,38 +482,63 @@ class StepRun {
     r.loss = out.mean_loss;
     // The final norm's backward: dy = d h_L (the layers' gradient stream), the norm's weight grad.
     Tensor rstd(a_, DType::F32, {T_}, Category::Activations);
+    Tensor mean;  // LayerNorm's, recomputed as layernorm_forward_cpu computes it
+    if (layer_norm) mean = Tensor(a_, DType::F32, {T_}, Category::Activations);
     {
       const Bf16* x = h_last.data<Bf16>();
-      for (int64_t t = 0; t < T_; ++t) {  // as rmsnorm_forward_cpu computes it
-        float sum_squares = 0.0f;
+      for (int64_t t = 0; t < T_; ++t) {
+        if (layer_norm) {  // as layernorm_forward_cpu computes them
+          layernorm_row_stats(x + t * H_, H_, LayerNormArgs{}.eps, mean.data<float>()[t], rstd.data<float>()[t]);
+          continue;
+        }
+        float sum_squares = 0.0f;  // as rmsnorm_forward_cpu computes it
         for (int64_t h = 0; h < H_; ++h) sum_squares += to_f32(x[t * H_ + h]) * to_f32(x[t * H_ + h]);
         rstd.data<float>()[t] = rmsnorm_rstd(sum_squares, H_, RmsNormArgs{}.eps);
       }
     }
     dy_ = Tensor(a_, DType::BF16, {T_, H_}, Category::Activations);
     {
-      Tensor d_norm;  // the blocked loss's head grads are fp32: the norm's bf16 grad goes here first
+      Tensor d_norm;  // the blocked loss's head grads are fp32: the norm's bf16 grads go here first
       if (head_grads.dtype() == DType::F32) {
-        d_norm = Tensor(a_, DType::BF16, {H_}, Category::Workspace);
+        d_norm = Tensor(a_, DType::BF16, {norm_params}, Category::Workspace);
         zero(d_norm);
       }
-      RmsNormArgs n;
-      n.dtype = DType::BF16;
-      n.x = h_last.raw();
-      n.weight = norm_weight.raw();
-      n.rstd = rstd.data<float>();
-      n.d_out = out.d_x.raw();
-      n.d_x = dy_.raw();
-      n.d_weight = d_norm.empty() ? head_grads.raw() : d_norm.raw();
-      n.tokens = T_;
-      n.hidden = H_;
-      Tensor ws(a_, DType::F32, {rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
-      n.workspace = ws.data<float>();
-      rmsnorm_backward_cpu(n);
+      void* d_norm_params = d_norm.empty() ? head_grads.raw() : d_norm.raw();  // [weight | LayerNorm bias]
+      if (layer_norm) {
+        LayerNormArgs n;
+        n.dtype = DType::BF16;
+        n.x = h_last.raw();
+        n.weight = norm_weight.raw();
+        n.mean = mean.data<float>();
+        n.rstd = rstd.data<float>();
+        n.d_out = out.d_x.raw();
+        n.d_x = dy_.raw();
+        n.d_weight = d_norm_params;
+        n.d_bias = static_cast<Bf16*>(d_norm_params) + H_;
+        n.tokens = T_;
+        n.hidden = H_;
+        Tensor ws(a_, DType::F32, {layernorm_workspace_bytes(n) / 4}, Category::Workspace);
+        n.workspace = ws.data<float>();
+        layernorm_backward_cpu(n);
+      } else {
+        RmsNormArgs n;
+        n.dtype = DType::BF16;
+        n.x = h_last.raw();
+        n.weight = norm_weight.raw();
+        n.rstd = rstd.data<float>();
+        n.d_out = out.d_x.raw();
+        n.d_x = dy_.raw();
+        n.d_weight = d_norm_params;
+        n.tokens = T_;
+        n.hidden = H_;
+        Tensor ws(a_, DType::F32, {rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+        n.workspace = ws.data<float>();
+        rmsnorm_backward_cpu(n);
+      }
       if (!d_norm.empty())
-        for (int64_t h = 0; h < H_; ++h) head_grads.data<float>()[h] += to_f32(d_norm.data<Bf16>()[h]);
+        for (int64_t h = 0; h < norm_params; ++h) head_grads.data<float>()[h] += to_f32(d_norm.data<Bf16>()[h]);
     }
-    rstd.reset(), norm_weight.reset(), out.d_x.reset(), out.loss.reset(), targets.reset();
+    rstd.reset(), mean.reset(), norm_weight.reset(), out.d_x.reset(), out.loss.reset(), targets.reset();
     device_[static_cast<size_t>(L_)].reset();  // h_L: the final norm's backward is done
     // The head's reduce-scatter input: the fp32 accumulator itself, or the bf16 grads widened.
     if (head_grads.dtype() == DType::F32) {
@@ -664,9 +711,12 @@ void reference_initial_params(const StepScheduleConfig& config, int64_t unit, in
   };
   if (unit == 0) {  // embedding [V, H]
     tensor(0, V * H, seed, [](float u) { return u; });
-  } else if (unit == L + 1) {  // final norm [H], LM head [V, H]
+  } else if (unit == L + 1) {  // final norm [H] (LayerNorm: and its bias [H]), LM head [V, H] (and its bias [V])
+    const int64_t norm = m.norm_bias ? 2 * H : H;
     tensor(0, H, seed, weight(H, true));
-    tensor(H, V * H, seed + 1, weight(H, false));
+    if (m.norm_bias) tensor(H, H, seed + 2, [](float u) { return 0.1f * u; });
+    tensor(norm, V * H, seed + 1, weight(H, false));
+    if (m.lm_head_bias) tensor(norm + V * H, V, seed + 3, [](float u) { return 0.1f * u; });
   } else {
     int64_t at = 0;
     uint64_t j = 0;

@@ -42,6 +42,8 @@ void check(const VocabScheduleConfig& c) {
     throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
   if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
     throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
+  if (c.head_bias && c.head_unit_after_w < c.vocab)
+    throw std::invalid_argument("vocab schedule: a head bias needs head_unit_after_w >= vocab");
   if (c.mode == VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
 }
@@ -86,12 +88,14 @@ LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, 
     a.dtype = DType::BF16;
     a.x = io.x.data<Bf16>() + t0 * H;
     a.w = io.w;
+    a.bias = io.bias;
     a.targets = io.targets + t0;
     a.lse = lse.data<float>() + t0;
     a.loss = loss.data<float>() + t0;
     a.grad_scale = 1.0f / static_cast<float>(T);
     a.d_x = dx.empty() ? nullptr : static_cast<void*>(dx.data<Bf16>() + t0 * H);
     a.d_w = dw;
+    a.d_bias = dw == nullptr ? nullptr : static_cast<float*>(io.d_bias);
     a.tokens = rows;
     a.vocab = V;
     a.hidden = H;
@@ -158,6 +162,7 @@ LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig
   m.dtype = DType::BF16;
   m.x = io.x.raw();
   m.w = io.w;
+  m.bias = io.bias;
   m.targets = io.targets;
   m.logits = logits.raw();
   m.log_probs = log_probs.data<float>();
@@ -175,6 +180,7 @@ LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig
   m.d_logits = dlogits.data<float>();
   m.d_x = out.d_x.raw();
   m.d_w = io.make_dw(DType::BF16);  // [V, H] bf16: one GEMM over T
+  m.d_bias = io.d_bias;
   materialized_cross_entropy_backward_cpu(m);
   out.mean_loss = mean_of(out.loss);
   dlogits.reset(), log_probs.reset(), logits.reset();
@@ -199,6 +205,7 @@ VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabSche
   LossInputs in;
   in.x = std::move(data.x);
   in.w = data.w.data<Bf16>() + config.head_unit_before_w;
+  if (config.head_bias) in.bias = in.w + config.vocab * config.hidden;
   in.w_storage = std::move(data.w);
   in.targets = data.targets.data<int32_t>();
   Tensor dw;              // the head unit's grads [U]
@@ -206,7 +213,8 @@ VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabSche
   in.make_dw = [&](DType dtype) {
     dw = Tensor(alloc, dtype, {head_unit_params(config)}, Category::Vocab);
     std::memset(dw.raw(), 0, static_cast<size_t>(dw.bytes()));
-    dw_first = static_cast<unsigned char*>(dw.raw()) + config.head_unit_before_w * dtype_bytes(dtype);
+    dw_first = static_cast<unsigned char*>(dw.raw()) + config.head_unit_before_w * dtype_bytes(dtype);  // dW [V, H] in the unit's grads
+    if (config.head_bias) in.d_bias = static_cast<unsigned char*>(dw_first) + config.vocab * config.hidden * dtype_bytes(dtype);
     return dw_first;
   };
   const LossOutputs out = run_vocab_loss(alloc, config, in);

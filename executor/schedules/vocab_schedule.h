@@ -31,6 +31,9 @@ struct VocabScheduleConfig {
   // is the unit's grads, laid out the same. 0 and 0: W alone.
   int64_t head_unit_before_w = 0;
   int64_t head_unit_after_w = 0;
+  // The LM head's bias: the first V elements after W (head_unit_after_w >= V), added to the logits;
+  // its gradient lands in the same place of the unit's grads.
+  bool head_bias = false;
 };
 
 // Results copied out of the tracked buffers (after they are released).
@@ -56,6 +59,7 @@ struct LossInputs {
   Tensor x;                          // [T, H] bf16 (vocab); may be left empty and made by on_forward
   Tensor w_storage;                  // the buffer holding W (a gathered LM head unit)
   const Bf16* w = nullptr;           // [V, H] inside w_storage
+  const Bf16* bias = nullptr;        // [V] the LM head's bias inside w_storage, or null
   const int32_t* targets = nullptr;  // [T]
   // Called once, right after the first forward phase is entered (before any loss buffer): a step
   // computes X there (its final norm).
@@ -63,6 +67,8 @@ struct LossInputs {
   // Called once when dW is first needed (after dX is allocated): a zeroed [V, H] buffer of `dtype`
   // (F32: the blocked accumulator; BF16: the materialised GEMM output) that the caller owns.
   std::function<void*(DType dtype)> make_dw;
+  // With a bias: where its gradient [V] goes (of make_dw's dtype), set by make_dw.
+  void* d_bias = nullptr;
   // Called once, right after the first backward phase is entered (a step prefetches there).
   std::function<void()> on_backward;
   // Called right before X, W and lse are released: after the forward pass with gradients in

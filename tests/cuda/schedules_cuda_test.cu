@@ -53,6 +53,10 @@ void check_vocab(const char* name, VocabScheduleMode mode, bool gif) {
   c.vocab_block_rows = 256;
   c.mode = mode;
   c.gradients_in_forward = gif;
+  // W inside a head unit as a step gathers it: the final norm's [H] before it, a head bias [V] after.
+  c.head_unit_before_w = c.hidden;
+  c.head_unit_after_w = c.vocab;
+  c.head_bias = true;  // and the logits use it
   TrackingAllocator host_alloc({kAlign});
   const VocabScheduleResult want = run_vocab_schedule(host_alloc, c);
 

@@ -311,5 +311,37 @@ TEST(CrossEntropyEmulation, Materialized) {
   materialized_case<Bf16>({1, 77, 16, 0, 0}, DType::BF16);
 }
 
+// The LM head bias kernels: broadcast into a logits buffer (the GEMM then adds into it), and its
+// gradient as column sums of dz over the rows in order: bitwise the CPU op's loops. 300 columns:
+// wider than a block of 256 threads, with a tail.
+TEST(CrossEntropyEmulation, HeadBiasKernels) {
+  const int64_t rows = 5, cols = 300;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  std::vector<Bf16> bias(static_cast<size_t>(cols)), dz(static_cast<size_t>(rows * cols));
+  for (auto& b : bias) b = f32_to_bf16(dist(rng));
+  for (auto& d : dz) d = f32_to_bf16(dist(rng));
+  std::vector<float> out(static_cast<size_t>(rows * cols), -1.0f);
+  cd::launch_broadcast_bias(bias.data(), out.data(), rows, cols, nullptr);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(out[static_cast<size_t>(r * cols + c)], to_f32(bias[static_cast<size_t>(c)]));
+  std::vector<float> acc(static_cast<size_t>(cols)), want(static_cast<size_t>(cols));
+  std::vector<Bf16> once(static_cast<size_t>(cols));
+  for (int64_t c = 0; c < cols; ++c) acc[static_cast<size_t>(c)] = dist(rng);
+  for (int64_t c = 0; c < cols; ++c) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) sum += to_f32(dz[static_cast<size_t>(r * cols + c)]);
+    want[static_cast<size_t>(c)] = acc[static_cast<size_t>(c)] + sum;
+    once[static_cast<size_t>(c)] = f32_to_bf16(sum);
+  }
+  cd::launch_bias_grad(dz.data(), rows, cols, acc.data(), true, nullptr);  // blocked: fp32 +=
+  std::vector<Bf16> stored(static_cast<size_t>(cols));
+  cd::launch_bias_grad(dz.data(), rows, cols, stored.data(), false, nullptr);  // materialised: written once
+  for (int64_t c = 0; c < cols; ++c) {
+    EXPECT_EQ(acc[static_cast<size_t>(c)], want[static_cast<size_t>(c)]) << c;
+    EXPECT_EQ(stored[static_cast<size_t>(c)].bits, once[static_cast<size_t>(c)].bits) << c;
+  }
+}
+
 }  // namespace
 }  // namespace flatpeak::exec

@@ -23,14 +23,14 @@ void PrintTo(const CeShape& s, std::ostream* os) {
 }
 
 // Per-token losses in fp64; `lse` optionally out. Ignored tokens (target < 0) have loss 0.
-Vec ce_ref(const Vec& x, const Vec& w, const Buf<int32_t>& y, const CeShape& s, Vec* lse = nullptr) {
+Vec ce_ref(const Vec& x, const Vec& w, const Buf<int32_t>& y, const CeShape& s, Vec* lse = nullptr, const Vec* bias = nullptr) {
   Vec loss(s.T, 0.0);
   if (lse) *lse = Vec(s.T, 0.0);
   for (int64_t t = 0; t < s.T; ++t) {
     Vec z(s.V);
     double mx = -1e300;
     for (int64_t j = 0; j < s.V; ++j) {
-      double acc = 0;
+      double acc = bias ? (*bias)[j] : 0.0;
       for (int64_t h = 0; h < s.H; ++h) acc += x[t * s.H + h] * w[j * s.H + h];
       z[j] = acc;
       mx = std::max(mx, acc);
@@ -182,6 +182,62 @@ TEST(ExecutorCrossEntropyBf16, Bf16StorageWithinBf16Rounding) {
   blocked_cross_entropy_forward_cpu(a);
   // bf16 inputs are exact in fp32 and logits stay fp32, so the fp32 bound still holds.
   expect_close(to_f64(loss), ce_ref(x, w, y, s), 1e-5, "loss bf16 storage");
+}
+
+// The LM head bias (Phi-3.5-MoE): logits x·Wᵀ + b. Blocked (recompute and fused) and materialised
+// against fp64 and finite differences, d bias included; on V not a multiple of the block and T not
+// a multiple of the token block, so the bias of every vocab block and every token block's share of
+// d bias are used.
+TEST(ExecutorCrossEntropyBias, MatchesFp64AndFiniteDifferences) {
+  const CeShape s{9, 50, 6, 4, 16, 11};
+  const Vec x = random_buf(s.T * s.H, 71, 2.0), w = random_buf(s.V * s.H, 72, 2.0), b = random_buf(s.V, 73, 2.0);
+  const Buf<int32_t> y = targets_for(s);
+  Buf<float> xf = to_f32_buf(x), wf = to_f32_buf(w), bf = to_f32_buf(b);
+  const double g = 0.25;
+  Vec r(s.T, g);
+  Vec lse_ref;
+  const Vec loss_ref = ce_ref(x, w, y, s, &lse_ref, &b);
+  const Vec dx_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(v, w, y, s, nullptr, &b), r); }, x);
+  const Vec dw_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(x, v, y, s, nullptr, &b), r); }, w);
+  const Vec db_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(x, w, y, s, nullptr, &v), r); }, b);
+  for (const bool fused : {false, true}) {
+    Buf<float> lse(s.T), loss(s.T), dx(s.T * s.H), dw(s.V * s.H, 0.0f), db(s.V, 0.0f);
+    CrossEntropyArgs a;
+    a.x = xf.data(); a.w = wf.data(); a.bias = bf.data(); a.targets = y.data(); a.lse = lse.data();
+    a.loss = loss.data(); a.d_x = dx.data(); a.d_w = dw.data(); a.d_bias = db.data(); a.tokens = s.T;
+    a.vocab = s.V; a.hidden = s.H; a.token_block_rows = s.t_blk; a.vocab_block_rows = s.v_blk;
+    a.grad_scale = static_cast<float>(g);
+    Buf<float> ws(blocked_cross_entropy_workspace_bytes(a) / 4);
+    a.workspace = ws.data();
+    if (fused) {
+      blocked_cross_entropy_fused_cpu(a);
+    } else {
+      blocked_cross_entropy_forward_cpu(a);
+      blocked_cross_entropy_backward_cpu(a);
+    }
+    SCOPED_TRACE(fused ? "fused" : "recompute");
+    expect_close(to_f64(lse), lse_ref, 1e-6, "lse");
+    expect_close(to_f64(loss), loss_ref, 1e-5, "loss");
+    expect_close(to_f64(dx), dx_fd, 1e-5, "dx");
+    expect_close(to_f64(dw), dw_fd, 1e-5, "dw");
+    expect_close(to_f64(db), db_fd, 1e-5, "d bias");
+  }
+  Buf<float> logits(s.T * s.V), logp(s.T * s.V), dlogits(s.T * s.V), lse(s.T), loss(s.T), dx(s.T * s.H),
+      dw(s.V * s.H), db(s.V);
+  MaterializedCrossEntropyArgs m;
+  m.x = xf.data(); m.w = wf.data(); m.bias = bf.data(); m.targets = y.data(); m.logits = logits.data();
+  m.log_probs = logp.data(); m.d_logits = dlogits.data(); m.lse = lse.data(); m.loss = loss.data();
+  m.grad_scale = static_cast<float>(g); m.d_x = dx.data(); m.d_w = dw.data(); m.d_bias = db.data();
+  m.tokens = s.T; m.vocab = s.V; m.hidden = s.H;
+  materialized_cross_entropy_forward_cpu(m);
+  materialized_cross_entropy_backward_cpu(m);
+  expect_close(to_f64(loss), loss_ref, 1e-5, "materialised loss");
+  expect_close(to_f64(dx), dx_fd, 1e-5, "materialised dx");
+  expect_close(to_f64(dw), dw_fd, 1e-5, "materialised dw");
+  expect_close(to_f64(db), db_fd, 1e-5, "materialised d bias");
+  // A backward without somewhere to put d bias is refused.
+  m.d_bias = nullptr;
+  EXPECT_THROW(materialized_cross_entropy_backward_cpu(m), std::invalid_argument);
 }
 
 TEST(ExecutorCrossEntropyArgs, RejectsTargetsOutOfRange) {

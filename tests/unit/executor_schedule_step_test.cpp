@@ -250,6 +250,48 @@ TEST(ExecutorScheduleStep, ResultSinkGetsWhatKeepResultsCopies) {
   }
 }
 
+// LayerNorm norms (Phi-3.5-MoE: the layers' and the final norm, with biases) and an LM head bias.
+// The head unit is [norm weight H | norm bias H | W V·H | head bias V]: the checkpointed step is
+// the naive one bit for bit (materialised loss), and every part of the head unit gets its own
+// gradient: the head bias's sums to zero over the vocabulary (Σ_j dz[t, j] = g · (Σ softmax − 1)
+// = 0 for every token), which a bias gradient read from the wrong place (W's, the norm's) would
+// not; the blocked loss's fp32 accumulation of it the same within rounding.
+TEST(ExecutorScheduleStep, LayerNormAndHeadBias) {
+  StepScheduleConfig c = config();
+  c.model.norm_bias = true;
+  c.model.lm_head_bias = true;
+  const StepScheduleResult ref = naive_of(c);
+  c.offloaded = {true, false, true};
+  c.prefetch = 1;
+  const StepScheduleResult got = run(c);
+  EXPECT_EQ(got.loss, ref.loss);
+  EXPECT_TRUE(same_bits(got.grads, ref.grads));
+  EXPECT_TRUE(same_bits(got.params, ref.params));
+  c.loss.mode = VocabScheduleMode::Blocked;
+  c.loss.token_block_rows = 16;
+  c.loss.vocab_block_rows = 128;
+  const StepScheduleResult blocked = run(c);
+  const int64_t H = c.model.hidden_size, V = c.model.vocab_size;
+  ASSERT_EQ(got.unit_params.back(), 2 * H + V * H + V);
+  for (const StepScheduleResult* r : {&got, &blocked}) {
+    const size_t head = got.grads.size() - static_cast<size_t>(got.unit_params.back());
+    auto part = [&](int64_t begin, int64_t count) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = begin; i < begin + count; ++i) {
+        sum += r->grads[head + static_cast<size_t>(i)];
+        magnitude += std::fabs(r->grads[head + static_cast<size_t>(i)]);
+      }
+      return std::make_pair(sum, magnitude);
+    };
+    EXPECT_GT(part(0, H).second, 0.0);          // the final norm's weight
+    EXPECT_GT(part(H, H).second, 0.0);          // its bias
+    EXPECT_GT(part(2 * H, V * H).second, 0.0);  // W
+    const auto bias = part(2 * H + V * H, V);
+    EXPECT_GT(bias.second, 0.0);
+    EXPECT_LE(std::fabs(bias.first), 1e-2 * bias.second);
+  }
+}
+
 TEST(ExecutorScheduleStep, RefusesWhatItDoesNotRun) {
   StepScheduleConfig dense = config();
   dense.model.layers[0].ffn = FfnKind::Dense;

@@ -21,6 +21,7 @@
 #include "spec/hardware_loader.h"
 #include "spec/model_loader.h"
 #include "verify_config.h"
+#include "verify_run.h"
 
 namespace flatpeak::cli {
 namespace {
@@ -335,12 +336,23 @@ TEST(VerifyPlanFields, TechniqueKnobsMustBeThePlansOwn) {
   edited["knobs"]["vocab"]["value"] = "blocked";
   EXPECT_EQ(scaled_diagnostics_of(edited),
             std::vector<std::string>{"plan.json: /knobs/vocab/value: must be ring-dtp or materialized under schedule flatpeak (got 'blocked')"});
+  // Too many buckets: the optimizer and the step refuse the plan (alone, an input error; with
+  // every component, skipped with a note), the other components run (the vocab one here).
   edited = flat;
   edited["knobs"]["bucket_params"]["value"] = 1;
-  const std::vector<std::string> buckets = scaled_diagnostics_of(edited);
-  ASSERT_EQ(buckets.size(), 1u);
-  EXPECT_EQ(buckets[0].rfind("plan.json: /knobs/bucket_params/value: makes ", 0), 0u) << buckets[0];
-  EXPECT_NE(buckets[0].find("verify keeps the bucket count and runs at most 4096 (got 1)"), std::string::npos) << buckets[0];
+  EXPECT_EQ(scaled_diagnostics_of(edited), std::vector<std::string>{});
+  const VerifyInputs in = read_plan_inputs(edited, "plan.json");
+  const ScaledConfig s = scale_config(in, std::nullopt, 2);
+  ASSERT_EQ(s.optimizer_refusal.size(), 1u);
+  const std::string refusal = s.optimizer_refusal[0].to_string();
+  EXPECT_EQ(refusal.rfind("plan.json: /knobs/bucket_params/value: makes ", 0), 0u) << refusal;
+  EXPECT_NE(refusal.find("verify keeps the bucket count and runs at most 4096 (got 1)"), std::string::npos) << refusal;
+  for (const char* component : {"optimizer", "step"}) EXPECT_THROW(run_verification(in, s, {component}, 0.01), InputError) << component;
+  EXPECT_TRUE(run_verification(in, s, {"vocab"}, 0.01).pass);
+  const VerifyReport every = run_verification(in, s, verify_components(), 0.01);
+  int skipped = 0;
+  for (const std::string& note : every.notes) skipped += note.find("not run (/knobs/bucket_params/value: makes ") != std::string::npos;
+  EXPECT_EQ(skipped, 2);
 }
 
 TEST(VerifyPlanFields, OverheadTermsMustAddUpToTheOverhead) {

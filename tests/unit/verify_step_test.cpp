@@ -1,7 +1,8 @@
 // verify --component step: for model shapes scaled from real cards (gpt-oss-120b, Qwen3-30B-A3B,
-// OLMoE-1B-7B), baseline, practice and flatpeak plans (SCO offloading half the layers, prefetch 1),
+// OLMoE-1B-7B, and Phi-3.5-MoE's LayerNorm and LM head bias), baseline, practice and flatpeak plans
+// (SCO offloading half the layers, prefetch 1),
 // every column of every phase, on the device and the host, and every peak, measured within 1 %
-// of the planner's prediction of the same scaled step, and every baseline row exact; loss and
+// of the planner's prediction of the same scaled step, and every row exact; loss and
 // gradients bitwise the naive step's with the materialised loss, within the stated bound with the
 // blocked one; one predicted term raised by 2 % fails; GLM-4.5's dense layers run (every baseline
 // row exact); MTP and MLA are refused (skipped with a note when every component runs). Also how
@@ -64,9 +65,7 @@ TEST_P(VerifyStepShapes, EveryColumnOfEveryPhaseWithinOnePercent) {
   for (const auto& row : r.rows) {
     EXPECT_LE(std::fabs(row.relative_error), 0.01) << what << " " << row.component << " " << row.space << " " << row.phase;
     // Every row exact, the loss's included (W and dW: the gathered head unit).
-    {
-      EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << what << " " << row.component << " " << row.phase;
-    }
+    EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << what << " " << row.component << " " << row.phase;
     if (row.phase == "peak") peaks.insert(row.component + "/" + row.space);
     else phases.insert(row.phase);
     if (row.phase == "peak" && row.component == "step.boundaries" && row.space == "host") host_boundaries = row.measured_bytes;
@@ -100,9 +99,14 @@ INSTANTIATE_TEST_SUITE_P(Cards, VerifyStepShapes,
                          ::testing::Values(Case{"gpt-oss-120b", "baseline", ""}, Case{"gpt-oss-120b", "flatpeak", "18"},
                                            Case{"Qwen3-30B-A3B", "baseline", ""}, Case{"Qwen3-30B-A3B", "flatpeak", "24"},
                                            Case{"Qwen3-30B-A3B", "practice", ""}, Case{"OLMoE-1B-7B", "baseline", ""},
-                                           Case{"OLMoE-1B-7B", "flatpeak", "8"}),
+                                           Case{"OLMoE-1B-7B", "flatpeak", "8"},
+                                           // LayerNorm norms (the final one too) and an LM head bias
+                                           Case{FLATPEAK_TEST_DATA_DIR "/hf/Phi-3.5-MoE-instruct/config.json", "baseline", ""},
+                                           Case{FLATPEAK_TEST_DATA_DIR "/hf/Phi-3.5-MoE-instruct/config.json", "flatpeak", "16"}),
                          [](const ::testing::TestParamInfo<Case>& param) {
-                           std::string name = param.param.model + "_" + param.param.schedule;
+                           const std::string& model = param.param.model;
+                           const bool path = model.find('/') != std::string::npos;
+                           std::string name = (path ? std::string("Phi_3_5_MoE") : model) + "_" + param.param.schedule;
                            for (char& ch : name)
                              if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
                            return name;

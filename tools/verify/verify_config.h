@@ -105,6 +105,9 @@ struct ScaledConfig {
   std::string optimizer = "gpu";
   int64_t bucket_params = 0, bucket_depth = 0;
   int64_t bucket_count = 0;  // stream: the plan's number of buckets, which the scaled runs keep
+  // stream: why the optimizer and step components do not run the plan's buckets (more than verify
+  // runs); the other components run. Empty: they run.
+  std::vector<Diagnostic> optimizer_refusal;
   std::vector<ScaledValue> values;  // every scaled value, for printing
   // Dispatch (scale_dispatch_knobs): the expert FFN width scaled with H; the plan's LLEP switch,
   // PipelinedLLEP cap C and m scaled with T (0: none), store or recompute mode, rounds in flight.

@@ -96,11 +96,13 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
   constexpr int64_t kMaxVerifiedBuckets = 4096;
   if (buckets > kMaxVerifiedBuckets) {
     const int64_t smallest = plan_params / kMaxVerifiedBuckets + (plan_params % kMaxVerifiedBuckets != 0 ? 1 : 0);
-    throw InputError({Diagnostic{in.file, "/knobs/bucket_params/value",
-                                 fmt::format("makes {} buckets of the rank's {} parameters; verify keeps the bucket count "
-                                             "and runs at most {} (got {})",
-                                             buckets, plan_params, kMaxVerifiedBuckets, plan_bucket_params),
-                                 fmt::format("plan again with --bucket-params {} or more", smallest)}});
+    // Only the optimizer and the step run the buckets: the other components still run.
+    s.optimizer_refusal.push_back(Diagnostic{in.file, "/knobs/bucket_params/value",
+                                             fmt::format("makes {} buckets of the rank's {} parameters; verify keeps the bucket "
+                                                         "count and runs at most {} (got {})",
+                                                         buckets, plan_params, kMaxVerifiedBuckets, plan_bucket_params),
+                                             fmt::format("plan again with --bucket-params {} or more", smallest)});
+    return;
   }
   s.bucket_count = buckets;
   s.bucket_params = std::max<int64_t>(1, (params + buckets - 1) / buckets);
@@ -112,6 +114,7 @@ void scale_optimizer_knobs(const VerifyInputs& in, ScaledConfig& s) {
 void verify_optimizer(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
+  if (!s.optimizer_refusal.empty()) throw UnsupportedPlan(s.optimizer_refusal);
   const ModelSpec model = scaled_model(in, s);
   const int64_t params = exec::rank_shard_params(model, 1, 1, trains_mtp(in, model));
   FlagList flags{{"--optimizer", s.optimizer}, {"--mtp", trains_mtp(in, model) ? "on" : "off"}};

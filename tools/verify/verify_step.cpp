@@ -86,11 +86,6 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
                         "plan with fewer GPUs or a smaller --ep"});
   if (s.q_heads <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_heads", the + " needs num_heads, num_kv_heads and head_dim", ""});
-  // The decoder layer runs LayerNorm; the step's final norm and embedding path do not yet.
-  if (in.model && in.model->norm_bias && component == "step")
-    errs.add(Diagnostic{in.file, "/inputs/model/source",
-                        the + " runs RMSNorm norms only (the model's are LayerNorm: the executor's layer has them, "
-                              "the step's final norm not yet)", ""});
 }
 
 ModelSpec layer_model(const VerifyContext& ctx) {

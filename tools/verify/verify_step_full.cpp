@@ -57,8 +57,7 @@ void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const M
     errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
   if (model.tie_word_embeddings)
     errs.add(Diagnostic{in.file, "/inputs/model/tie_word_embeddings", "the step component runs an untied LM head (got true)", ""});
-  if (model.lm_head_bias)
-    errs.add(Diagnostic{in.file, "/inputs/model/source", "the step component runs an LM head without a bias (the model's has one)", ""});
+  for (const Diagnostic& d : s.optimizer_refusal) errs.add(d);
   if (!errs.empty()) throw UnsupportedPlan(errs.diagnostics());
 }
 

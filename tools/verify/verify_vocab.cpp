@@ -28,6 +28,7 @@ exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const Sc
     const ParamCounts pc = count_params(model);
     c.head_unit_before_w = pc.final_norm;
     c.head_unit_after_w = pc.lm_head - s.vocab * s.hidden;
+    c.head_bias = model.lm_head_bias;
   }
   return c;
 }
