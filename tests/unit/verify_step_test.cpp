@@ -112,6 +112,25 @@ INSTANTIATE_TEST_SUITE_P(Cards, VerifyStepShapes,
                            return name;
                          });
 
+// The loss reads W from the gathered head unit: the final norm before W, a head bias after it
+// (Phi-3.5-MoE: LayerNorm [2H] and [V]), or, with a tied head (ERNIE-4.5-21B-A3B), the embedding
+// table with the head unit gathered beside it. The vocab component holds W the same way, so every
+// row is exact, for every loss schedule (the tied head was 1-2 units over when the component held
+// W alone).
+TEST(VerifyVocab, EveryRowExactForTiedHeadsAndHeadBiases) {
+  for (const char* model : {FLATPEAK_TEST_DATA_DIR "/hf/ERNIE-4.5-21B-A3B/config.json",
+                            FLATPEAK_TEST_DATA_DIR "/hf/Phi-3.5-MoE-instruct/config.json"}) {
+    for (const char* schedule : {"baseline", "practice", "flatpeak"}) {
+      const VerifyInputs in = read_plan_inputs(plan_json(model, {{"--schedule", schedule}}), "plan.json");
+      const VerifyReport r = run_verification(in, scale_config(in, 64.0, 1), {"vocab"}, 0.01);
+      EXPECT_TRUE(r.pass) << model << " " << schedule;
+      EXPECT_GE(r.rows.size(), 3u) << model << " " << schedule;
+      for (const auto& row : r.rows)
+        EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << model << " " << schedule << " " << row.phase;
+    }
+  }
+}
+
 TEST(VerifyStep, OnePredictedTermRaisedTwoPercentFails) {
   const VerifyInputs in = read_plan_inputs(plan_json("OLMoE-1B-7B", {{"--schedule", "baseline"}}), "plan.json");
   EXPECT_TRUE(verify_step_of(in).pass);

@@ -22,14 +22,13 @@ exec::VocabScheduleConfig vocab_schedule_config(const VerifyInputs& in, const Sc
   c.mode = in.vocab_mode == "materialized" ? exec::VocabScheduleMode::Materialized : exec::VocabScheduleMode::Blocked;
   c.gradients_in_forward = in.vocab_backward == "in-forward";
   // W is read from the gathered LM head unit, as in a step and as the planner counts it: the final
-  // norm before W, the head's bias after it. A tied head reads the embedding table, W alone.
+  // norm before W, the head's bias after it. A tied head reads the embedding table as W, with the
+  // head unit (the final norm, any bias) gathered beside it: one term in the planner, one buffer here.
   const ModelSpec model = scaled_model(in, s);
-  if (!model.tie_word_embeddings) {
-    const ParamCounts pc = count_params(model);
-    c.head_unit_before_w = pc.final_norm;
-    c.head_unit_after_w = pc.lm_head - s.vocab * s.hidden;
-    c.head_bias = model.lm_head_bias;
-  }
+  const ParamCounts pc = count_params(model);
+  c.head_unit_before_w = pc.final_norm;
+  c.head_unit_after_w = model.tie_word_embeddings ? pc.lm_head : pc.lm_head - s.vocab * s.hidden;
+  c.head_bias = model.lm_head_bias;
   return c;
 }
 
