@@ -30,8 +30,8 @@ constexpr Category kVoc = Category::Vocab;
 
 struct VocabShape {
   int64_t T, H, V, R, shard, Tb, Vb;
-  int64_t w_params;  // R = 1: the buffer W is read from, the gathered head unit [H + V·H] (loss_weight_params)
-  bool tied;         // W is the embedding table [V, H]
+  int64_t w_params;  // R = 1: what W is read from (loss_weight_params): the gathered head unit
+  bool tied;         // W is the embedding table [V, H], the head unit (final norm) gathered beside it
 };
 
 VocabShape shape_of(const Context& c) {

@@ -105,6 +105,13 @@ void DeviceAllocator::update_peaks_locked() {
   for (size_t c = 0; c < live_.size(); ++c) {
     if (live_[c] > r.category_peak_bytes[c]) r.category_peak_bytes[c] = live_[c];
   }
+  // The timeline's columns alone (TrackingAllocator's): verify splits a phase's categories there.
+  const int64_t columns =
+      live_total_ - live_[category_index(exec::Category::Workspace)] - live_[category_index(exec::Category::Comm)];
+  if (columns > r.column_peak_bytes) {
+    r.column_peak_bytes = columns;
+    r.bytes_at_column_peak = live_;
+  }
 }
 
 void DeviceAllocator::open_phase_locked(const std::string& phase) {

@@ -15,10 +15,10 @@
 //   fwd/Ll         prefetch L(l+1) (the head after the last layer) as the phase starts; an
 //                  offloaded x_l is copied to its host slot; L l released, and the device copy
 //                  of an offloaded x_l freed, when the layer's forward returns.
-//   loss/...       the gathered head becomes the loss's W (vocab); X = final_norm(h_L) (rstd
-//                  recomputed in backward); L(L-1) prefetched as the loss's backward starts; at the
-//                  end the final norm's backward gives dy = d h_L, dX and the loss are freed, and
-//                  the head's grads become the fp32 reduce-scatter input.
+//   loss/...       the gathered head becomes the loss's W (vocab); X = final_norm(h_L) (rstd,
+//                  and LayerNorm's mean, recomputed in backward); L(L-1) prefetched as the loss's
+//                  backward starts; at the end the final norm's backward gives dy = d h_L, dX and
+//                  the loss are freed, and the head's grads become the fp32 reduce-scatter input.
 //   bwd/Ll         as recompute/attn starts: the previous unit's shard lands, L(l-1) (or the
 //                  embedding) is prefetched, x_l is fetched and SCO's prefetch issued; the layer's
 //                  unsharded grads from its backward's first phase; at its end L l is released,

@@ -55,19 +55,13 @@ double mean_of(const Tensor& loss) {
   return sum / static_cast<double>(loss.numel());
 }
 
-// dX is bf16; dW is the fp32 accumulator (blocked) or the bf16 GEMM output (materialised).
-void copy_out(const Tensor& dx, const void* dw_first, DType dw_dtype, int64_t dw_numel, VocabScheduleResult& r) {
-  r.d_x.resize(static_cast<size_t>(dx.numel()));
-  const Bf16* px = dx.data<Bf16>();
-  for (int64_t i = 0; i < dx.numel(); ++i) r.d_x[static_cast<size_t>(i)] = to_f32(px[i]);
-  if (dw_dtype == DType::F32) {
-    const float* pw = static_cast<const float*>(dw_first);
-    r.d_w.assign(pw, pw + dw_numel);
-  } else {
-    r.d_w.resize(static_cast<size_t>(dw_numel));
-    const Bf16* pw = static_cast<const Bf16*>(dw_first);
-    for (int64_t i = 0; i < dw_numel; ++i) r.d_w[static_cast<size_t>(i)] = to_f32(pw[i]);
-  }
+// n values of a bf16 or fp32 buffer, widened: dX is bf16; dW (and a head bias's gradient) the fp32
+// accumulator (blocked) or the bf16 GEMM output (materialised).
+std::vector<float> widened(const void* p, DType dtype, int64_t n) {
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    out[static_cast<size_t>(i)] = dtype == DType::F32 ? static_cast<const float*>(p)[i] : to_f32(static_cast<const Bf16*>(p)[i]);
+  return out;
 }
 
 // Every buffer of the loss other than the caller's (LossInputs) is made and released here.
@@ -220,7 +214,11 @@ VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabSche
   const LossOutputs out = run_vocab_loss(alloc, config, in);
   VocabScheduleResult result;
   result.mean_loss = out.mean_loss;
-  copy_out(out.d_x, dw_first, dw.dtype(), config.vocab * config.hidden, result);
+  const int64_t VH = config.vocab * config.hidden;
+  result.d_x = widened(out.d_x.raw(), DType::BF16, out.d_x.numel());
+  result.d_w = widened(dw_first, dw.dtype(), VH);
+  if (config.head_bias)  // the head bias's gradient, after dW in the unit's grads
+    result.d_bias = widened(static_cast<const unsigned char*>(dw_first) + VH * dtype_bytes(dw.dtype()), dw.dtype(), config.vocab);
   return result;
 }
 

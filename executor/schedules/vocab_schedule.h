@@ -41,6 +41,7 @@ struct VocabScheduleResult {
   double mean_loss = 0.0;
   std::vector<float> d_x;  // [T, H] (bf16 values widened)
   std::vector<float> d_w;  // [V, H] fp32
+  std::vector<float> d_bias;  // [V] with head_bias (widened), else empty
 };
 
 // Runs forward and backward with every buffer from `alloc`; sets the traces/ phase names

@@ -76,6 +76,42 @@ TEST(ExecutorScheduleVocab, BlockedMatchesMaterialisedWithinBf16LogitRounding) {
     }
 }
 
+// W inside a head unit [final norm H | W | head bias V] with the bias applied: W's values and the
+// loss without the bias do not depend on the unit around it; with it the loss changes, the blocked
+// and materialised runs agree, and the bias's gradient (copied out from after dW) sums to zero
+// over V for every token (Σ_j softmax − 1 = 0), so a gradient read from W's or the norm's place
+// would show.
+TEST(ExecutorScheduleVocab, HeadUnitAndHeadBias) {
+  const Shape& s = kShapes[1];
+  TrackingAllocator a0, a1, a2, a3;
+  const VocabScheduleResult plain = run_vocab_schedule(a0, config(s, VocabScheduleMode::Blocked, false, 1));
+  VocabScheduleConfig unit = config(s, VocabScheduleMode::Blocked, false, 1);
+  unit.head_unit_before_w = s.H;
+  unit.head_unit_after_w = s.V;
+  const VocabScheduleResult around = run_vocab_schedule(a1, unit);
+  EXPECT_EQ(around.mean_loss, plain.mean_loss);
+  EXPECT_EQ(around.d_w, plain.d_w);
+  EXPECT_TRUE(around.d_bias.empty());
+  unit.head_bias = true;
+  const VocabScheduleResult blocked = run_vocab_schedule(a2, unit);
+  unit.mode = VocabScheduleMode::Materialized;
+  const VocabScheduleResult materialised = run_vocab_schedule(a3, unit);
+  EXPECT_NE(blocked.mean_loss, plain.mean_loss);
+  EXPECT_NEAR(blocked.mean_loss, materialised.mean_loss, 1e-3);
+  ASSERT_EQ(blocked.d_bias.size(), static_cast<size_t>(s.V));
+  ASSERT_EQ(materialised.d_bias.size(), static_cast<size_t>(s.V));
+  for (const VocabScheduleResult* r : {&blocked, &materialised}) {
+    double sum = 0.0, magnitude = 0.0;
+    for (float g : r->d_bias) sum += g, magnitude += std::fabs(g);
+    EXPECT_GT(magnitude, 0.0);
+    EXPECT_LE(std::fabs(sum), 1e-2 * magnitude);
+  }
+  for (size_t j = 0; j < blocked.d_bias.size(); ++j) EXPECT_NEAR(blocked.d_bias[j], materialised.d_bias[j], 1e-3) << j;
+  VocabScheduleConfig short_unit = unit;
+  short_unit.head_unit_after_w = s.V - 1;  // no room for the bias
+  EXPECT_THROW(run_vocab_schedule(a3, short_unit), std::invalid_argument);
+}
+
 TEST(ExecutorScheduleVocab, PhaseBytesAreHandDerived) {
   const Shape s{64, 16, 300, 16, 128};
   TrackingAllocator alloc({1, -1, -1});

@@ -49,6 +49,8 @@ void verify_vocab(const VerifyContext& ctx, VerifyReport& report) {
       report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_x[i] - ref.d_x[i])));
     for (size_t i = 0; i < got.d_w.size(); ++i)
       report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_w[i] - ref.d_w[i])));
+    for (size_t i = 0; i < got.d_bias.size(); ++i)
+      report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(got.d_bias[i] - ref.d_bias[i])));
   }
   // The main loss only: the MTP losses (loss/mtpJ/...) are not run by this component yet.
   compare_category("vocab", "vocab", exec::MemorySpace::Device, predicted, alloc, main_loss_phase, report);
