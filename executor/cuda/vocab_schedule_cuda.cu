@@ -32,19 +32,11 @@ void check(const VocabScheduleConfig& c) {
     throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
   if (c.mode == exec::VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
-  if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
-    throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
-  if (c.head_bias && c.head_unit_after_w < c.vocab)
-    throw std::invalid_argument("vocab schedule: a head bias needs head_unit_after_w >= vocab");
+  exec::vocab_head_unit_params(c);  // the head unit's parts
   if (c.vocab > 0x7fffffff) throw std::invalid_argument("vocab schedule: vocab must be < 2^31 (int32 targets)");
 }
 
 int64_t aligned(int64_t bytes, int64_t a) { return (bytes + a - 1) / a * a; }
-
-// W's buffer, the LM head unit [U] (run_vocab_schedule's): W [V, H] at head_unit_before_w.
-int64_t head_unit_params(const VocabScheduleConfig& c) {
-  return c.head_unit_before_w + c.vocab * c.hidden + c.head_unit_after_w;
-}
 
 // The op's arguments for one token block (run_vocab_schedule's args_for), without pointers.
 exec::CrossEntropyArgs block_shape(const VocabScheduleConfig& c, int64_t rows) {
@@ -65,7 +57,7 @@ struct LossData {
   const Bf16* w_first = nullptr;  // W [V, H] inside w
   LossData(DeviceAllocator& alloc, const VocabScheduleConfig& c, cudaStream_t s)
       : x(alloc, c.tokens * c.hidden * 2, kVocab, s),
-        w(alloc, head_unit_params(c) * 2, kVocab, s),
+        w(alloc, exec::vocab_head_unit_params(c) * 2, kVocab, s),
         targets(alloc, c.tokens * 4, Category::Workspace, s) {
     exec::cuda_detail::fill_bf16_cuda(x.as<Bf16>(), c.tokens * c.hidden, c.seed * 3 + 1, 1.0f, s);
     const int64_t VH = c.vocab * c.hidden;
@@ -107,7 +99,7 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
   VocabScheduleCudaResult result;
   LossData in(alloc, c, s);
   const int64_t T = c.tokens, H = c.hidden, Tb = std::min(c.token_block_rows, c.tokens);
-  const int64_t U = head_unit_params(c);
+  const int64_t U = exec::vocab_head_unit_params(c);
   const int64_t blocks = (T + Tb - 1) / Tb;
   ScopedEvent start, mid, stop;
   start.record(s);
@@ -198,7 +190,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
   alloc.set_phase("loss/bwd");
   DeviceBuffer dlogits(alloc, T * V * 4, kVocab, s);  // [T, V] fp32
   DeviceBuffer dx(alloc, T * H * 2, kVocab, s);       // [T, H] bf16
-  DeviceBuffer dw(alloc, head_unit_params(c) * 2, kVocab, s);  // the head unit's grads [U] bf16: dW one GEMM over T
+  DeviceBuffer dw(alloc, exec::vocab_head_unit_params(c) * 2, kVocab, s);  // the head unit's grads [U] bf16: dW one GEMM over T
   m.d_logits = dlogits.as<float>();
   m.d_x = dx.raw();
   m.d_w = dw.as<Bf16>() + c.head_unit_before_w;
@@ -212,7 +204,7 @@ VocabScheduleCudaResult run_materialized(DeviceAllocator& alloc, const CublasCon
 
 int64_t vocab_schedule_cuda_peak_bytes(const VocabScheduleConfig& c, int64_t al) {
   check(c);
-  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, U = head_unit_params(c);
+  const int64_t T = c.tokens, H = c.hidden, V = c.vocab, U = exec::vocab_head_unit_params(c);
   const int64_t inputs = aligned(T * H * 2, al) + aligned(U * 2, al) + aligned(T * 4, al);
   const int64_t rows = 2 * aligned(T * 4, al);  // lse, loss
   if (c.mode == exec::VocabScheduleMode::Materialized) {

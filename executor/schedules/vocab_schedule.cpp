@@ -18,15 +18,11 @@ namespace flatpeak::exec {
 
 namespace {
 
-int64_t head_unit_params(const VocabScheduleConfig& c) {
-  return c.head_unit_before_w + c.vocab * c.hidden + c.head_unit_after_w;
-}
-
 struct LossData {
   Tensor x, w, targets;  // w: the head unit, W [V, H] at head_unit_before_w
   LossData(TrackingAllocator& alloc, const VocabScheduleConfig& c)
       : x(alloc, DType::BF16, {c.tokens, c.hidden}, Category::Vocab),    // [T, H] bf16
-        w(alloc, DType::BF16, {head_unit_params(c)}, Category::Vocab),  // [U] bf16
+        w(alloc, DType::BF16, {vocab_head_unit_params(c)}, Category::Vocab),  // [U] bf16
         targets(alloc, DType::I32, {c.tokens}, Category::Workspace) {   // [T] i32 labels
     fill_bf16(x.data<Bf16>(), x.numel(), c.seed * 3 + 1, 1.0f);
     // W is the same for any unit around it; the rest of the unit (never read here) is random too.
@@ -40,10 +36,7 @@ struct LossData {
 void check(const VocabScheduleConfig& c) {
   if (c.tokens <= 0 || c.hidden <= 0 || c.vocab <= 0)
     throw std::invalid_argument("vocab schedule: tokens, hidden and vocab must be positive");
-  if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
-    throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
-  if (c.head_bias && c.head_unit_after_w < c.vocab)
-    throw std::invalid_argument("vocab schedule: a head bias needs head_unit_after_w >= vocab");
+  vocab_head_unit_params(c);  // the head unit's parts
   if (c.mode == VocabScheduleMode::Blocked && (c.token_block_rows <= 0 || c.vocab_block_rows <= 0))
     throw std::invalid_argument("vocab schedule: blocked mode needs positive token and vocab blocks");
 }
@@ -187,6 +180,14 @@ LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig
 
 }  // namespace
 
+int64_t vocab_head_unit_params(const VocabScheduleConfig& c) {
+  if (c.head_unit_before_w < 0 || c.head_unit_after_w < 0)
+    throw std::invalid_argument("vocab schedule: the head unit's parts around W must be >= 0");
+  if (c.head_bias && c.head_unit_after_w < c.vocab)
+    throw std::invalid_argument("vocab schedule: a head bias needs head_unit_after_w >= vocab");
+  return c.head_unit_before_w + c.vocab * c.hidden + c.head_unit_after_w;
+}
+
 LossOutputs run_vocab_loss(TrackingAllocator& alloc, const VocabScheduleConfig& config, LossInputs& in) {
   check(config);
   if (!in.make_dw) throw std::invalid_argument("vocab loss: make_dw is required");
@@ -205,7 +206,7 @@ VocabScheduleResult run_vocab_schedule(TrackingAllocator& alloc, const VocabSche
   Tensor dw;              // the head unit's grads [U]
   void* dw_first = nullptr;  // dW [V, H], +=
   in.make_dw = [&](DType dtype) {
-    dw = Tensor(alloc, dtype, {head_unit_params(config)}, Category::Vocab);
+    dw = Tensor(alloc, dtype, {vocab_head_unit_params(config)}, Category::Vocab);
     std::memset(dw.raw(), 0, static_cast<size_t>(dw.bytes()));
     dw_first = static_cast<unsigned char*>(dw.raw()) + config.head_unit_before_w * dtype_bytes(dtype);  // dW [V, H] in the unit's grads
     if (config.head_bias) in.d_bias = static_cast<unsigned char*>(dw_first) + config.vocab * config.hidden * dtype_bytes(dtype);

@@ -44,6 +44,11 @@ struct VocabScheduleResult {
   std::vector<float> d_bias;  // [V] with head_bias (widened), else empty
 };
 
+// The elements of W's buffer, the head unit: head_unit_before_w + V·H + head_unit_after_w. Throws
+// std::invalid_argument for a negative part or a head bias without V elements after W. The CPU
+// and CUDA schedules both size W and dW by it.
+int64_t vocab_head_unit_params(const VocabScheduleConfig& config);
+
 // Runs forward and backward with every buffer from `alloc`; sets the traces/ phase names
 // loss/fwd[/blkI] and loss/bwd[/blkI] (I = token block); with gradients in forward, loss/bwd is
 // one phase in which dX and dW are held. Buffers and categories:
