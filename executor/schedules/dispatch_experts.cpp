@@ -32,6 +32,16 @@ void for_each_expert(const Grouping& g, Fn fn) {
   }
 }
 
+// A bias gradient: acc[c] += Σ_r rows[r, c] over m rows of width n, each column summed in fp32 in
+// row order and added once (as a weight gradient's GEMM adds its rows' sum).
+void add_row_sums(const Bf16* rows, int64_t m, int64_t n, float* acc) {
+  for (int64_t c = 0; c < n; ++c) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < m; ++r) sum += to_f32(rows[r * n + c]);
+    acc[c] += sum;
+  }
+}
+
 }  // namespace
 
 void compute_routing(const Dims& d, const LayerData& L, const std::vector<int32_t>& ids, Routing& r) {
@@ -72,13 +82,19 @@ std::vector<ExpertSlot> expert_slots(const Dims& d, const RowPlan& p, LayerData&
       s.down = L.w_down.data<Bf16>() + l * d.H * d.F;
       s.dgu = L.dw_gate_up.data<float>() + l * 2 * d.F * d.H;
       s.ddown = L.dw_down.data<float>() + l * d.H * d.F;
+      if (d.Pb > 0) {
+        s.bias = L.b_expert.data<Bf16>() + l * d.Pb;
+        s.dbias = L.db_expert.data<float>() + l * d.Pb;
+      }
     } else {
       const int64_t off = (l - d.L) * d.P;
       s.gu = foreign_w->data<Bf16>() + off;
       s.down = s.gu + 2 * d.F * d.H;
+      if (d.Pb > 0) s.bias = s.gu + 3 * d.F * d.H;
       if (foreign_dw && !foreign_dw->empty()) {
         s.dgu = foreign_dw->data<float>() + off;
         s.ddown = s.dgu + 2 * d.F * d.H;
+        if (d.Pb > 0) s.dbias = s.dgu + 3 * d.F * d.H;
       }
     }
     out.push_back(s);
@@ -87,15 +103,21 @@ std::vector<ExpertSlot> expert_slots(const Dims& d, const RowPlan& p, LayerData&
 }
 
 void experts_fc2(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Bf16* act, Bf16* fc2) {
+  const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    gemm_cpu(false, true, m, d.H, d.F, 1.0f, act + i0 * d.F, d.F, w[l].down, d.F, false, fc2 + i0 * d.H, d.H);
+    if (bias)  // b_down into each row, which the GEMM then accumulates onto
+      for (int64_t i = i0; i < i0 + m; ++i) std::memcpy(fc2 + i * d.H, w[l].bias + 2 * d.F, z(d.H) * sizeof(Bf16));
+    gemm_cpu(false, true, m, d.H, d.F, 1.0f, act + i0 * d.F, d.F, w[l].down, d.F, bias, fc2 + i0 * d.H, d.H);
   });
 }
 
 void experts_forward(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Probs& pr, const Bf16* in,
                      Bf16* fc1, Bf16* act, Bf16* fc2) {
+  const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    gemm_cpu(false, true, m, 2 * d.F, d.H, 1.0f, in + i0 * d.H, d.H, w[l].gu, d.H, false, fc1 + i0 * 2 * d.F, 2 * d.F);
+    if (bias)
+      for (int64_t i = i0; i < i0 + m; ++i) std::memcpy(fc1 + i * 2 * d.F, w[l].bias, z(2 * d.F) * sizeof(Bf16));
+    gemm_cpu(false, true, m, 2 * d.F, d.H, 1.0f, in + i0 * d.H, d.H, w[l].gu, d.H, bias, fc1 + i0 * 2 * d.F, 2 * d.F);
   });
   for_each_row(g, pr, [&](int64_t i, int64_t j) {
     for (int64_t f = 0; f < d.F; ++f) {
@@ -111,6 +133,7 @@ void experts_backward_fc(const Dims& d, const std::vector<ExpertSlot>& w, const 
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
     gemm_cpu(false, false, m, d.F, d.H, 1.0f, d_fc2 + i0 * d.H, d.H, w[l].down, d.F, false, d_act + i0 * d.F, d.F);
     gemm_cpu(true, false, d.H, d.F, m, 1.0f, d_fc2 + i0 * d.H, d.H, act + i0 * d.F, d.F, true, w[l].ddown, d.F);
+    if (w[l].dbias) add_row_sums(d_fc2 + i0 * d.H, m, d.H, w[l].dbias + 2 * d.F);
   });
   for_each_row(g, pr, [&](int64_t i, int64_t j) {
     float dp = 0.0f;
@@ -130,6 +153,7 @@ void experts_backward_in(const Dims& d, const std::vector<ExpertSlot>& w, const 
                          Bf16* d_in) {
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
     gemm_cpu(true, false, 2 * d.F, d.H, m, 1.0f, d_fc1 + i0 * 2 * d.F, 2 * d.F, in + i0 * d.H, d.H, true, w[l].dgu, d.H);
+    if (w[l].dbias) add_row_sums(d_fc1 + i0 * 2 * d.F, m, 2 * d.F, w[l].dbias);
     gemm_cpu(false, false, m, d.H, 2 * d.F, 1.0f, d_fc1 + i0 * 2 * d.F, 2 * d.F, w[l].gu, d.H, false, d_in + i0 * d.H, d.H);
   });
 }

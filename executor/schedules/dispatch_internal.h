@@ -32,7 +32,7 @@ inline constexpr Category kDsp = Category::Dispatch;
 // upstream gradient (activations), the gathered weights of the rank's native experts and the
 // router, and their fp32 gradient accumulators (fsdp).
 struct LayerData {
-  Tensor x, d_out, w_router, w_gate_up, w_down, dw_router, dw_gate_up, dw_down;
+  Tensor x, d_out, w_router, w_gate_up, w_down, dw_router, dw_gate_up, dw_down, b_expert, db_expert;
   LayerData(TrackingAllocator& alloc, const Dims& d)
       : x(alloc, DType::BF16, {d.T, d.H}, Category::Activations),               // [T, H] bf16
         d_out(alloc, DType::BF16, {d.T, d.H}, Category::Activations),           // [T, H] bf16
@@ -41,7 +41,9 @@ struct LayerData {
         w_down(alloc, DType::BF16, {d.L, d.H, d.F}, Category::Fsdp),            // [E/EP, H, F] bf16
         dw_router(alloc, DType::F32, {d.E, d.H}, Category::Fsdp),               // [E, H] fp32 +=
         dw_gate_up(alloc, DType::F32, {d.L, 2 * d.F, d.H}, Category::Fsdp),     // [E/EP, 2F, H] fp32 +=
-        dw_down(alloc, DType::F32, {d.L, d.H, d.F}, Category::Fsdp) {}          // [E/EP, H, F] fp32 +=
+        dw_down(alloc, DType::F32, {d.L, d.H, d.F}, Category::Fsdp),            // [E/EP, H, F] fp32 +=
+        b_expert(alloc, DType::BF16, {d.L, d.Pb}, Category::Fsdp),              // [E/EP, 2F + H] bf16 (or empty)
+        db_expert(alloc, DType::F32, {d.L, d.Pb}, Category::Fsdp) {}            // [E/EP, 2F + H] fp32 += (or empty)
 };
 
 // The routing of one pass: router logits, softmax scores, scattered probs, routing map, the
@@ -86,7 +88,9 @@ inline void zero_f32(Tensor& t) { std::fill(t.data<float>(), t.data<float>() + t
 // where LLA places an expert's rows does not change its gradient beyond fp32 re-association.
 struct ExpertSlot {
   const Bf16 *gu, *down;
+  const Bf16* bias;    // gate/up [2F] then down [H]; null without expert biases
   float *dgu, *ddown;  // null: no gradient in this pass
+  float* dbias;        // [2F + H]; null without biases or gradient
 };
 
 std::vector<ExpertSlot> expert_slots(const Dims& d, const RowPlan& p, LayerData& L, const Tensor* foreign_w, Tensor* foreign_dw);
@@ -97,17 +101,19 @@ struct Probs {
   bool by_recv;
 };
 
-// Expert forward over the grouped rows: fc1 = in·W_guᵀ, act*prob = silu(gate)·up·prob, and
-// (when fc2 is given) fc2 = (act*prob)·W_downᵀ.
+// Expert forward over the grouped rows: fc1 = in·W_guᵀ (+ b_gu), act*prob = silu(gate)·up·prob,
+// and (when fc2 is given) fc2 = (act*prob)·W_downᵀ (+ b_down). A bias is written into the output
+// rows (bf16) before the GEMM accumulates onto them, so they are rounded once.
 void experts_forward(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Probs& pr, const Bf16* in,
                      Bf16* fc1, Bf16* act, Bf16* fc2);
 // fc2 of the grouped rows (the forward's second GEMM on its own).
 void experts_fc2(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Bf16* act, Bf16* fc2);
-// Expert backward, first half: d act = d fc2·W_down, dW_down += d fc2ᵀ·act, d fc1 from d act, and
-// d prob per row, written over its prob (each row reads its prob first).
+// Expert backward, first half: d act = d fc2·W_down, dW_down += d fc2ᵀ·act (d b_down += Σ rows
+// d fc2), d fc1 from d act, and d prob per row, written over its prob (each row reads its prob
+// first).
 void experts_backward_fc(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Probs& pr, const Bf16* fc1,
                          const Bf16* act, const Bf16* d_fc2, Bf16* d_act, Bf16* d_fc1);
-// Expert backward, second half: dW_gate_up += d fc1ᵀ·in and d in = d fc1·W_gate_up.
+// Expert backward, second half: dW_gate_up += d fc1ᵀ·in (d b_gu += Σ rows d fc1) and d in = d fc1·W_gate_up.
 void experts_backward_in(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Bf16* in, const Bf16* d_fc1,
                          Bf16* d_in);
 // The router's backward once every d prob is in r.scores ([t, e] at the chosen experts); adds

@@ -12,13 +12,16 @@ namespace flatpeak::exec::dispatch_detail {
 
 namespace {
 
-// Adds the fp32 gradient g ([P]: gate/up, then down) a helper returned for expert e, native on
-// this rank, into its accumulators.
+// Adds the fp32 gradient g ([P]: gate/up, down, then any biases) a helper returned for expert e,
+// native on this rank, into its accumulators.
 void add_returned_grads(const Dims& d, LayerData& L, int64_t e, const float* g) {
   float* gu = L.dw_gate_up.data<float>() + (e - d.me * d.L) * 2 * d.F * d.H;
   float* dn = L.dw_down.data<float>() + (e - d.me * d.L) * d.H * d.F;
   for (int64_t i = 0; i < 2 * d.F * d.H; ++i) gu[i] += g[i];
   for (int64_t i = 0; i < d.H * d.F; ++i) dn[i] += g[2 * d.F * d.H + i];
+  if (d.Pb == 0) return;
+  float* db = L.db_expert.data<float>() + (e - d.me * d.L) * d.Pb;
+  for (int64_t i = 0; i < d.Pb; ++i) db[i] += g[3 * d.F * d.H + i];
 }
 
 }  // namespace
@@ -27,7 +30,9 @@ Tensor borrow_weights(Communicator& comm, TrackingAllocator& alloc, const Dims& 
                       int64_t slots) {
   if (static_cast<int64_t>(p.foreign.size()) > slots) throw std::logic_error("dispatch schedule: more borrowed experts than weight slots");
   Tensor w(alloc, DType::BF16, {slots, d.P}, kDsp);  // [S, P] bf16
-  if (p.lla_ran) lend_weights(comm, d, p, L.w_gate_up.raw(), L.w_down.raw(), w.empty() ? nullptr : w.raw());
+  if (p.lla_ran)
+    lend_weights(comm, d, p, L.w_gate_up.raw(), L.w_down.raw(), L.b_expert.empty() ? nullptr : L.b_expert.raw(),
+                 w.empty() ? nullptr : w.raw());
   return w;
 }
 
@@ -49,13 +54,24 @@ void return_weight_grads_staged(Communicator& comm, const Dims& d, const RowPlan
                          [&](int64_t e) { add_returned_grads(d, L, e, staging.data<float>()); });
 }
 
-void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const void* w_gate_up, const void* w_down, void* foreign) {
+void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const void* w_gate_up, const void* w_down,
+                  const void* b_expert, void* foreign) {
   const std::vector<int64_t> none(z(d.ep), 0);
+  // Each part of an expert's [P]: its source tensor, elements per expert, offset in the slot.
+  struct Part {
+    const void* src;
+    int64_t count, offset;
+  };
+  std::vector<Part> parts{{w_gate_up, 2 * d.F * d.H, 0}, {w_down, d.H * d.F, 2 * d.F * d.H}};
+  if (d.Pb > 0) {
+    if (b_expert == nullptr) throw std::logic_error("dispatch schedule: expert biases to lend but no bias tensor");
+    parts.push_back({b_expert, d.Pb, 3 * d.F * d.H});
+  }
   for (int64_t e = 0; e < d.E; ++e) {
     if (p.helpers[z(e)].empty()) continue;
     const int64_t native = e / d.L;
-    for (int part = 0; part < 2; ++part) {
-      const int64_t count = part == 0 ? 2 * d.F * d.H : d.H * d.F;
+    for (const Part& part : parts) {
+      const int64_t count = part.count;
       std::vector<int64_t> sc = none, sd = none, rc = none, rd = none;
       if (d.me == native)
         for (int64_t h : p.helpers[z(e)]) {
@@ -64,9 +80,9 @@ void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const voi
         }
       if (p.local_of[z(e)] >= d.L) {
         rc[z(native)] = count;
-        rd[z(native)] = (p.local_of[z(e)] - d.L) * d.P + (part == 0 ? 0 : 2 * d.F * d.H);
+        rd[z(native)] = (p.local_of[z(e)] - d.L) * d.P + part.offset;
       }
-      exchange(comm, part == 0 ? w_gate_up : w_down, sc, sd, foreign, rc, rd, 1, DType::BF16);
+      exchange(comm, part.src, sc, sd, foreign, rc, rd, 1, DType::BF16);
     }
   }
 }

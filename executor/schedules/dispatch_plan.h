@@ -25,11 +25,13 @@ inline size_t z(int64_t i) { return static_cast<size_t>(i); }
 struct Dims {
   int64_t T, H, E, k, F, N;  // N = T·k token copies a rank sends
   int64_t ep, me, L;         // EP ranks, this rank, native experts per rank (E/EP)
-  int64_t P;                 // elements of one expert's weights: [2F, H] gate/up then [H, F] down
+  int64_t P;                 // elements of one expert's weights: [2F, H] gate/up, [H, F] down, then any biases
+  int64_t Pb;                // of them the biases: gate/up [2F] then down [H] (0 without expert biases)
 };
 
 inline Dims dims_of(const DispatchScheduleConfig& c, int64_t ep, int64_t me) {
-  return Dims{c.tokens, c.hidden, c.experts, c.top_k, c.ffn, c.tokens * c.top_k, ep, me, c.experts / ep, 3 * c.hidden * c.ffn};
+  const int64_t bias = c.expert_bias ? 2 * c.ffn + c.hidden : 0;
+  return Dims{c.tokens, c.hidden, c.experts, c.top_k, c.ffn, c.tokens * c.top_k, ep, me, c.experts / ep, 3 * c.hidden * c.ffn + bias, bias};
 }
 
 // ---- where every copy goes: identical on every rank (made from the all-gathered counts)
@@ -138,10 +140,12 @@ CappedPlan plan_capped(const DispatchScheduleConfig& c, const Dims& d, const Row
 
 // ---- LLEP lending over raw pointers (host or device, as the communicator moves them)
 
-// Every expert with helpers from its native rank to them, gate/up then down, into the helpers'
-// slots of `foreign` ([S, P] bf16; null when this rank borrows none): two collectives per lent
-// expert, in expert order. w_gate_up [E/EP, 2F, H] and w_down [E/EP, H, F] bf16.
-void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const void* w_gate_up, const void* w_down, void* foreign);
+// Every expert with helpers from its native rank to them, gate/up, down, then (d.Pb > 0) the
+// biases, into the helpers' slots of `foreign` ([S, P] bf16; null when this rank borrows none):
+// two or three collectives per lent expert, in expert order. w_gate_up [E/EP, 2F, H], w_down
+// [E/EP, H, F] and b_expert [E/EP, 2F + H] bf16 (null without biases).
+void lend_weights(Communicator& comm, const Dims& d, const RowPlan& p, const void* w_gate_up, const void* w_down,
+                  const void* b_expert, void* foreign);
 // The helpers' fp32 gradients ([S_p, P] foreign_dw) of every lent expert into the native rank's
 // [S_sent, P] lent_dw slots (p.lent_slot), one collective per lent expert.
 void send_lent_grads(Communicator& comm, const Dims& d, const RowPlan& p, const void* foreign_dw, void* lent_dw);

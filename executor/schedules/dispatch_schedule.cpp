@@ -103,13 +103,14 @@ uint64_t seed_of(const DispatchScheduleConfig& c, uint64_t stream) { return c.se
 
 // This rank's slices of the single-rank run's inputs over EP·T tokens and E experts.
 void fill_inputs(const DispatchScheduleConfig& c, const Dims& d, Bf16* x, Bf16* d_out, Bf16* w_router, Bf16* w_gate_up,
-                 Bf16* w_down) {
+                 Bf16* w_down, Bf16* b_expert) {
   const int64_t global = c.replica * d.ep + d.me;  // this rank's tokens among every group's
   fill_bf16(x, d.T * d.H, seed_of(c, 1), 1.0f, global * d.T * d.H);
   fill_bf16(d_out, d.T * d.H, seed_of(c, 2), 1.0f, global * d.T * d.H);
   fill_bf16(w_router, d.E * d.H, seed_of(c, 3), 1.0f / std::sqrt(static_cast<float>(d.H)));
   fill_bf16(w_gate_up, d.L * 2 * d.F * d.H, seed_of(c, 4), 2.0f / std::sqrt(static_cast<float>(d.H)), d.me * d.L * 2 * d.F * d.H);
   fill_bf16(w_down, d.L * d.H * d.F, seed_of(c, 5), 2.0f / std::sqrt(static_cast<float>(d.F)), d.me * d.L * d.H * d.F);
+  if (d.Pb > 0) fill_bf16(b_expert, d.L * d.Pb, seed_of(c, 7), 0.5f, d.me * d.L * d.Pb);
 }
 
 DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, const DispatchScheduleConfig& c) {
@@ -131,8 +132,9 @@ DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, cons
   res.lla_triggered = p.lla_ran;
   res.rho = imbalance_rho(p.rank_rows);
   LayerData L(alloc, d);
-  fill_inputs(c, d, L.x.data<Bf16>(), L.d_out.data<Bf16>(), L.w_router.data<Bf16>(), L.w_gate_up.data<Bf16>(), L.w_down.data<Bf16>());
-  for (Tensor* t : {&L.dw_router, &L.dw_gate_up, &L.dw_down}) zero_f32(*t);
+  fill_inputs(c, d, L.x.data<Bf16>(), L.d_out.data<Bf16>(), L.w_router.data<Bf16>(), L.w_gate_up.data<Bf16>(), L.w_down.data<Bf16>(),
+              L.b_expert.empty() ? nullptr : L.b_expert.data<Bf16>());
+  for (Tensor* t : {&L.dw_router, &L.dw_gate_up, &L.dw_down, &L.db_expert}) zero_f32(*t);
   if (c.chunk_cap_rows == 0) run_uncapped(comm, alloc, d, L, p, ids, c, res);
   else run_capped(comm, alloc, d, L, p, ids, c, res);
   if (!c.outputs) {
@@ -142,6 +144,7 @@ DispatchScheduleResult run_on(Communicator& comm, TrackingAllocator& alloc, cons
   res.d_w_router.assign(L.dw_router.data<float>(), L.dw_router.data<float>() + L.dw_router.numel());
   res.d_w_gate_up.assign(L.dw_gate_up.data<float>(), L.dw_gate_up.data<float>() + L.dw_gate_up.numel());
   res.d_w_down.assign(L.dw_down.data<float>(), L.dw_down.data<float>() + L.dw_down.numel());
+  if (!L.db_expert.empty()) res.d_b_expert.assign(L.db_expert.data<float>(), L.db_expert.data<float>() + L.db_expert.numel());
   return res;
 }
 
@@ -195,13 +198,15 @@ int64_t dispatch_store_rows(const DispatchScheduleConfig& c, int64_t ep) {
 DispatchInputs make_dispatch_inputs(const DispatchScheduleConfig& c) {
   const Dims d = dims_of(c, 1, 0);
   std::vector<Bf16> x(z(d.T * d.H)), dout(z(d.T * d.H)), wr(z(d.E * d.H)), wgu(z(d.E * 2 * d.F * d.H)), wd(z(d.E * d.H * d.F));
-  fill_inputs(c, d, x.data(), dout.data(), wr.data(), wgu.data(), wd.data());
+  std::vector<Bf16> b(z(d.E * d.Pb));
+  fill_inputs(c, d, x.data(), dout.data(), wr.data(), wgu.data(), wd.data(), b.data());
   auto widen = [](const std::vector<Bf16>& v) {
     std::vector<float> out(v.size());
     for (size_t i = 0; i < v.size(); ++i) out[i] = to_f32(v[i]);
     return out;
   };
-  return DispatchInputs{widen(x), widen(dout), widen(wr), widen(wgu), widen(wd), c.topk_ids ? *c.topk_ids : draw_dispatch_routing(c, 1, 0)};
+  return DispatchInputs{widen(x), widen(dout), widen(wr), widen(wgu), widen(wd), widen(b),
+                        c.topk_ids ? *c.topk_ids : draw_dispatch_routing(c, 1, 0)};
 }
 
 DispatchScheduleResult run_dispatch_schedule(TrackingAllocator& alloc, const DispatchScheduleConfig& config) {

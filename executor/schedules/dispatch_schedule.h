@@ -32,6 +32,11 @@ struct DispatchScheduleConfig {
   int64_t experts = 0;  // E, all experts (E/EP native on each rank; E % EP == 0)
   int64_t top_k = 0;    // k ≤ E
   int64_t ffn = 0;      // F, expert FFN width
+  // Biases inside each expert (gpt-oss): gate/up [2F] added to fc1, down [H] added to fc2. The
+  // prob rides on the activation (act*prob), so the down bias is not scaled by it, where gpt-oss
+  // scales the whole expert output; the bias's storage, lending and gradients are the same.
+  // Stored after the weights in one expert's [P] elements: P = 3·H·F + 2F + H.
+  bool expert_bias = false;
   // 0: one uncapped dispatch. C > 0: rounds of at most C copies per source (capped at T·k).
   int64_t chunk_cap_rows = 0;
   bool store = false;        // capped only: keep every round's expert activations (store) or
@@ -87,6 +92,7 @@ struct DispatchInputs {
   std::vector<float> w_router;      // [E, H]
   std::vector<float> w_gate_up;     // [E, 2F, H] gate rows 0..F-1, up rows F..2F-1
   std::vector<float> w_down;        // [E, H, F]
+  std::vector<float> b_expert;      // [E, 2F + H] gate/up then down biases (empty without expert_bias)
   std::vector<int32_t> topk_ids;    // [T, k] drawn from the routing model (distinct per token)
 };
 DispatchInputs make_dispatch_inputs(const DispatchScheduleConfig& config);
@@ -114,6 +120,7 @@ struct DispatchScheduleResult {
   std::vector<float> d_w_router;       // [E, H] fp32, this rank's tokens' part
   std::vector<float> d_w_gate_up;      // [E/EP, 2F, H] fp32, native experts (helpers' parts added)
   std::vector<float> d_w_down;         // [E/EP, H, F] fp32
+  std::vector<float> d_b_expert;       // [E/EP, 2F + H] fp32 (empty without expert_bias)
 };
 
 // Runs the no-grad forward, the recompute and the backward of one MoE layer with every buffer

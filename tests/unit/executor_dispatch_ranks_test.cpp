@@ -92,6 +92,7 @@ float max_diff(const std::vector<float>& got, const std::vector<float>& ref, siz
 struct Case {
   const char* routing;
   Kind kind;
+  bool expert_bias = false;  // gpt-oss's: lent with the weights, their gradients returned
 };
 
 class DispatchRanks : public ::testing::TestWithParam<Case> {};
@@ -106,7 +107,8 @@ class DispatchRanks : public ::testing::TestWithParam<Case> {};
 // tokens: within 1e-6 of its largest.
 TEST_P(DispatchRanks, MatchesSingleRankReference) {
   const Case param = GetParam();
-  const DispatchScheduleConfig c = config_for(param.kind, param.routing);
+  DispatchScheduleConfig c = config_for(param.kind, param.routing);
+  c.expert_bias = param.expert_bias;
   const DispatchScheduleResult ref = reference(c);
   const Ranks ranks = run_threads(c);
   const int64_t T = c.tokens, H = c.hidden, F = c.ffn, L = c.experts / kEp;
@@ -128,12 +130,17 @@ TEST_P(DispatchRanks, MatchesSingleRankReference) {
     }
     const float dgu = max_diff(got.d_w_gate_up, ref.d_w_gate_up, z(r * L * 2 * F * H));
     const float ddn = max_diff(got.d_w_down, ref.d_w_down, z(r * L * H * F));
+    const int64_t Pb = c.expert_bias ? 2 * F + H : 0;
+    ASSERT_EQ(got.d_b_expert.size(), z(L * Pb)) << "rank " << r;
+    const float db = max_diff(got.d_b_expert, ref.d_b_expert, z(r * L * Pb));
     if (param.kind == Kind::Uncapped) {
       EXPECT_EQ(dgu, 0.0f) << "rank " << r;
       EXPECT_EQ(ddn, 0.0f) << "rank " << r;
+      EXPECT_EQ(db, 0.0f) << "rank " << r;
     } else {
       EXPECT_LE(dgu, 1e-5f * dw_scale) << "rank " << r;
       EXPECT_LE(ddn, 1e-5f * dw_scale) << "rank " << r;
+      EXPECT_LE(db, 1e-5f * max_abs(ref.d_b_expert)) << "rank " << r;
     }
     for (size_t i = 0; i < router.size(); ++i) router[i] += got.d_w_router[i];
     total_rows += got.received_rows;
@@ -151,6 +158,11 @@ TEST_P(DispatchRanks, MatchesSingleRankReference) {
               dispatch_schedule_name(c), param.routing, out_d, dx_d, dx_scale, dw_d, dw_scale,
               max_diff(router, ref.d_w_router, 0), max_abs(ref.d_w_router));
   EXPECT_EQ(total_rows, kEp * c.tokens * c.top_k);  // every copy computed exactly once
+  if (c.expert_bias && c.llep) {  // the biases went out with lent weights and their grads came back
+    int64_t lent = 0;
+    for (const DispatchScheduleResult& r : ranks.results) lent += r.lent_weights;
+    EXPECT_GT(lent, 0);
+  }
   if (rounds) {
     EXPECT_GT(ranks.results[0].rounds, 1);
     for (const DispatchScheduleResult& r : ranks.results) EXPECT_LE(r.max_round_received_rows, r.round_buffer_rows);
@@ -162,7 +174,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Case{"balanced", Kind::Uncapped}, Case{"rho=2.5", Kind::Uncapped}, Case{"rho=4", Kind::Uncapped},
                       Case{"rho=2.5", Kind::Llep}, Case{"hot-expert=0.6,1", Kind::Llep}, Case{"rho=4", Kind::Llep},
                       Case{"rho=2.5", Kind::Pipelined}, Case{"hot-expert=0.6,1", Kind::Pipelined},
-                      Case{"rho=4", Kind::PipelinedStore}));
+                      Case{"rho=4", Kind::PipelinedStore}, Case{"rho=4", Kind::Uncapped, true},
+                      Case{"hot-expert=0.6,1", Kind::Llep, true}, Case{"hot-expert=0.6,1", Kind::Pipelined, true},
+                      Case{"rho=4", Kind::PipelinedStore, true}));
 
 // k = 2: a token's two rows add in either order to the same fp32 value, so PipelinedLLEP's out
 // and d_x are bitwise too.

@@ -48,9 +48,11 @@ float max_abs(const std::vector<float>& v) {
 
 // The naive reference in fp64 over the same bf16 inputs and drawn ids: router softmax and
 // renormalised top-k weights, per copy SwiGLU expert with the weight on the activation, an
-// unweighted sum over the k copies; backward by hand.
+// unweighted sum over the k copies; backward by hand. With expert biases, b_gu is added to the
+// gate and up pre-activations and b_down to the expert's output (after the prob, as the schedule
+// applies it).
 struct Reference {
-  std::vector<double> out, d_x, d_w_router, d_w_gate_up, d_w_down;
+  std::vector<double> out, d_x, d_w_router, d_w_gate_up, d_w_down, d_b_expert;
 };
 
 Reference reference(const DispatchScheduleConfig& c) {
@@ -62,6 +64,9 @@ Reference reference(const DispatchScheduleConfig& c) {
   r.d_w_router.assign(z(E * H), 0.0);
   r.d_w_gate_up.assign(z(E * 2 * F * H), 0.0);
   r.d_w_down.assign(z(E * H * F), 0.0);
+  const int64_t Pb = c.expert_bias ? 2 * F + H : 0;
+  r.d_b_expert.assign(z(E * Pb), 0.0);
+  auto bias = [&](int64_t e, int64_t i) { return Pb == 0 ? 0.0 : double(in.b_expert[z(e * Pb + i)]); };
   auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> logit(z(E)), p(z(E));
@@ -82,7 +87,7 @@ Reference reference(const DispatchScheduleConfig& c) {
       const int64_t e = in.topk_ids[z(t * k + s)];
       std::vector<double> g(z(F)), u(z(F)), a(z(F)), hvec(z(F)), dh(z(F));
       for (int64_t f = 0; f < F; ++f) {
-        double gg = 0.0, uu = 0.0;
+        double gg = bias(e, f), uu = bias(e, F + f);
         for (int64_t h = 0; h < H; ++h) {
           gg += double(in.w_gate_up[z((e * 2 * F + f) * H + h)]) * double(in.x[z(t * H + h)]);
           uu += double(in.w_gate_up[z((e * 2 * F + F + f) * H + h)]) * double(in.x[z(t * H + h)]);
@@ -93,8 +98,9 @@ Reference reference(const DispatchScheduleConfig& c) {
         hvec[z(f)] = a[z(f)] * w[z(s)];
       }
       for (int64_t h = 0; h < H; ++h) {
-        double y = 0.0;
+        double y = bias(e, 2 * F + h);
         for (int64_t f = 0; f < F; ++f) y += double(in.w_down[z((e * H + h) * F + f)]) * hvec[z(f)];
+        if (Pb > 0) r.d_b_expert[z(e * Pb + 2 * F + h)] += in.d_out[z(t * H + h)];
         r.out[z(t * H + h)] += y;
       }
       // Backward of this copy: d y = d_out[t].
@@ -113,6 +119,10 @@ Reference reference(const DispatchScheduleConfig& c) {
       for (int64_t f = 0; f < F; ++f) {
         const double da = dh[z(f)] * w[z(s)], sg = sig(g[z(f)]);
         const double dg = da * u[z(f)] * sg * (1.0 + g[z(f)] * (1.0 - sg)), du = da * g[z(f)] * sg;
+        if (Pb > 0) {
+          r.d_b_expert[z(e * Pb + f)] += dg;
+          r.d_b_expert[z(e * Pb + F + f)] += du;
+        }
         for (int64_t h = 0; h < H; ++h) {
           r.d_w_gate_up[z((e * 2 * F + f) * H + h)] += dg * double(in.x[z(t * H + h)]);
           r.d_w_gate_up[z((e * 2 * F + F + f) * H + h)] += du * double(in.x[z(t * H + h)]);
@@ -198,6 +208,37 @@ TEST(DispatchSchedule, MatchesFp64Reference) {
         expect_close(r.d_w_gate_up, ref.d_w_gate_up, 0.02, "dW gate_up");
         expect_close(r.d_w_down, ref.d_w_down, 0.02, "dW down");
       }
+    }
+  }
+}
+
+// gpt-oss's experts carry biases (gate/up and down): every schedule against the fp64 reference,
+// and the capped rounds against one uncapped dispatch as without biases.
+TEST(DispatchSchedule, ExpertBiasesMatchFp64Reference) {
+  for (const Shape& s : kShapes) {
+    DispatchScheduleConfig full_c = config_of(s, 6, 0, false);
+    full_c.expert_bias = true;
+    const DispatchScheduleResult full = run(full_c);
+    ASSERT_EQ(full.d_b_expert.size(), z(s.E * (2 * s.F + s.H)));
+    const Reference ref = reference(full_c);
+    expect_close(full.out, ref.out, 0.02, "out");
+    expect_close(full.d_x, ref.d_x, 0.02, "d_x");
+    expect_close(full.d_w_router, ref.d_w_router, 0.03, "dW router");
+    expect_close(full.d_w_gate_up, ref.d_w_gate_up, 0.02, "dW gate_up");
+    expect_close(full.d_w_down, ref.d_w_down, 0.02, "dW down");
+    expect_close(full.d_b_expert, ref.d_b_expert, 0.02, "d biases");
+    // The biases change the function: without them the output differs.
+    EXPECT_NE(full.out, run(config_of(s, 6, 0, false)).out);
+    for (bool store : {false, true}) {
+      DispatchScheduleConfig c = config_of(s, 6, 16, store);
+      c.expert_bias = true;
+      SCOPED_TRACE(store ? "store" : "recompute");
+      const DispatchScheduleResult r = run(c);
+      EXPECT_EQ(r.out, full.out);
+      EXPECT_EQ(r.d_x, full.d_x);
+      EXPECT_EQ(r.d_w_router, full.d_w_router);
+      expect_within_fp32_reorder(r.d_b_expert, full.d_b_expert, "d biases");
+      expect_within_fp32_reorder(r.d_w_gate_up, full.d_w_gate_up, "dW gate_up");
     }
   }
 }

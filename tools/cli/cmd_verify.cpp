@@ -1,5 +1,5 @@
 // `flatpeak verify PLAN.json [--scale auto|FACTOR] [--max-ranks 8] [--component C] [--tolerance X]
-// [--backend cpu|cuda] [--trace OUT.json] [--format table|json]`: runs the plan's schedule at a
+// [--backend cpu|cuda] [--trace OUT.json] [--perturb FACTOR] [--format table|json]`: runs the plan's schedule at a
 // scale this machine holds (CPU backend: the plan's N ranks, at most --max-ranks, as threads or,
 // under mpirun/srun, as the job's processes; CUDA backend: the components with a CUDA twin on one
 // GPU), plans that same scaled configuration, and compares the measured bytes with the predicted
@@ -53,6 +53,8 @@ struct VerifyOptions {
   bool component_given = false;
   std::string backend = "cpu";
   std::string trace_path;
+  std::string perturb;  // every predicted byte is multiplied by it (a self-test), when given
+  bool perturb_given = false;
   OutputFormat format = OutputFormat::Table;
 };
 
@@ -66,6 +68,28 @@ std::optional<double> parse_scale(const std::string& text) {
   if (!v || !(*v >= 1.0))
     throw InputError({Diagnostic{"", "--scale", "must be auto or a decimal number >= 1 (got '" + text + "')", ""}});
   return v;
+}
+
+// --perturb: a decimal factor in (0, 10], not hex (as --scale).
+double parse_perturb(const std::string& text) {
+  const std::optional<double> v = parse_decimal(text);
+  if (!v || !(*v > 0.0 && *v <= 10.0))
+    throw InputError({Diagnostic{"", "--perturb", "must be a decimal factor above 0 and at most 10 (got '" + text + "')",
+                                 "1.02 raises every prediction by 2 %"}});
+  return *v;
+}
+
+// Every predicted figure of every phase (each category and the total, device and host) times
+// `factor`, rounded to a byte: a planner wrong by that factor everywhere, which verify must catch.
+PredictionAdjust perturbation(double factor) {
+  return [factor](nlohmann::ordered_json& timeline) {
+    for (auto& phase : timeline["phases"])
+      for (const char* space : {"device", "host"}) {
+        if (!phase.contains(space)) continue;
+        for (auto& figure : phase[space])
+          if (figure.is_number()) figure = static_cast<int64_t>(std::llround(figure.get<double>() * factor));
+      }
+  };
 }
 
 // "unresolved": nothing failed, but some rows could not be judged at this scale (exit 2).
@@ -173,12 +197,19 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
     errs.add(Diagnostic{"", "--component", "unknown or not yet implemented component '" + o.component + "' (implemented: " + list + ")",
                         guess.empty() ? "" : "did you mean '" + guess + "'?"});
   }
-  std::optional<double> factor;
+  std::optional<double> factor, perturb;
   try {
     factor = parse_scale(o.scale);
   } catch (const InputError& e) {
     for (const auto& d : e.diagnostics()) errs.add(d);
   }
+  try {
+    if (o.perturb_given) perturb = parse_perturb(o.perturb);
+  } catch (const InputError& e) {
+    for (const auto& d : e.diagnostics()) errs.add(d);
+  }
+  if (perturb && o.backend == "cuda")
+    errs.add(Diagnostic{"", "--perturb", "is a self-test of the cpu backend's verify (got --backend cuda)", "drop --perturb or --backend cuda"});
   errs.throw_if_any();
 
   // An unwritable --trace fails before the run rather than after it, without touching the file
@@ -201,7 +232,12 @@ int run_verify_on(const VerifyOptions& o, exec::Communicator* world) {
   const ScaledConfig scaled = scale_config(in, factor, o.max_ranks);
   const std::vector<std::string> asked = o.component.empty() ? components : std::vector<std::string>{o.component};
   VerifyReport report = o.backend == "cuda" ? run_on_cuda(in, scaled, asked, tolerance)
-                                            : run_verification(in, scaled, asked, tolerance, nullptr, world);
+                                            : run_verification(in, scaled, asked, tolerance,
+                                                               perturb ? perturbation(*perturb) : PredictionAdjust{}, world);
+  if (perturb)
+    report.notes.insert(report.notes.begin(), fmt::format("--perturb {}: every predicted byte was multiplied by {:g} before the "
+                                                          "comparison (a self-test: the verdict says whether verify caught it)",
+                                                          o.perturb, *perturb));
   // Rows a one-unit rounding decides at this scale leave the run unjudged: the --scale asked
   // for is the input at fault (verify_run.h, set_aside_unresolved_rows).
   const int code = !report.pass ? kExitVerifyMismatch : report.unresolved_rows > 0 ? kExitInput : kExitOk;
@@ -286,10 +322,13 @@ Command make_verify_command() {
         sub.add_option("--backend", o->backend, "cpu (every component, N ranks) or cuda (the vocab, checkpoint and dispatch components on one GPU)")->default_str("cpu");
         sub.add_option("--trace", o->trace_path, "Write the measured timeline (traces/README.md format) here")
             ->check([](const std::string& path) { return path.empty() ? std::string("must name a file (got '')") : std::string(); });
+        sub.add_option("--perturb", o->perturb,
+                       "Self-test: multiply every predicted byte by this factor before comparing (1.02 must fail at 1 %)");
         add_format_option(sub, o->format);
         return [o, tolerance, &sub]() {
           o->tolerance_given = tolerance->count() > 0;
           o->component_given = sub.count("--component") > 0;  // --component '' is not "every component"
+          o->perturb_given = sub.count("--perturb") > 0;
           return run_verify(*o);
         };
       }};

@@ -94,6 +94,7 @@ exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const Dis
   c.experts = s.num_experts;
   c.top_k = in.top_k;
   c.ffn = s.expert_ffn;
+  c.expert_bias = load_plan_model(in).expert_bias;  // in each expert's P, as the planner's p_e counts them
   c.chunk_cap_rows = k.chunk_cap_rows;
   c.store = s.dispatch_store;
   c.depth = s.dispatch_depth;
@@ -310,6 +311,7 @@ void verify_dispatch(const VerifyContext& ctx, VerifyReport& report) {
     diff(got.d_w_router, ref.d_w_router);
     diff(got.d_w_gate_up, ref.d_w_gate_up);
     diff(got.d_w_down, ref.d_w_down);
+    diff(got.d_b_expert, ref.d_b_expert);
     double max_dout = 0.0;
     for (size_t i = 0; i < got.out.size(); ++i) max_dout = std::max(max_dout, static_cast<double>(std::fabs(got.out[i] - ref.out[i])));
     report.notes.push_back(fmt::format("dispatch: {} rounds of C = {} ({}); max |d output| against one uncapped dispatch {:g}",

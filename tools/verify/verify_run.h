@@ -57,8 +57,8 @@ struct VerifyReport {
   std::string unresolved_note;  // also among `notes`
 };
 
-// Changes the predicted timeline before the comparison. Tests use it to show that verify catches
-// a wrong prediction (one term raised by 2 % must fail); the CLI never sets it.
+// Changes the predicted timeline before the comparison, to show that verify catches a wrong
+// prediction: tests raise one term by 2 %, the CLI's --perturb FACTOR scales every figure.
 using PredictionAdjust = std::function<void(nlohmann::ordered_json& predicted_timeline)>;
 
 // Whether a row passes (VerifyRow says how each is judged); a "bound" row passes at or under its
