@@ -57,7 +57,7 @@ DeviceBuffer borrow_weights(Ctx& x, int64_t slots) {
   if (static_cast<int64_t>(x.p.foreign.size()) > slots)
     throw std::logic_error("dispatch schedule: more borrowed experts than weight slots");
   DeviceBuffer w = make_buf(x.alloc, DType::BF16, slots * x.d.P, x.s);  // [S, P] bf16
-  if (x.p.lla_ran) exec::dispatch_detail::lend_weights(x.comm, x.d, x.p, x.L.w_gate_up.raw(), x.L.w_down.raw(), nullptr, w.raw());
+  if (x.p.lla_ran) exec::dispatch_detail::lend_weights(x.comm, x.d, x.p, x.L.w_gate_up.raw(), x.L.w_down.raw(), x.L.b_expert.raw(), w.raw());
   return w;
 }
 
@@ -479,7 +479,6 @@ void run_capped(Ctx& x, cudaEvent_t mid) {
 void check_args(exec::Communicator& comm, const CublasContext& blas, const DispatchScheduleConfig& c, const std::vector<int32_t>& ids) {
   const int64_t ep = comm.size();
   exec::dispatch_detail::validate_config(c, ep);
-  if (c.expert_bias) throw std::invalid_argument("dispatch schedule (cuda): expert biases are not in the CUDA dispatch (CPU only)");
   if (ep > kMaxEp) throw std::invalid_argument("dispatch schedule (cuda): at most " + std::to_string(kMaxEp) + " EP ranks");
   if (c.top_k > kMaxTopK) throw std::invalid_argument("dispatch schedule (cuda): top_k must be <= " + std::to_string(kMaxTopK));
   if (c.tokens * c.top_k > INT32_MAX) throw std::invalid_argument("dispatch schedule (cuda): T·k must be < 2^31 (int32 send maps)");
@@ -539,6 +538,7 @@ DispatchEpCudaResult run_dispatch_ep_cuda(exec::Communicator& comm, DeviceAlloca
     f32_to_host(L.dw_router.as<float>(), d.E * d.H, res.d_w_router, s);
     f32_to_host(L.dw_gate_up.as<float>(), d.L * 2 * d.F * d.H, res.d_w_gate_up, s);
     f32_to_host(L.dw_down.as<float>(), d.L * d.H * d.F, res.d_w_down, s);
+    if (d.Pb > 0) f32_to_host(L.db_expert.as<float>(), d.L * d.Pb, res.d_b_expert, s);
   }
   return out;
 }

@@ -38,7 +38,7 @@ inline DeviceBuffer make_buf(DeviceAllocator& a, DType dtype, int64_t n, cudaStr
 // The CPU's LayerData: layer input and upstream gradient (activations), gathered native weights
 // and their fp32 gradient accumulators (fsdp), in the same order.
 struct LayerDev {
-  DeviceBuffer x, d_out, w_router, w_gate_up, w_down, dw_router, dw_gate_up, dw_down;
+  DeviceBuffer x, d_out, w_router, w_gate_up, w_down, dw_router, dw_gate_up, dw_down, b_expert, db_expert;
   LayerDev(DeviceAllocator& a, const Dims& d, cudaStream_t s)
       : x(make_buf(a, DType::BF16, d.T * d.H, s, Category::Activations)),               // [T, H] bf16
         d_out(make_buf(a, DType::BF16, d.T * d.H, s, Category::Activations)),           // [T, H] bf16
@@ -47,7 +47,9 @@ struct LayerDev {
         w_down(make_buf(a, DType::BF16, d.L * d.H * d.F, s, Category::Fsdp)),           // [E/EP, H, F] bf16
         dw_router(make_buf(a, DType::F32, d.E * d.H, s, Category::Fsdp)),               // [E, H] fp32 +=
         dw_gate_up(make_buf(a, DType::F32, d.L * 2 * d.F * d.H, s, Category::Fsdp)),    // [E/EP, 2F, H] fp32 +=
-        dw_down(make_buf(a, DType::F32, d.L * d.H * d.F, s, Category::Fsdp)) {}         // [E/EP, H, F] fp32 +=
+        dw_down(make_buf(a, DType::F32, d.L * d.H * d.F, s, Category::Fsdp)),           // [E/EP, H, F] fp32 +=
+        b_expert(make_buf(a, DType::BF16, d.L * d.Pb, s, Category::Fsdp)),             // [E/EP, 2F + H] bf16 (or empty)
+        db_expert(make_buf(a, DType::F32, d.L * d.Pb, s, Category::Fsdp)) {}           // [E/EP, 2F + H] fp32 += (or empty)
 };
 
 // The CPU's fill_inputs on the device (this rank's slices of the one-rank run's inputs), the
@@ -74,7 +76,9 @@ void compute_routing(const CublasContext& blas, const Dims& d, const LayerDev& L
 // Weights and fp32 gradient accumulators of one local expert (native, or a foreign slot).
 struct ExpertSlotDev {
   const Bf16 *gu, *down;
+  const Bf16* bias;    // gate/up [2F] then down [H]; null without expert biases
   float *dgu, *ddown;  // null: no gradient in this pass
+  float* dbias;        // [2F + H]; null without biases or gradient
 };
 std::vector<ExpertSlotDev> expert_slots(const Dims& d, const RowPlan& p, LayerDev& L, const DeviceBuffer* foreign_w,
                                         DeviceBuffer* foreign_dw);
@@ -90,7 +94,8 @@ void regroup(const Grouping& g, const void* src, void* dst, int64_t W, int64_t e
 void ungroup(const Grouping& g, const void* src, void* dst, int64_t W, int64_t elem_bytes, cudaStream_t s);
 
 // Experts over grouped rows: the CPU's experts_forward / experts_fc2 / experts_backward_fc /
-// experts_backward_in (act*prob; d prob written over its prob).
+// experts_backward_in (act*prob; d prob written over its prob; expert biases broadcast into the
+// GEMMs' outputs, which accumulate onto them, and their gradients as the rows' sums).
 void experts_forward(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g,
                      const ProbsDev& pr, const Bf16* in, Bf16* fc1, Bf16* act, Bf16* fc2);
 void experts_fc2(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g, const Bf16* act,
@@ -137,7 +142,7 @@ void scatter_round_dprobs(cudaStream_t s, const Dims& d, int64_t sent, const int
 
 // ---- lending
 
-// dW[e] += g ([P] fp32: gate/up then down) for expert e native on this rank.
+// dW[e] += g ([P] fp32: gate/up, down, then any biases) for expert e native on this rank.
 void add_returned_grads(cudaStream_t s, const Dims& d, LayerDev& L, int64_t e, const float* g);
 
 // Small helpers.

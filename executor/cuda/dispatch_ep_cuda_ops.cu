@@ -65,7 +65,8 @@ void fill_layer(const exec::DispatchScheduleConfig& c, const Dims& d, LayerDev& 
                  d.me * d.L * 2 * d.F * d.H);
   fill_bf16_cuda(L.w_down.as<Bf16>(), d.L * d.H * d.F, seed + 5, 2.0f / std::sqrt(static_cast<float>(d.F)), s,
                  d.me * d.L * d.H * d.F);
-  for (DeviceBuffer* b : {&L.dw_router, &L.dw_gate_up, &L.dw_down}) zero(*b, s);
+  if (d.Pb > 0) fill_bf16_cuda(L.b_expert.as<Bf16>(), d.L * d.Pb, seed + 7, 0.5f, s, d.me * d.L * d.Pb);
+  for (DeviceBuffer* b : {&L.dw_router, &L.dw_gate_up, &L.dw_down, &L.db_expert}) zero(*b, s);
 }
 
 void compute_routing(const CublasContext& blas, const Dims& d, const LayerDev& L, const std::vector<int64_t>& ids, RoutingDev& r) {
@@ -88,13 +89,19 @@ std::vector<ExpertSlotDev> expert_slots(const Dims& d, const RowPlan& p, LayerDe
       s.down = L.w_down.as<Bf16>() + l * d.H * d.F;
       s.dgu = L.dw_gate_up.as<float>() + l * 2 * d.F * d.H;
       s.ddown = L.dw_down.as<float>() + l * d.H * d.F;
+      if (d.Pb > 0) {
+        s.bias = L.b_expert.as<Bf16>() + l * d.Pb;
+        s.dbias = L.db_expert.as<float>() + l * d.Pb;
+      }
     } else {
       const int64_t off = (l - d.L) * d.P;
       s.gu = foreign_w->as<Bf16>() + off;
       s.down = s.gu + 2 * d.F * d.H;
+      if (d.Pb > 0) s.bias = s.gu + 3 * d.F * d.H;
       if (foreign_dw && foreign_dw->raw() != nullptr) {
         s.dgu = foreign_dw->as<float>() + off;
         s.ddown = s.dgu + 2 * d.F * d.H;
+        if (d.Pb > 0) s.dbias = s.dgu + 3 * d.F * d.H;
       }
     }
     out.push_back(s);
@@ -111,8 +118,10 @@ void ungroup(const Grouping& g, const void* src, void* dst, int64_t W, int64_t e
 
 void experts_fc2(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g, const Bf16* act,
                  Bf16* fc2) {
+  const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    gemm_cuda(blas, false, true, m, d.H, d.F, 1.0f, DType::BF16, act + i0 * d.F, d.F, DType::BF16, w[l].down, d.F, false, DType::BF16,
+    if (bias) launch_broadcast_row(w[l].bias + 2 * d.F, fc2 + i0 * d.H, m, d.H, blas.stream());  // b_down, then += the GEMM
+    gemm_cuda(blas, false, true, m, d.H, d.F, 1.0f, DType::BF16, act + i0 * d.F, d.F, DType::BF16, w[l].down, d.F, bias, DType::BF16,
               fc2 + i0 * d.H, d.H);
   });
 }
@@ -120,8 +129,10 @@ void experts_fc2(const CublasContext& blas, const Dims& d, const std::vector<Exp
 void experts_forward(const CublasContext& blas, const Dims& d, const std::vector<ExpertSlotDev>& w, const Grouping& g,
                      const ProbsDev& pr, const Bf16* in, Bf16* fc1, Bf16* act, Bf16* fc2) {
   cudaStream_t s = blas.stream();
+  const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    gemm_cuda(blas, false, true, m, 2 * d.F, d.H, 1.0f, DType::BF16, in + i0 * d.H, d.H, DType::BF16, w[l].gu, d.H, false,
+    if (bias) launch_broadcast_row(w[l].bias, fc1 + i0 * 2 * d.F, m, 2 * d.F, s);  // b_gu, then += the GEMM
+    gemm_cuda(blas, false, true, m, 2 * d.F, d.H, 1.0f, DType::BF16, in + i0 * d.H, d.H, DType::BF16, w[l].gu, d.H, bias,
               DType::BF16, fc1 + i0 * 2 * d.F, 2 * d.F);
   });
   for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
@@ -139,6 +150,7 @@ void experts_backward_fc(const CublasContext& blas, const Dims& d, const std::ve
     if (w[l].ddown == nullptr) throw std::logic_error("dispatch schedule: an expert without a gradient accumulator in backward");
     gemm_cuda(blas, true, false, d.H, d.F, m, 1.0f, DType::BF16, d_fc2 + i0 * d.H, d.H, DType::BF16, act + i0 * d.F, d.F, true,
               DType::F32, w[l].ddown, d.F);
+    if (w[l].dbias) launch_add_row_sums(d_fc2 + i0 * d.H, m, d.H, w[l].dbias + 2 * d.F, s);  // d b_down
   });
   for_each_prob_run(g, pr, [&](int64_t i0, int64_t j0, int64_t n) {
     launch_act_backward(fc1, d_act, pr.p, d_fc1, i0, j0, n, d.F, s);
@@ -150,6 +162,7 @@ void experts_backward_in(const CublasContext& blas, const Dims& d, const std::ve
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
     gemm_cuda(blas, true, false, 2 * d.F, d.H, m, 1.0f, DType::BF16, d_fc1 + i0 * 2 * d.F, 2 * d.F, DType::BF16, in + i0 * d.H, d.H,
               true, DType::F32, w[l].dgu, d.H);
+    if (w[l].dbias) launch_add_row_sums(d_fc1 + i0 * 2 * d.F, m, 2 * d.F, w[l].dbias, blas.stream());  // d b_gu
     gemm_cuda(blas, false, false, m, d.H, 2 * d.F, 1.0f, DType::BF16, d_fc1 + i0 * 2 * d.F, 2 * d.F, DType::BF16, w[l].gu, d.H,
               false, DType::BF16, d_in + i0 * d.H, d.H);
   });
@@ -213,6 +226,7 @@ void add_returned_grads(cudaStream_t s, const Dims& d, LayerDev& L, int64_t e, c
   const int64_t l = e - d.me * d.L, gu = 2 * d.F * d.H, dn = d.H * d.F;
   launch_add_f32(g, L.dw_gate_up.as<float>() + l * gu, gu, s);
   launch_add_f32(g + gu, L.dw_down.as<float>() + l * dn, dn, s);
+  if (d.Pb > 0) launch_add_f32(g + gu + dn, L.db_expert.as<float>() + l * d.Pb, d.Pb, s);
 }
 
 void zero(DeviceBuffer& b, cudaStream_t s) {

@@ -1,5 +1,5 @@
 // The kernels of the CUDA dispatch at EP >= 1 (internal to executor/cuda): routing, the experts'
-// activation and its backward, the router's backward, the uncapped pass's gathers, per-token sums
+// activation and its backward, the expert biases' rows and gradients, the router's backward, the uncapped pass's gathers, per-token sums
 // and scatters, and the capped rounds' packing and per-token adds; each the device form of a loop
 // of the CPU schedule (executor/schedules/dispatch_*.cpp). dispatch_ep_cuda_ops.cu calls the
 // launch functions at the end; tests/unit/executor_dispatch_ep_emulation_test.cpp runs the same
@@ -248,6 +248,23 @@ __global__ void add_f32_kernel(const float* src, float* dst, int64_t n) {
   for (int64_t i = global_thread(); i < n; i += grid_threads()) dst[i] += src[i];
 }
 
+// ---- expert biases (the CPU's experts_forward / experts_fc2 bias rows and add_row_sums)
+
+// out[r, c] = row[c] for m rows of width n: a bias the GEMM then accumulates onto (beta = 1).
+__global__ void broadcast_row_kernel(const Bf16* row, Bf16* out, int64_t m, int64_t n) {
+  for (int64_t i = global_thread(); i < m * n; i += grid_threads()) out[i] = row[i % n];
+}
+
+// acc[c] += Σ_r rows[r, c], one thread a column summing its m rows in fp32 in row order and
+// adding once: the CPU's add_row_sums bit for bit.
+__global__ void add_row_sums_kernel(const Bf16* rows, int64_t m, int64_t n, float* acc) {
+  for (int64_t c = global_thread(); c < n; c += grid_threads()) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < m; ++r) sum += to_f32(rows[r * n + c]);
+    acc[c] += sum;
+  }
+}
+
 // ---- launches (dispatch_ep_cuda_ops.cu's) ----
 
 inline void launch_routing(const float* logits, const int64_t* ids, float* scores, float* scattered, uint8_t* map, float* w,
@@ -309,6 +326,14 @@ inline void launch_scatter_round_dprobs(const int64_t* i_home, const int64_t* id
 }
 inline void launch_add_f32(const float* src, float* dst, int64_t n, cudaStream_t s) {
   FLATPEAK_LAUNCH(add_f32_kernel, grid_for(n), kThreads, 0, s, src, dst, n);
+}
+inline void launch_broadcast_row(const Bf16* row, Bf16* out, int64_t m, int64_t n, cudaStream_t s) {
+  if (m <= 0 || n <= 0) return;
+  FLATPEAK_LAUNCH(broadcast_row_kernel, grid_for(m * n), kThreads, 0, s, row, out, m, n);
+}
+inline void launch_add_row_sums(const Bf16* rows, int64_t m, int64_t n, float* acc, cudaStream_t s) {
+  if (m <= 0 || n <= 0) return;
+  FLATPEAK_LAUNCH(add_row_sums_kernel, grid_for(n), kThreads, 0, s, rows, m, n, acc);
 }
 
 }  // namespace

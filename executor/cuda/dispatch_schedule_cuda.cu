@@ -42,7 +42,7 @@ Dims dims_of(const DispatchScheduleConfig& c) {
   if (c.tokens <= 0 || c.hidden <= 0 || c.experts <= 0 || c.ffn <= 0 || c.top_k <= 0 || c.top_k > c.experts)
     throw std::invalid_argument("dispatch schedule: need tokens, hidden, experts, ffn > 0 and 0 < top_k <= experts");
   if (c.chunk_cap_rows < 0) throw std::invalid_argument("dispatch schedule: chunk_cap_rows must be >= 0");
-  if (c.expert_bias) throw std::invalid_argument("dispatch schedule (cuda): expert biases are not in the CUDA dispatch (CPU only)");
+  if (c.expert_bias) throw std::invalid_argument("dispatch schedule (cuda, one GPU): expert biases are not in this schedule (run_dispatch_ep_cuda has them)");
   if (c.tokens * c.top_k > 0x7fffffff)
     throw std::invalid_argument("dispatch schedule: T·k must be < 2^31 (int32 row maps)");
   return {c.tokens, c.hidden, c.experts, c.top_k, c.ffn, c.tokens * c.top_k};

@@ -74,7 +74,8 @@ class LayerCore final : public DecoderLayer::Engine {
         ln_(c.layer_norm), norm1_bias_(cast(w.norm1_bias)), norm2_bias_(cast(w.norm2_bias)),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
-        wsg_(cast(w.shared_gate)), comm_(c.ep > 1 ? ep_group : nullptr) {
+        wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr) {
+    if (c.expert_bias && wb_ == nullptr) throw std::invalid_argument("decoder layer: expert_bias needs the b_expert weight");
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
       throw std::invalid_argument("decoder layer: ep = " + std::to_string(c.ep) + " needs a Communicator of that many ranks");
   }
@@ -327,15 +328,34 @@ class LayerCore final : public DecoderLayer::Engine {
     recv_.reset();
   }
 
-  // fc1 [R, 2F] = [gate | up], act·prob [R, F] = silu(gate) ⊙ up · prob.
+  // Expert l's bias for an output of width n at `offset` in its [2F + H] (gate/up at 0, down at
+  // 2F) into its n_rows rows at `rows`, which the GEMM then accumulates onto; false without biases.
+  bool bias_rows(int64_t l, int64_t offset, int64_t width, int64_t n_rows, S* rows) const {
+    if (wb_ == nullptr) return false;
+    const S* b = wb_ + l * (2 * F_ + H_) + offset;
+    for (int64_t r = 0; r < n_rows; ++r) std::copy(b, b + width, rows + r * width);
+    return true;
+  }
+  // A bias gradient: g[c] += Σ_r rows[r, c] over n_rows rows of `width`, each column summed in
+  // fp32 in row order and added once (as a weight gradient's GEMM adds its rows' sum).
+  static void add_row_sums(const S* rows, int64_t n_rows, int64_t width, S* g) {
+    for (int64_t c = 0; c < width; ++c) {
+      float sum = 0.0f;
+      for (int64_t r = 0; r < n_rows; ++r) sum += to_f32(rows[r * width + c]);
+      store_f32(g + c, to_f32(g[c]) + sum);
+    }
+  }
+
+  // fc1 [R, 2F] = [gate | up] (+ the expert's gate/up bias), act·prob [R, F] = silu(gate) ⊙ up · prob.
   void experts_fc1() {
     fc1_ = dsp({R_, 2 * F_});
     actp_ = dsp({R_, F_});
     for (int64_t l = 0; l < EL_; ++l) {
       const int64_t r0 = expert_row0(l), n = expert_rows(l);
-      if (n > 0)
-        gemm_cpu(false, true, n, 2 * F_, H_, 1.0f, ein_.data<S>() + r0 * H_, H_, wgu_ + l * 2 * F_ * H_, H_, false,
-                 fc1_.data<S>() + r0 * 2 * F_, 2 * F_);
+      if (n == 0) continue;
+      const bool bias = bias_rows(l, 0, 2 * F_, n, fc1_.data<S>() + r0 * 2 * F_);
+      gemm_cpu(false, true, n, 2 * F_, H_, 1.0f, ein_.data<S>() + r0 * H_, H_, wgu_ + l * 2 * F_ * H_, H_, bias,
+               fc1_.data<S>() + r0 * 2 * F_, 2 * F_);
     }
     const S* gu = fc1_.data<S>();
     S* ap = actp_.data<S>();
@@ -345,13 +365,14 @@ class LayerCore final : public DecoderLayer::Engine {
     });
   }
 
-  void experts_fc2() {
+  void experts_fc2() {  // fc2 [R, H] = act·prob · W_downᵀ (+ the expert's down bias)
     fc2_ = dsp({R_, H_});
     for (int64_t l = 0; l < EL_; ++l) {
       const int64_t r0 = expert_row0(l), n = expert_rows(l);
-      if (n > 0)
-        gemm_cpu(false, true, n, H_, F_, 1.0f, actp_.data<S>() + r0 * F_, F_, wd_ + l * H_ * F_, F_, false,
-                 fc2_.data<S>() + r0 * H_, H_);
+      if (n == 0) continue;
+      const bool bias = bias_rows(l, 2 * F_, H_, n, fc2_.data<S>() + r0 * H_);
+      gemm_cpu(false, true, n, H_, F_, 1.0f, actp_.data<S>() + r0 * F_, F_, wd_ + l * H_ * F_, F_, bias,
+               fc2_.data<S>() + r0 * H_, H_);
     }
   }
 
@@ -595,6 +616,7 @@ class LayerCore final : public DecoderLayer::Engine {
     S* g_wr = static_cast<S*>(gw.router);
     S* g_wgu = static_cast<S*>(gw.w_gate_up);
     S* g_wd = static_cast<S*>(gw.w_down);
+    S* g_b = static_cast<S*>(gw.b_expert);  // [E/EP, 2F + H] (null without expert biases)
     const S* dy = dy_.data<S>();
     Tensor dcrow = dsp({TK_, H_});
     for_each_copy([&](int64_t t, int64_t, int64_t row) {
@@ -625,6 +647,7 @@ class LayerCore final : public DecoderLayer::Engine {
                dactp.data<S>() + r0 * F_, F_);
       gemm_cpu(true, false, H_, F_, n, 1.0f, dfc2.data<S>() + r0 * H_, H_, actp_.data<S>() + r0 * F_, F_, true,
                g_wd + l * H_ * F_, F_);
+      if (wb_ != nullptr) add_row_sums(dfc2.data<S>() + r0 * H_, n, H_, g_b + l * (2 * F_ + H_) + 2 * F_);  // d b_down
     }
     Tensor dfc1 = dsp({R_, 2 * F_});
     const S* gu = fc1_.data<S>();
@@ -670,6 +693,7 @@ class LayerCore final : public DecoderLayer::Engine {
                false, dein.data<S>() + r0 * H_, H_);
       gemm_cpu(true, false, 2 * F_, H_, n, 1.0f, dfc1.data<S>() + r0 * 2 * F_, 2 * F_, ein_.data<S>() + r0 * H_, H_, true,
                g_wgu + l * 2 * F_ * H_, H_);
+      if (wb_ != nullptr) add_row_sums(dfc1.data<S>() + r0 * 2 * F_, n, 2 * F_, g_b + l * (2 * F_ + H_));  // d b_gu
     }
     dfc1.reset(), ein_.reset(), fc1_.reset(), actp_.reset();
     Tensor dn2acc;
@@ -936,6 +960,7 @@ class LayerCore final : public DecoderLayer::Engine {
   const bool ln_;     // LayerNorm norms (with biases) in place of RMSNorm
   const S *norm1_bias_, *norm2_bias_;  // LayerNorm's biases (null without)
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_, *wsg_;  // the caller's weights
+  const S* wb_;                       // the experts' biases [E/EP, 2F + H] (null without)
   Communicator* comm_;                // the EP group (EP > 1), else null
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
   int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)

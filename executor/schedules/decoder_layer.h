@@ -48,6 +48,11 @@ struct LayerScheduleConfig {
   // LayerNorm norms with a bias (Phi-3.5-MoE; weights norm1_bias, norm2_bias [H]) in place of
   // RMSNorm: each norm saves its per-token mean [T] fp32 beside its rstd.
   bool layer_norm = false;
+  // Biases inside each routed expert (gpt-oss; weight b_expert [E/ep, 2F + H]: gate/up [2F] onto
+  // fc1, down [H] onto fc2, each written into the GEMM's output rows before it accumulates onto
+  // them; the prob rides on the activation, so the down bias is not scaled by it). Their
+  // gradients are the rows' sums. MoE layers only.
+  bool expert_bias = false;
   int64_t layer_index = 0;  // layer component: phase names use L<layer_index>
   // Layer component: true runs the checkpointed step (no-grad forward, recompute + backward);
   // false the naive reference that keeps every activation from one forward with grad (phases fwd/...).
@@ -67,12 +72,14 @@ struct LayerWeightPtrs {
   void *router = nullptr, *w_gate_up = nullptr, *w_down = nullptr, *shared_gate_up = nullptr, *shared_down = nullptr;
   void* shared_gate = nullptr;  // [1, H] with LayerScheduleConfig::shared_gate
   void *norm1_bias = nullptr, *norm2_bias = nullptr;  // [H] each with LayerScheduleConfig::layer_norm
+  void* b_expert = nullptr;                           // [E/ep, 2F + H] with LayerScheduleConfig::expert_bias
 };
 
 // Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
 // norm2 [H], router [E, H], w_gate_up [E/ep, 2F, H], w_down [E/ep, H, F]; with shared experts
 // shared_gate_up [2F_s, H], shared_down [H, F_s], and with their gate shared_gate [1, H]; with
-// LayerNorm, norm1_bias [H] after norm1 and norm2_bias [H] after norm2.
+// LayerNorm, norm1_bias [H] after norm1 and norm2_bias [H] after norm2; with expert biases,
+// b_expert [E/ep, 2F + H] after w_down.
 struct LayerWeightShape {
   std::string name;
   std::vector<int64_t> shape;
@@ -80,7 +87,7 @@ struct LayerWeightShape {
 };
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& config);
 int64_t layer_weight_elems(const LayerScheduleConfig& config);  // their sum
-bool is_expert_weight(const std::string& name);                  // w_gate_up, w_down
+bool is_expert_weight(const std::string& name);                  // w_gate_up, w_down, b_expert
 // Views of one flat buffer holding the weights back to back in storage order; with `experts` set,
 // the expert weights back to back there instead and the others back to back from `base` (the
 // FSDP layout at EP > 1: the sharded part, then the rank's own experts).

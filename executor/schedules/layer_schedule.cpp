@@ -56,6 +56,7 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
     add("norm1_bias", H, 0.1f, 0.0f);
     add("norm2_bias", H, 0.1f, 0.0f);
   }
+  if (c.expert_bias) add("b_expert", E * (2 * F + H), 0.5f, 0.0f);
   return out;
 }
 

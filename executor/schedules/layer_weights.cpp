@@ -24,6 +24,8 @@ void check_layer_config(const LayerScheduleConfig& c) {
     if (c.top_k > c.experts) throw std::invalid_argument("layer schedule: top_k must be <= experts");
     if (c.ep < 1 || c.experts % c.ep != 0) throw std::invalid_argument("layer schedule: ep must be >= 1 and divide experts");
   }
+  if (c.expert_bias && c.dense_ffn > 0)
+    throw std::invalid_argument("layer schedule: expert_bias needs a MoE layer (a dense FFN layer has no experts)");
   if (c.shared_gate && (c.dense_ffn > 0 || c.shared_ffn <= 0))
     throw std::invalid_argument("layer schedule: shared_gate gates shared experts: it needs shared_ffn > 0 in a MoE layer");
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
@@ -51,6 +53,7 @@ std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) 
   w.push_back({"router", {E, H}});
   w.push_back({"w_gate_up", {EL, 2 * F, H}});
   w.push_back({"w_down", {EL, H, F}});
+  if (c.expert_bias) w.push_back({"b_expert", {EL, 2 * F + H}});
   if (c.shared_ffn > 0) {
     w.push_back({"shared_gate_up", {2 * c.shared_ffn, H}});
     w.push_back({"shared_down", {H, c.shared_ffn}});
@@ -77,6 +80,7 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   if (name == "router") return w.router;
   if (name == "w_gate_up") return w.w_gate_up;
   if (name == "w_down") return w.w_down;
+  if (name == "b_expert") return w.b_expert;
   // A dense layer's FFN is the same SwiGLU MLP over every token as the shared experts: one slot.
   if (name == "shared_gate_up" || name == "ffn_gate_up") return w.shared_gate_up;
   if (name == "shared_down" || name == "ffn_down") return w.shared_down;
@@ -84,7 +88,7 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
 }
 
-bool is_expert_weight(const std::string& name) { return name == "w_gate_up" || name == "w_down"; }
+bool is_expert_weight(const std::string& name) { return name == "w_gate_up" || name == "w_down" || name == "b_expert"; }
 
 LayerWeightPtrs layer_weights_in(void* base, const LayerScheduleConfig& c, void* experts) {
   LayerWeightPtrs w;

@@ -87,6 +87,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
     l.expert_ffn = m.expert_ffn_width;
     l.shared_ffn = m.shared_expert_ffn_width;
     l.shared_gate = m.shared_expert_gate && l.shared_ffn > 0;
+    l.expert_bias = m.expert_bias;
   }
   l.layer_norm = m.norm_bias;
   l.dtype = DType::BF16;

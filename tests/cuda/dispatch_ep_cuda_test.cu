@@ -5,7 +5,9 @@
 // `dispatch`, `activations` and `fsdp` peaks, equal to the CPU's (the same buffers at the same
 // 256-byte alignment); (b) out, d_x and the expert and router dW within bf16 tolerance (cuBLAS
 // sums in another order; the bound is stated at the check); (c) the capped per-rank peak below
-// the uncapped one (CPU at 256 B: 303616 vs 432128 B on the busiest rank). A host communicator and a
+// the uncapped one (CPU at 256 B: 303616 vs 432128 B on the busiest rank); (d) LLEP and
+// PipelinedLLEP with expert biases (gpt-oss's: lent with the weights, their gradients returned),
+// (a) and (b) again with the bias gradients. A host communicator and a
 // device one on another stream than the cuBLAS context's are refused with their exact messages.
 // Exit 77 (skipped) without a CUDA device.
 #include <algorithm>
@@ -130,13 +132,14 @@ void compare_phases(const std::string& tag, const std::vector<PhaseRecord>& gpu,
 }
 
 // Checks one kind; returns the largest per-rank tracked high-water on the GPU.
-int64_t check_kind(Kind kind) {
-  const DispatchScheduleConfig c = config_for(kind);
+int64_t check_kind(Kind kind, bool expert_bias = false) {
+  DispatchScheduleConfig c = config_for(kind);
+  c.expert_bias = expert_bias;
   const std::vector<RankRun> cpu = run_cpu(c);
   const std::vector<RankRun> gpu = run_gpu(c);
   int64_t high = 0;
   for (int r = 0; r < kRanks; ++r) {
-    const std::string tag = std::string(kind_name(kind)) + "/rank" + std::to_string(r);
+    const std::string tag = std::string(kind_name(kind)) + (expert_bias ? "/biases" : "") + "/rank" + std::to_string(r);
     const DispatchScheduleResult& g = gpu[z(r)].res;
     const DispatchScheduleResult& w = cpu[z(r)].res;
     high = std::max(high, gpu[z(r)].high);
@@ -163,6 +166,11 @@ int64_t check_kind(Kind kind) {
     expect_close(tag + "/d_w_gate_up", g.d_w_gate_up, w.d_w_gate_up, rows);
     expect_close(tag + "/d_w_down", g.d_w_down, w.d_w_down, rows);
     expect_close(tag + "/d_w_router", g.d_w_router, w.d_w_router, rows);
+    if (expert_bias) {
+      expect_true(tag + "/d_b_expert size", !w.d_b_expert.empty() && g.d_b_expert.size() == w.d_b_expert.size(),
+                  std::to_string(g.d_b_expert.size()) + " vs cpu " + std::to_string(w.d_b_expert.size()));
+      expect_close(tag + "/d_b_expert", g.d_b_expert, w.d_b_expert, rows);
+    }
   }
   return high;
 }
@@ -212,6 +220,8 @@ int main() {
     (void)check_kind(Kind::Llep);
     const int64_t capped = check_kind(Kind::Pipelined);
     (void)check_kind(Kind::PipelinedStore);
+    (void)check_kind(Kind::Llep, true);
+    (void)check_kind(Kind::Pipelined, true);
     check_refusals();
     // (c) The tracked high-water includes the same 4 MiB cuBLAS workspace on both.
     expect_true("capped peak < uncapped peak", capped < uncapped,

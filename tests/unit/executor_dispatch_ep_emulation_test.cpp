@@ -401,5 +401,35 @@ TEST(DispatchEpEmulation, AddF32) {
   expect_guard_intact("add_f32", e_dst);
 }
 
+// Expert biases (experts_forward / experts_fc2's bias rows, the bias gradients' add_row_sums):
+// a bias row copied into m rows, and each column of m rows summed in row order in fp32 and added
+// once, bitwise the CPU's loops; widths past one block of threads.
+TEST(DispatchEpEmulation, ExpertBiasRowsAndSums) {
+  std::mt19937 rng(37);
+  const int64_t m = 9, n = 300;
+  const std::vector<Bf16> row = to_storage<Bf16>(uniform(rng, n));
+  std::vector<Bf16> want_rows;
+  for (int64_t r = 0; r < m; ++r) want_rows.insert(want_rows.end(), row.begin(), row.end());
+  const Guarded<Bf16> g_row = guarded(row, nan_of<Bf16>());
+  Guarded<Bf16> e_rows = output_of<Bf16>(m * n);
+  de::launch_broadcast_row(g_row.ptr(), e_rows.ptr(), m, n, nullptr);
+  expect_same("broadcast_row", e_rows, want_rows);
+  expect_guard_intact("broadcast_row", e_rows);
+
+  const std::vector<Bf16> rows = to_storage<Bf16>(spread_rows(uniform(rng, m * n), n));
+  const std::vector<float> acc0 = uniform(rng, n);
+  std::vector<float> want = acc0;
+  for (int64_t c = 0; c < n; ++c) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < m; ++r) sum += to_f32(rows[z(r * n + c)]);
+    want[z(c)] += sum;
+  }
+  const Guarded<Bf16> g_sum_rows = guarded(rows, nan_of<Bf16>());
+  Guarded<float> e_acc = inout_of<float>(acc0);
+  de::launch_add_row_sums(g_sum_rows.ptr(), m, n, e_acc.ptr(), nullptr);
+  expect_same("add_row_sums", e_acc, want);
+  expect_guard_intact("add_row_sums", e_acc);
+}
+
 }  // namespace
 }  // namespace flatpeak::exec

@@ -27,11 +27,13 @@ LayerScheduleConfig small(DType dtype) {
 TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
   for (DType dtype : {DType::BF16, DType::F32})
   for (int64_t shared : {0, 12, -12}) {  // -12: 12, gated (Qwen2-MoE)
-  for (bool layer_norm : {false, true}) {
+  for (bool layer_norm : {false, true})
+  for (bool expert_bias : {false, true}) {  // gpt-oss's biases inside the routed experts
     LayerScheduleConfig c = small(dtype);
     c.shared_ffn = std::abs(shared);
     c.shared_gate = shared < 0;
     c.layer_norm = layer_norm;
+    c.expert_bias = expert_bias;
     TrackingAllocator a1({512}), a2({512});
     const LayerScheduleResult ckpt = run_layer_schedule(a1, c, {});
     c.checkpointed = false;
@@ -40,7 +42,7 @@ TEST(ExecutorScheduleLayer, RecomputeIsBitwiseTheNaiveRun) {
     EXPECT_EQ(ckpt.y.size(), c.tokens * c.hidden);
     EXPECT_EQ(ckpt.y.dtype, dtype);
     EXPECT_TRUE(ckpt.y == naive.y);
-    ASSERT_EQ(ckpt.grads.size(), (shared > 0 ? 12u : shared < 0 ? 13u : 10u) + (layer_norm ? 2u : 0u));
+    ASSERT_EQ(ckpt.grads.size(), (shared > 0 ? 12u : shared < 0 ? 13u : 10u) + (layer_norm ? 2u : 0u) + (expert_bias ? 1u : 0u));
     int64_t elements = 0;
     for (const auto& [name, g] : ckpt.grads) {
       EXPECT_TRUE(g == naive.grads.at(name)) << name;
@@ -98,14 +100,16 @@ double loss_of(const LayerScheduleConfig& c, const LayerInputs& in) {
 }
 
 TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
-  for (int variant : {0, 1, 2}) {  // shared expert; gated; LayerNorm norms with biases (Phi-3.5-MoE)
+  // shared expert; gated; LayerNorm norms with biases (Phi-3.5-MoE); biases in the experts (gpt-oss)
+  for (int variant : {0, 1, 2, 3}) {
   const bool gated = variant == 1;
-  SCOPED_TRACE(variant == 0 ? "shared expert" : gated ? "gated shared expert" : "LayerNorm");
+  SCOPED_TRACE(variant == 0 ? "shared expert" : gated ? "gated shared expert" : variant == 2 ? "LayerNorm" : "expert biases");
   LayerScheduleConfig c;
   c.tokens = 7; c.hidden = 8; c.q_heads = 4; c.kv_heads = 2; c.head_dim = 3;
   c.experts = 4; c.top_k = 2; c.expert_ffn = 5; c.shared_ffn = 3; c.dtype = DType::F32; c.seed = 3;
   c.shared_gate = gated;
   c.layer_norm = variant == 2;
+  c.expert_bias = variant == 3;
   const LayerInputs in = make_layer_inputs(c);
   TrackingAllocator a({1});
   const LayerScheduleResult got = run_layer_schedule(a, c, in);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/decoder_layer.h"
 #include "executor/schedules/step_schedule.h"
 #include "spec/model_loader.h"
 
@@ -289,6 +290,38 @@ TEST(ExecutorScheduleStep, LayerNormAndHeadBias) {
     const auto bias = part(2 * H + V * H, V);
     EXPECT_GT(bias.second, 0.0);
     EXPECT_LE(std::fabs(bias.first), 1e-2 * bias.second);
+  }
+}
+
+// gpt-oss's expert biases run in every MoE layer (b_expert [E, 2F + H] after w_down in the
+// layer's unit): the step is bitwise the naive one and every layer's biases get a gradient.
+TEST(ExecutorScheduleStep, ExpertBiases) {
+  StepScheduleConfig c = config();
+  c.model.expert_bias = true;
+  const StepScheduleResult ref = naive_of(c);
+  c.offloaded = {true, false, true};
+  c.prefetch = 1;
+  const StepScheduleResult got = run(c);
+  EXPECT_EQ(got.loss, ref.loss);
+  EXPECT_TRUE(same_bits(got.grads, ref.grads));
+  EXPECT_TRUE(same_bits(got.params, ref.params));
+  const ModelSpec& m = c.model;
+  LayerScheduleConfig layer;
+  layer.tokens = c.tokens, layer.hidden = m.hidden_size, layer.q_heads = m.num_heads, layer.kv_heads = m.num_kv_heads;
+  layer.head_dim = m.head_dim, layer.experts = m.num_experts, layer.top_k = m.top_k, layer.expert_ffn = m.expert_ffn_width;
+  layer.expert_bias = true;
+  int64_t bias_at = 0, bias_count = 0;
+  for (const LayerWeightShape& w : layer_weight_shapes(layer)) {
+    if (w.name == "b_expert") bias_count = w.numel();
+    else if (bias_count == 0) bias_at += w.numel();
+  }
+  ASSERT_EQ(bias_count, m.num_experts * (2 * m.expert_ffn_width + m.hidden_size));
+  int64_t unit_at = got.unit_params[0];
+  for (int64_t l = 0; l < m.num_layers; ++l) {
+    double magnitude = 0.0;
+    for (int64_t i = 0; i < bias_count; ++i) magnitude += std::fabs(got.grads[static_cast<size_t>(unit_at + bias_at + i)]);
+    EXPECT_GT(magnitude, 0.0) << "layer " << l;
+    unit_at += got.unit_params[static_cast<size_t>(l + 1)];
   }
 }
 

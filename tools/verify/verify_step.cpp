@@ -133,6 +133,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   c.shared_ffn = scaled_with_h(in, s, in.shared_expert_ffn);
   c.shared_gate = card.shared_expert_gate && c.shared_ffn > 0;
   c.layer_norm = card.norm_bias;
+  c.expert_bias = card.expert_bias;
   return c;
 }
 

@@ -24,6 +24,7 @@
 #include "executor/cuda/dispatch_ep_cuda.h"
 #include "executor/cuda/ring_dtp_schedule_cuda.h"
 #include "executor/cuda/vocab_schedule_cuda.h"
+#include "executor/schedules/dispatch_plan.h"
 #include "verify_common.h"
 #include "verify_ranks.h"
 
@@ -339,23 +340,17 @@ void verify_dispatch_cuda(const VerifyContext& ctx, VerifyReport& report) {
     report.notes.push_back(setup.note);
     return;
   }
-  exec::DispatchScheduleConfig config = setup.config;
-  if (config.expert_bias) {
-    // The CUDA dispatch runs experts without biases: a borrowed expert's slot is 2F + H elements
-    // short of the planner's p_e (PipelinedLLEP's foreign pool rows read a little under).
-    config.expert_bias = false;
-    report.notes.push_back("dispatch: the model's experts have biases, which the CUDA dispatch does not hold yet: each borrowed "
-                           "expert's weights and gradients are 2F + H elements smaller than the prediction's p_e");
-  }
+  const exec::DispatchScheduleConfig& config = setup.config;
 
   // A rough per-rank lower bound, so a run far too large is refused by name before it starts: the
-  // predicted dispatch peak on the plan's routing, the native experts' bf16 weights [E/EP, 3F, H]
-  // and fp32 gradients, the router's [E, H] likewise, the layer input and upstream gradient
+  // predicted dispatch peak on the plan's routing, the native experts' bf16 weights [E/EP, P]
+  // (3FH and any biases) and fp32 gradients, the router's [E, H] likewise, the layer input and upstream gradient
   // [T, H] bf16, the cuBLAS workspace. A run that still does not fit stops at its rank's share of
   // the free memory with exec::OutOfMemory (exit 4).
   const int64_t local_experts = config.experts / ep;
   const int64_t per_rank_bytes = dispatch_peak(predict_dispatch(ctx, setup.knobs, setup.plan_routing)) +
-                                 local_experts * 3 * config.ffn * config.hidden * (2 + 4) + config.experts * config.hidden * (2 + 4) +
+                                 local_experts * exec::dispatch_detail::dims_of(config, ep, 0).P * (2 + 4) +
+                                 config.experts * config.hidden * (2 + 4) +
                                  2 * config.tokens * config.hidden * 2 + cuda::CublasContext::kDefaultWorkspaceBytes;
   require_free(fmt::format("the dispatch component's {} EP ranks on one GPU", ep), ep * per_rank_bytes);
 
