@@ -75,7 +75,8 @@ class LayerCore final : public DecoderLayer::Engine {
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
         wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr) {
-    if (c.expert_bias && wb_ == nullptr) throw std::invalid_argument("decoder layer: expert_bias needs the b_expert weight");
+    if (c.expert_bias != (wb_ != nullptr))
+      throw std::invalid_argument("decoder layer: the b_expert weight must be given exactly when expert_bias is set");
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
       throw std::invalid_argument("decoder layer: ep = " + std::to_string(c.ep) + " needs a Communicator of that many ranks");
   }
@@ -617,6 +618,8 @@ class LayerCore final : public DecoderLayer::Engine {
     S* g_wgu = static_cast<S*>(gw.w_gate_up);
     S* g_wd = static_cast<S*>(gw.w_down);
     S* g_b = static_cast<S*>(gw.b_expert);  // [E/EP, 2F + H] (null without expert biases)
+    if ((wb_ != nullptr) != (g_b != nullptr))
+      throw std::invalid_argument("decoder layer: the b_expert gradient must be given exactly when expert_bias is set");
     const S* dy = dy_.data<S>();
     Tensor dcrow = dsp({TK_, H_});
     for_each_copy([&](int64_t t, int64_t, int64_t row) {

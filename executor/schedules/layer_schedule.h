@@ -31,7 +31,8 @@ struct LayerInputs {
 
 // Every drawn input as values. Weights: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo
 // [H, a·d], norm2 [H], router [E, H], w_gate_up [E, 2F, H], w_down [E, H, F]; with shared experts
-// shared_gate_up [2F_s, H], shared_down [H, F_s].
+// shared_gate_up [2F_s, H], shared_down [H, F_s] (and their gate shared_gate [1, H]); with
+// LayerNorm norm1_bias, norm2_bias [H]; with expert biases b_expert [E, 2F + H].
 LayerInputs make_layer_inputs(const LayerScheduleConfig& config);
 
 // A result copied out of its tracked buffer as the buffer held it (bf16 bits or fp32): exact, and

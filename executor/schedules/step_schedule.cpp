@@ -109,7 +109,7 @@ struct UnitSegment {
 
 // The rank's gathered unit as segments covering it in order. At EP = 1 (and for the embedding and
 // the head) the identity; at EP > 1 a layer is [dense weights | dense parts not applied | its
-// experts' w_gate_up | w_down | their parts not applied] (step_unit_shapes).
+// experts' w_gate_up | w_down | b_expert (with biases) | their parts not applied] (step_unit_shapes).
 std::vector<UnitSegment> unit_segments(const StepScheduleConfig& c, int64_t unit, int64_t ep_rank) {
   const std::vector<int64_t> whole = step_unit_params(c.model);
   const int64_t U = whole[static_cast<size_t>(unit)];

@@ -75,7 +75,8 @@ std::vector<int64_t> step_unit_params(const ModelSpec& model);
 // The units as FsdpShards holds them at config.ep: at EP = 1 every unit sharded whole; at EP > 1 a
 // layer's dense part (attention, norms, router, shared experts: sharded over the ranks) and its
 // E/EP experts (local), laid out [dense weights | dense parts not applied | w_gate_up [E/EP, 2F, H]
-// | w_down [E/EP, H, F] | expert parts not applied]. Every rank's are the same size.
+// | w_down [E/EP, H, F] | b_expert [E/EP, 2F + H] with expert biases | expert parts not applied].
+// Every rank's are the same size.
 std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config);
 
 // A run of elements of the reference's [P]: the whole model's units (step_unit_params of the

@@ -207,15 +207,18 @@ TEST(ExecutorStepRanks, FsdpGradAndParamBytesAreHandDerived) {
 // 2^-6 of the largest expert grad (the sum of 4 ranks' roundings, each ≤ 2^-9 relative, with room);
 // params within 2·lr (AdamW's first step moves by lr·g/(|g| + eps)). The last case adds a gated
 // shared expert (Qwen2-MoE): its part of d norm-2 output is summed first on every path, so the
-// dense grads stay bitwise at EP > 1 too.
+// dense grads stay bitwise at EP > 1 too. One case gives the experts biases (gpt-oss): each
+// rank's b_expert [E/EP, 2F + H] is part of its experts, held to the same bounds.
 TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
   struct Case {
     int64_t ep;
     OptimizerPlacement placement;
     bool gated_shared = false;
+    bool expert_bias = false;
   };
   for (const Case k : {Case{kRanks, OptimizerPlacement::Device}, Case{kRanks, OptimizerPlacement::Stream}, Case{2, OptimizerPlacement::Device},
-                       Case{2, OptimizerPlacement::Serial}, Case{kRanks, OptimizerPlacement::Device, true}}) {
+                       Case{2, OptimizerPlacement::Serial}, Case{kRanks, OptimizerPlacement::Device, true},
+                       Case{kRanks, OptimizerPlacement::Device, false, true}}) {
     const OptimizerPlacement placement = k.placement;
     StepScheduleConfig c = config(5);
     if (k.gated_shared) {
@@ -224,6 +227,7 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
       c.model.shared_expert_gate = true;
     }
     c.model.num_experts = 8;
+    c.model.expert_bias = k.expert_bias;
     c.ep = k.ep;
     c.offloaded = {true, false, false};
     c.prefetch = 1;
@@ -234,6 +238,7 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
     // Where the experts' weights lie in the reference's [P]: each layer unit's w_gate_up, w_down.
     LayerScheduleConfig lc;
     lc.hidden = 32, lc.q_heads = 4, lc.kv_heads = 2, lc.head_dim = 8, lc.experts = 8, lc.expert_ffn = 16;
+    lc.expert_bias = k.expert_bias;  // b_expert after w_down
     std::vector<std::pair<int64_t, int64_t>> expert_ranges;
     const std::vector<int64_t> units = step_unit_params(c.model);
     int64_t unit_at = units[0];
@@ -257,7 +262,8 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
     double largest_seen = 0.0;
     for (int r = 0; r < kRanks; ++r) {
       const std::string what = "EP " + std::to_string(k.ep) + " placement " + std::to_string(static_cast<int>(placement)) +
-                               (k.gated_shared ? " gated shared expert" : "") + " rank " + std::to_string(r);
+                               (k.gated_shared ? " gated shared expert" : "") + (k.expert_bias ? " expert biases" : "") +
+                               " rank " + std::to_string(r);
       const StepScheduleResult& g = got[static_cast<size_t>(r)];
       EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
       const SliceDiff dense = compare_slices(g, ref, [&](int64_t j) { return !is_expert(j); });

@@ -24,6 +24,7 @@
 #include "spec/errors.h"
 #include "spec/hardware_loader.h"
 #include "spec/model_loader.h"
+#include "verify_common.h"
 #include "verify_config.h"
 #include "verify_run.h"
 
@@ -150,6 +151,28 @@ TEST(VerifyStepRanksTerms, DenseLayersBesideExpertParallelMoe) {
   }
   EXPECT_GT(ffn_rows, 0);
   EXPECT_EQ(r.max_abs_dloss, 0.0);
+}
+
+// Mixtral at EP = 8 on 8 GPUs, verified on 4 ranks (EP = 4 of E = 4): one expert a rank, fewer
+// than top_k = 2. The layer component (one rank's experts) refuses it; the step's EP ranks route
+// each token over all 4 experts, and every row is exact.
+TEST(VerifyStepRanksTerms, OneExpertARankBelowTopK) {
+  InputErrors errs;
+  const planner::RunSpec spec = planner::parse_run_flags(
+      {{"--gpus", "8"}, {"--ep", "8"}, {"--context", "16K"}, {"--schedule", "baseline"}}, errs);
+  errs.throw_if_any();
+  const nlohmann::json plan =
+      nlohmann::json::parse(planner::plan_to_json(planner::make_plan(load_model("Mixtral-8x7B"), load_hardware("H200"), spec)).dump());
+  const VerifyInputs in = read_plan_inputs(plan, "plan.json");
+  const ScaledConfig scaled = scale_config(in, 128.0, 4);
+  ASSERT_EQ(scaled.ep, 4);
+  ASSERT_EQ(scaled.num_experts / scaled.ep, 1);
+  const VerifyReport r = run_verification(in, scaled, {"step"}, 0.01);
+  EXPECT_TRUE(r.pass);
+  EXPECT_TRUE(has_note(r, "step: 4 ranks, FSDP with EP = 4"));
+  EXPECT_FALSE(r.rows.empty());
+  for (const auto& row : r.rows) EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
+  EXPECT_THROW(run_verification(in, scaled, {"layer"}, 0.01), UnsupportedPlan);
 }
 
 }  // namespace

@@ -77,8 +77,11 @@ class UnsupportedPlan : public InputError {
 // dense model, fewer local experts than top_k, a plan without head counts ("the <component>
 // component runs ...").
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
-// The same problems added to `errs` (a component that checks more in the same pass).
-void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs);
+// The same problems added to `errs` (a component that checks more in the same pass). The layer
+// component routes over one rank's E/EP experts (top_k must not exceed them); the step
+// (routes_over_every_expert) runs the EP ranks, whose tokens route over all E.
+void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
+                          bool routes_over_every_expert = false);
 
 // The measured record(s) a predicted phase stands for: itself, or, when folded ("loss/fwd/blk0"
 // with folds "blk0-blk3"), every measured phase that differs from it only in the last index.

@@ -68,7 +68,8 @@ void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const 
   if (!errs.empty()) throw UnsupportedPlan(errs.diagnostics());
 }
 
-void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs) {
+void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
+                          bool routes_over_every_expert) {
   const std::string the = "the " + component + " component";
   if (in.attention != "gqa")
     errs.add(Diagnostic{in.file, "/inputs/model/attention",
@@ -79,7 +80,12 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
     errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention is not in the executor; got " +
                                                        std::to_string(in.cp) + ")", ""});
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
-  if (in.num_experts > 0 && in.top_k > local_experts)
+  if (in.num_experts > 0 && routes_over_every_expert && in.top_k > s.num_experts)
+    errs.add(Diagnostic{in.file, "/inputs/model/top_k",
+                        the + " routes each token to top_k = " + std::to_string(in.top_k) + " of the scaled model's " +
+                            std::to_string(s.num_experts) + " experts (got EP = " + std::to_string(in.ep) + ")",
+                        "plan with fewer GPUs or a smaller --ep"});
+  if (in.num_experts > 0 && !routes_over_every_expert && in.top_k > local_experts)
     errs.add(Diagnostic{in.file, "/inputs/run/ep",
                         the + " runs one rank's E/EP = " + std::to_string(local_experts) + " experts, fewer than top_k = " +
                             std::to_string(in.top_k) + " (got EP = " + std::to_string(in.ep) + ")",

@@ -52,7 +52,7 @@ std::string layer_set_text(const std::vector<bool>& offloaded) {
 // What the step runs beyond the decoder layer: MoE and dense FFN layers, no MTP, an untied head.
 void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const ModelSpec& model) {
   InputErrors errs;
-  layer_support_errors(in, s, "step", errs);
+  layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true);  // its EP ranks route over all E
   if (in.mtp)
     errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
   if (model.tie_word_embeddings)
