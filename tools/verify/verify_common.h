@@ -123,6 +123,11 @@ exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const Dis
 // The planner's timeline of the scaled configuration on s.ep ranks (one EP group), routed by
 // `routing`; ctx.adjust applied.
 nlohmann::ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& routing);
+// The dispatch peak predicted on the plan's routing model minus on the realised counts: `compared`
+// (the same difference of the compared predictions), or, when ctx.adjust scales those
+// (--perturb), the difference of unadjusted predictions.
+int64_t routing_sampling_error(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& plan_routing,
+                               const RoutingModel& realised, int64_t compared);
 // The largest dispatch column over the MoE phases of a predicted timeline.
 int64_t dispatch_peak(const nlohmann::ordered_json& timeline);
 // One row per MoE phase of the prediction (layer index folded) against the largest measured

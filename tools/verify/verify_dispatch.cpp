@@ -108,6 +108,15 @@ exec::DispatchScheduleConfig dispatch_config(const VerifyContext& ctx, const Dis
   return c;
 }
 
+int64_t routing_sampling_error(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& plan_routing,
+                               const RoutingModel& realised, int64_t compared) {
+  if (!ctx.adjust) return compared;
+  // Under --perturb the compared predictions are scaled; the note is about the routing alone.
+  const PredictionAdjust none;
+  const VerifyContext plain{ctx.in, ctx.scaled, none, ctx.comm};
+  return dispatch_peak(predict_dispatch(plain, k, plan_routing)) - dispatch_peak(predict_dispatch(plain, k, realised));
+}
+
 ordered_json predict_dispatch(const VerifyContext& ctx, const DispatchKnobs& k, const RoutingModel& routing) {
   const VerifyInputs& in = ctx.in;
   const ScaledConfig& s = ctx.scaled;
@@ -297,7 +306,8 @@ void verify_dispatch(const VerifyContext& ctx, VerifyReport& report) {
   // The distribution-only prediction (the plan's routing model's expected loads).
   const int64_t expected_peak = dispatch_peak(predict_dispatch(ctx, knobs, plan_routing));
   report.notes.push_back(fmt::format("dispatch: routing sampling error (prediction on {} minus on the realised counts) {:+} B at the peak",
-                                     to_string(plan_routing), expected_peak - predicted_peak));
+                                     to_string(plan_routing), routing_sampling_error(ctx, knobs, plan_routing, realised,
+                                                                                     expected_peak - predicted_peak)));
   if (c.chunk_cap_rows > 0) {
     // The technique against the naive schedule (one uncapped dispatch) on the same data.
     exec::DispatchScheduleConfig naive = c;

@@ -86,7 +86,8 @@ void dispatch_rank_report(const VerifyContext& ctx, const DispatchRanksSetup& se
                                        got.rounds, got.chunk_cap_rows, got.launch_chunk_cap_rows, got.round_buffer_rows,
                                        c.store ? "store" : "recompute"));
   report.notes.push_back(fmt::format("dispatch: routing sampling error (prediction on {} minus on the realised counts) {:+} B at the peak",
-                                     to_string(setup.plan_routing), expected_peak - predicted_peak));
+                                     to_string(setup.plan_routing),
+                                     routing_sampling_error(ctx, setup.knobs, setup.plan_routing, realised, expected_peak - predicted_peak)));
 }
 
 void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report) {
