@@ -38,6 +38,25 @@ void expert_ffn_forward_cpu(const ExpertFfnArgs& args);
 // all its rows (fp32 accumulation over rows), added to d_w once.
 void expert_ffn_backward_cpu(const ExpertFfnArgs& args);
 
+// Expert biases (executor/schedules: the dispatch component and the decoder layer). A bias row
+// [n] copied into m output rows, which the GEMM then accumulates onto (one rounding):
+template <class T>
+inline void copy_bias_rows(const T* bias, int64_t m, int64_t n, T* rows) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < n; ++c) rows[r * n + c] = bias[c];
+}
+// Its gradient: acc[c] += Σ_r rows[r, c] over m rows of width n, each column summed in fp32 in
+// row order and added once, as a weight gradient's GEMM adds its rows' sum (float or bf16 rows
+// and accumulator; executor/cuda's add_row_sums_kernel is the device form).
+template <class TR, class TA>
+inline void add_row_sums(const TR* rows, int64_t m, int64_t n, TA* acc) {
+  for (int64_t c = 0; c < n; ++c) {
+    float sum = 0.0f;
+    for (int64_t r = 0; r < m; ++r) sum += to_f32(rows[r * n + c]);
+    store_f32(acc + c, to_f32(acc[c]) + sum);
+  }
+}
+
 FLATPEAK_HD inline float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
 FLATPEAK_HD inline float silu_f32(float x) { return x * sigmoid_f32(x); }
 // d silu / dx = σ(x) · (1 + x · (1 − σ(x)))

@@ -333,18 +333,8 @@ class LayerCore final : public DecoderLayer::Engine {
   // 2F) into its n_rows rows at `rows`, which the GEMM then accumulates onto; false without biases.
   bool bias_rows(int64_t l, int64_t offset, int64_t width, int64_t n_rows, S* rows) const {
     if (wb_ == nullptr) return false;
-    const S* b = wb_ + l * (2 * F_ + H_) + offset;
-    for (int64_t r = 0; r < n_rows; ++r) std::copy(b, b + width, rows + r * width);
+    copy_bias_rows(wb_ + l * (2 * F_ + H_) + offset, n_rows, width, rows);
     return true;
-  }
-  // A bias gradient: g[c] += Σ_r rows[r, c] over n_rows rows of `width`, each column summed in
-  // fp32 in row order and added once (as a weight gradient's GEMM adds its rows' sum).
-  static void add_row_sums(const S* rows, int64_t n_rows, int64_t width, S* g) {
-    for (int64_t c = 0; c < width; ++c) {
-      float sum = 0.0f;
-      for (int64_t r = 0; r < n_rows; ++r) sum += to_f32(rows[r * width + c]);
-      store_f32(g + c, to_f32(g[c]) + sum);
-    }
   }
 
   // fc1 [R, 2F] = [gate | up] (+ the expert's gate/up bias), act·prob [R, F] = silu(gate) ⊙ up · prob.

@@ -32,16 +32,6 @@ void for_each_expert(const Grouping& g, Fn fn) {
   }
 }
 
-// A bias gradient: acc[c] += Σ_r rows[r, c] over m rows of width n, each column summed in fp32 in
-// row order and added once (as a weight gradient's GEMM adds its rows' sum).
-void add_row_sums(const Bf16* rows, int64_t m, int64_t n, float* acc) {
-  for (int64_t c = 0; c < n; ++c) {
-    float sum = 0.0f;
-    for (int64_t r = 0; r < m; ++r) sum += to_f32(rows[r * n + c]);
-    acc[c] += sum;
-  }
-}
-
 }  // namespace
 
 void compute_routing(const Dims& d, const LayerData& L, const std::vector<int32_t>& ids, Routing& r) {
@@ -105,8 +95,7 @@ std::vector<ExpertSlot> expert_slots(const Dims& d, const RowPlan& p, LayerData&
 void experts_fc2(const Dims& d, const std::vector<ExpertSlot>& w, const Grouping& g, const Bf16* act, Bf16* fc2) {
   const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    if (bias)  // b_down into each row, which the GEMM then accumulates onto
-      for (int64_t i = i0; i < i0 + m; ++i) std::memcpy(fc2 + i * d.H, w[l].bias + 2 * d.F, z(d.H) * sizeof(Bf16));
+    if (bias) copy_bias_rows(w[l].bias + 2 * d.F, m, d.H, fc2 + i0 * d.H);  // b_down, then += the GEMM
     gemm_cpu(false, true, m, d.H, d.F, 1.0f, act + i0 * d.F, d.F, w[l].down, d.F, bias, fc2 + i0 * d.H, d.H);
   });
 }
@@ -115,8 +104,7 @@ void experts_forward(const Dims& d, const std::vector<ExpertSlot>& w, const Grou
                      Bf16* fc1, Bf16* act, Bf16* fc2) {
   const bool bias = d.Pb > 0;
   for_each_expert(g, [&](size_t l, int64_t i0, int64_t m) {
-    if (bias)
-      for (int64_t i = i0; i < i0 + m; ++i) std::memcpy(fc1 + i * 2 * d.F, w[l].bias, z(2 * d.F) * sizeof(Bf16));
+    if (bias) copy_bias_rows(w[l].bias, m, 2 * d.F, fc1 + i0 * 2 * d.F);  // b_gu, then += the GEMM
     gemm_cpu(false, true, m, 2 * d.F, d.H, 1.0f, in + i0 * d.H, d.H, w[l].gu, d.H, bias, fc1 + i0 * 2 * d.F, 2 * d.F);
   });
   for_each_row(g, pr, [&](int64_t i, int64_t j) {

@@ -156,6 +156,16 @@ void expect_close(const std::vector<float>& got, const std::vector<double>& ref,
   EXPECT_LE(worst, rel * scale) << what << ": max abs error " << worst << " of max |ref| " << scale;
 }
 
+// Every output against the fp64 reference (the expert biases' gradients when there are any).
+void expect_matches_reference(const DispatchScheduleResult& r, const Reference& ref) {
+  expect_close(r.out, ref.out, 0.02, "out");
+  expect_close(r.d_x, ref.d_x, 0.02, "d_x");
+  expect_close(r.d_w_router, ref.d_w_router, 0.03, "dW router");
+  expect_close(r.d_w_gate_up, ref.d_w_gate_up, 0.02, "dW gate_up");
+  expect_close(r.d_w_down, ref.d_w_down, 0.02, "dW down");
+  if (!ref.d_b_expert.empty()) expect_close(r.d_b_expert, ref.d_b_expert, 0.02, "d biases");
+}
+
 // Expert dW: each round's GEMM sums its rows in fp32 and adds once, so splitting an expert's rows
 // over rounds reorders an fp32 sum: |Δ| ≤ 1e-5 · max|dW| (n·2^-24 · Σ|terms| with n ≤ a few hundred).
 void expect_within_fp32_reorder(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
@@ -200,13 +210,7 @@ TEST(DispatchSchedule, MatchesFp64Reference) {
       for (int64_t cap : {int64_t{0}, int64_t{16}}) {
         const DispatchScheduleConfig c = config_of(s, seed, cap, true);
         SCOPED_TRACE("seed=" + std::to_string(seed) + " cap=" + std::to_string(cap));
-        const DispatchScheduleResult r = run(c);
-        const Reference ref = reference(c);
-        expect_close(r.out, ref.out, 0.02, "out");
-        expect_close(r.d_x, ref.d_x, 0.02, "d_x");
-        expect_close(r.d_w_router, ref.d_w_router, 0.03, "dW router");
-        expect_close(r.d_w_gate_up, ref.d_w_gate_up, 0.02, "dW gate_up");
-        expect_close(r.d_w_down, ref.d_w_down, 0.02, "dW down");
+        expect_matches_reference(run(c), reference(c));
       }
     }
   }
@@ -220,13 +224,7 @@ TEST(DispatchSchedule, ExpertBiasesMatchFp64Reference) {
     full_c.expert_bias = true;
     const DispatchScheduleResult full = run(full_c);
     ASSERT_EQ(full.d_b_expert.size(), z(s.E * (2 * s.F + s.H)));
-    const Reference ref = reference(full_c);
-    expect_close(full.out, ref.out, 0.02, "out");
-    expect_close(full.d_x, ref.d_x, 0.02, "d_x");
-    expect_close(full.d_w_router, ref.d_w_router, 0.03, "dW router");
-    expect_close(full.d_w_gate_up, ref.d_w_gate_up, 0.02, "dW gate_up");
-    expect_close(full.d_w_down, ref.d_w_down, 0.02, "dW down");
-    expect_close(full.d_b_expert, ref.d_b_expert, 0.02, "d biases");
+    expect_matches_reference(full, reference(full_c));
     // The biases change the function: without them the output differs.
     EXPECT_NE(full.out, run(config_of(s, 6, 0, false)).out);
     for (bool store : {false, true}) {

@@ -69,6 +69,19 @@ StepScheduleResult naive_of(StepScheduleConfig c) {
   return run(c);
 }
 
+// c's step with layers 0 and 2 offloaded (prefetch 1), which must be the naive step bit for bit
+// (loss, grads, updated params); c is left with that offload set.
+StepScheduleResult run_offloaded_as_naive(StepScheduleConfig& c) {
+  const StepScheduleResult ref = naive_of(c);
+  c.offloaded = {true, false, true};
+  c.prefetch = 1;
+  StepScheduleResult got = run(c);
+  EXPECT_EQ(got.loss, ref.loss);
+  EXPECT_TRUE(same_bits(got.grads, ref.grads));
+  EXPECT_TRUE(same_bits(got.params, ref.params));
+  return got;
+}
+
 TEST(ExecutorScheduleStep, UnitsAreTheRanksShard) {
   const ModelSpec m = small_model();
   const std::vector<int64_t> u = step_unit_params(m);
@@ -261,13 +274,7 @@ TEST(ExecutorScheduleStep, LayerNormAndHeadBias) {
   StepScheduleConfig c = config();
   c.model.norm_bias = true;
   c.model.lm_head_bias = true;
-  const StepScheduleResult ref = naive_of(c);
-  c.offloaded = {true, false, true};
-  c.prefetch = 1;
-  const StepScheduleResult got = run(c);
-  EXPECT_EQ(got.loss, ref.loss);
-  EXPECT_TRUE(same_bits(got.grads, ref.grads));
-  EXPECT_TRUE(same_bits(got.params, ref.params));
+  const StepScheduleResult got = run_offloaded_as_naive(c);
   c.loss.mode = VocabScheduleMode::Blocked;
   c.loss.token_block_rows = 16;
   c.loss.vocab_block_rows = 128;
@@ -298,13 +305,7 @@ TEST(ExecutorScheduleStep, LayerNormAndHeadBias) {
 TEST(ExecutorScheduleStep, ExpertBiases) {
   StepScheduleConfig c = config();
   c.model.expert_bias = true;
-  const StepScheduleResult ref = naive_of(c);
-  c.offloaded = {true, false, true};
-  c.prefetch = 1;
-  const StepScheduleResult got = run(c);
-  EXPECT_EQ(got.loss, ref.loss);
-  EXPECT_TRUE(same_bits(got.grads, ref.grads));
-  EXPECT_TRUE(same_bits(got.params, ref.params));
+  const StepScheduleResult got = run_offloaded_as_naive(c);
   const ModelSpec& m = c.model;
   LayerScheduleConfig layer;
   layer.tokens = c.tokens, layer.hidden = m.hidden_size, layer.q_heads = m.num_heads, layer.kv_heads = m.num_kv_heads;
