@@ -16,6 +16,10 @@
 // source in one GEMM (one rounding) instead of one per source.
 // Attention backward is FlashAttention-2's: dK, dV per key row, dQ in an fp32 accumulator
 // [T, a·d], the row delta Σ dO ⊙ O precomputed as [a, T] fp32.
+// At CP > 1 attention is a ring (decoder_layer_parts.h): the K,V chunks pass round the CP ranks,
+// two in flight, each folded into an fp32 output and lse accumulator; the backward passes each
+// chunk on with its fp32 dK,dV accumulator, which a last shift brings home. The ring buffers are
+// released with the dQ accumulator and delta, after d norm-1 output is allocated.
 // Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
 // backward) off the phase's peak; which buffers are live at each peak is listed per phase below.
 //   DecoderLayer layer(alloc, config, layer_weights_in(unit.raw(), config));  Tensor y = layer.forward_no_grad(x, "fwd/L0/");
@@ -67,18 +71,22 @@ using layer_detail::SavedAttention;
 template <class S>
 class LayerCore final : public DecoderLayer::Engine {
  public:
-  LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group)
+  LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group,
+            Communicator* cp_group)
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
         D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
         FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0), gated_(c.shared_gate),
         ln_(c.layer_norm), norm1_bias_(cast(w.norm1_bias)), norm2_bias_(cast(w.norm2_bias)),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
-        wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr) {
+        wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr),
+        cp_(c.cp > 1 ? cp_group : nullptr) {
     if (c.expert_bias != (wb_ != nullptr))
       throw std::invalid_argument("decoder layer: the b_expert weight must be given exactly when expert_bias is set");
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
       throw std::invalid_argument("decoder layer: ep = " + std::to_string(c.ep) + " needs a Communicator of that many ranks");
+    if (c.cp > 1 && (cp_group == nullptr || cp_group->size() != c.cp))
+      throw std::invalid_argument("decoder layer: cp = " + std::to_string(c.cp) + " needs a Communicator of that many ranks");
   }
 
   const std::vector<int64_t>& expert_counts() const override { return counts_; }
@@ -188,10 +196,80 @@ class LayerCore final : public DecoderLayer::Engine {
     linear(n1_, wv_, v_, H_, G_ * D_);
     o_ = act({T_, A_ * D_});
     lse_ = f32({A_, T_}, kAct);
+    if (cp_ != nullptr) {
+      ring_attention_forward();
+      return;
+    }
     AttentionArgs at = attention_args();
     Tensor tiles = f32({attention_workspace_bytes(at) / 4}, Category::Workspace);
     at.workspace = tiles.data<float>();
     attention_forward_cpu(at);
+  }
+
+  // This rank's K,V packed into a ring chunk (K then V).
+  void pack_kv(Tensor& chunk) {
+    const int64_t n = T_ * G_ * D_;
+    std::copy(k_.data<S>(), k_.data<S>() + n, chunk.data<S>());
+    std::copy(v_.data<S>(), v_.data<S>() + n, chunk.data<S>() + n);
+  }
+  // The chunk held at ring step s came from rank (r − s) mod CP: its own at s = 0 (causal),
+  // an earlier chunk of the sequence when that rank is below r, else a later one (skipped).
+  int64_t chunk_source(int64_t step) const { return (cp_->rank() - step + c_.cp) % c_.cp; }
+
+  // Ring attention forward into o, lse: peak norm-1 output, q, k, v, o, lse, two K,V chunks in
+  // flight, the output accumulator [T, a·d] and lse accumulator [a, T] (fp32).
+  void ring_attention_forward() {
+    const int64_t n = 2 * T_ * G_ * D_;
+    Tensor chunk[2] = {act({n}), act({n})};
+    Tensor acc = f32({T_, A_ * D_}, kAct), lse_acc = f32({A_, T_}, kAct);
+    std::fill(acc.data<float>(), acc.data<float>() + T_ * A_ * D_, 0.0f);
+    std::fill(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, -INFINITY);
+    pack_kv(chunk[0]);
+    int cur = 0;
+    for (int64_t step = 0; step < c_.cp; ++step) {
+      if (step > 0) {
+        cp_->sendrecv_shift(chunk[cur].raw(), chunk[1 - cur].raw(), n, c_.dtype, 1);
+        cur = 1 - cur;
+      }
+      if (chunk_source(step) <= cp_->rank())
+        layer_detail::ring_attention_fold<S>(q_.data<S>(), chunk[cur].data<S>(), acc.data<float>(), lse_acc.data<float>(), T_, A_,
+                                             G_, D_, step == 0);
+    }
+    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(o_.data<S>() + i, acc.data<float>()[i]);
+    std::copy(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, lse_.data<float>());
+  }
+
+  // Ring attention backward into dq, dk, dv; the chunks and their dK,dV accumulators are left in
+  // `chunk` and `dchunk` for the caller to release (after d norm-1 output is allocated).
+  void ring_attention_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta,
+                               Tensor (&chunk)[2], Tensor (&dchunk)[2]) {
+    const int64_t n = 2 * T_ * G_ * D_;
+    for (int i = 0; i < 2; ++i) chunk[i] = act({n});
+    for (int i = 0; i < 2; ++i) dchunk[i] = f32({n}, kAct);
+    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, D_);
+    std::fill(dq_acc.data<float>(), dq_acc.data<float>() + T_ * A_ * D_, 0.0f);
+    std::fill(dchunk[0].data<float>(), dchunk[0].data<float>() + n, 0.0f);
+    pack_kv(chunk[0]);
+    int cur = 0;
+    for (int64_t step = 0; step < c_.cp; ++step) {
+      if (step > 0) {
+        cp_->sendrecv_shift(chunk[cur].raw(), chunk[1 - cur].raw(), n, c_.dtype, 1);
+        cp_->sendrecv_shift(dchunk[cur].raw(), dchunk[1 - cur].raw(), n, DType::F32, 1);
+        cur = 1 - cur;
+      }
+      if (chunk_source(step) <= cp_->rank())
+        layer_detail::ring_attention_backward_chunk<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
+                                                       chunk[cur].data<S>(), dq_acc.data<float>(), dchunk[cur].data<float>(), T_,
+                                                       A_, G_, D_, step == 0);
+    }
+    // The chunk here is rank r + 1's: one more shift brings every dK,dV home.
+    cp_->sendrecv_shift(dchunk[cur].raw(), dchunk[1 - cur].raw(), n, DType::F32, 1);
+    const float* home = dchunk[1 - cur].data<float>();
+    for (int64_t i = 0; i < T_ * G_ * D_; ++i) {
+      store_f32(dk.data<S>() + i, home[i]);
+      store_f32(dv.data<S>() + i, home[T_ * G_ * D_ + i]);
+    }
+    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, dq_acc.data<float>()[i]);
   }
 
   // h1 = x + o · Woᵀ (the attention residual).
@@ -842,6 +920,7 @@ class LayerCore final : public DecoderLayer::Engine {
     else moe_backward(p, gw);
 
     a_.set_phase(p + "attn");  // peak: saved attention set, grad stream, d o, dq, dk, dv, dq accumulator, delta, d norm-1 output
+                               // (CP > 1: and the ring's K,V chunks and dK,dV accumulators)
     Tensor d_o = act({T_, A_ * D_});
     {
       LinearArgs l;
@@ -858,9 +937,12 @@ class LayerCore final : public DecoderLayer::Engine {
     }
     Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * D_});
     Tensor dq_acc = f32({T_, A_ * D_}, kAct), delta = f32({A_, T_}, kAct);
-    flash2_backward(d_o, dq, dk, dv, dq_acc, delta);
+    Tensor chunk[2], dchunk[2];  // CP > 1: ring attention's K,V chunks and dK,dV accumulators
+    if (cp_ != nullptr) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
+    else flash2_backward(d_o, dq, dk, dv, dq_acc, delta);
     Tensor dn1 = act({T_, H_});
     dq_acc.reset(), delta.reset();
+    for (int i = 0; i < 2; ++i) chunk[i].reset(), dchunk[i].reset();
     qkv_backward(dq, dk, dv, dn1, g_wq, g_wk, g_wv);
     d_o.reset(), dq.reset(), dk.reset(), dv.reset();
     {
@@ -955,6 +1037,7 @@ class LayerCore final : public DecoderLayer::Engine {
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_, *wsg_;  // the caller's weights
   const S* wb_;                       // the experts' biases [E/EP, 2F + H] (null without)
   Communicator* comm_;                // the EP group (EP > 1), else null
+  Communicator* cp_;                  // the CP ring (CP > 1), else null
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
   int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)
   std::vector<int64_t> local_begin_;  // [E/EP + 1] each local expert's first expert-input row
@@ -972,10 +1055,10 @@ class LayerCore final : public DecoderLayer::Engine {
 }  // namespace
 
 DecoderLayer::DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights,
-                           Communicator* ep_group) {
+                           Communicator* ep_group, Communicator* cp_group) {
   check_layer_config(config);
-  if (config.dtype == DType::F32) engine_ = std::make_unique<LayerCore<float>>(alloc, config, weights, ep_group);
-  else engine_ = std::make_unique<LayerCore<Bf16>>(alloc, config, weights, ep_group);
+  if (config.dtype == DType::F32) engine_ = std::make_unique<LayerCore<float>>(alloc, config, weights, ep_group, cp_group);
+  else engine_ = std::make_unique<LayerCore<Bf16>>(alloc, config, weights, ep_group, cp_group);
 }
 const std::vector<int64_t>& DecoderLayer::expert_counts() const { return engine_->expert_counts(); }
 DecoderLayer::~DecoderLayer() = default;

@@ -11,6 +11,7 @@
 //   again.forward_saving(x, "bwd/L3/recompute/", false, [&] { return std::move(dy); });
 //   Tensor dx = again.backward(x, "bwd/L3/", nullptr, [&] { return layer_weights_in(grads.raw(), c); });
 //   c.ep = 4;  DecoderLayer on_ep(alloc, c, layer_weights_in(dense, c, experts), &ep_group);  // ep_group.size() == 4
+//   c.cp = 2;  DecoderLayer on_ring(alloc, c, w, nullptr, &cp_group);  // cp_group.size() == 2, this rank's T tokens
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,11 @@ struct LayerScheduleConfig {
   int64_t experts = 0;     // E, the experts the router chooses among
   int64_t ep = 1;          // EP ranks the experts are split over: this rank computes E/ep of them
                            // (its EP rank's, [r·E/ep, (r+1)·E/ep)); ep > 1 needs a Communicator of ep ranks
+  // CP ranks the sequence is split over (ring attention): this rank's T tokens are the r-th T of
+  // the sequence (r its rank in the CP group). cp > 1 needs a Communicator of cp ranks; the
+  // attention then holds two K,V chunks in flight, an fp32 output and lse accumulator (forward),
+  // and two fp32 dK,dV chunks travelling with them (backward): planner/README.md, "Terms, one by one".
+  int64_t cp = 1;
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
   int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)
@@ -105,9 +111,10 @@ class DecoderLayer {
  public:
   // The weights must outlive the layer; the config is copied. config.ep > 1: `ep_group` holds the
   // config.ep EP ranks (this rank computes the experts of its rank in it); every rank of the group
-  // makes the same calls (the dispatch and combine are its all-to-alls).
+  // makes the same calls (the dispatch and combine are its all-to-alls). config.cp > 1: `cp_group`
+  // holds the config.cp ranks of the ring, in sequence order (its ring shifts pass K and V on).
   DecoderLayer(TrackingAllocator& alloc, const LayerScheduleConfig& config, const LayerWeightPtrs& weights,
-               Communicator* ep_group = nullptr);
+               Communicator* ep_group = nullptr, Communicator* cp_group = nullptr);
   ~DecoderLayer();
   DecoderLayer(DecoderLayer&&) noexcept;
   DecoderLayer& operator=(DecoderLayer&&) noexcept;

@@ -1,6 +1,7 @@
 // Pieces of the decoder layer (decoder_layer.cpp) that stand on their own: where an MoE layer's
-// rows go across the EP ranks (EpRows), and FlashAttention-2's backward over the layer's saved
-// attention set. Internal to executor/schedules.
+// rows go across the EP ranks (EpRows), FlashAttention-2's backward over the layer's saved
+// attention set, and ring attention's per-chunk forward fold and backward (CP > 1). Internal to
+// executor/schedules.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "executor/comm/communicator.h"
+#include "executor/ops/attention.h"
 #include "executor/ops/dtype.h"
 
 namespace flatpeak::exec::layer_detail {
@@ -87,6 +89,41 @@ struct SavedAttention {
   int64_t tokens, q_heads, kv_heads, head_dim;
 };
 
+// delta [a, T] fp32: Σ dO ⊙ O over each query row's head dim (the backward's softmax term).
+template <class S>
+void attention_row_delta(const S* d_o, const S* o, float* delta, int64_t T, int64_t A, int64_t D) {
+  for (int64_t h = 0; h < A; ++h)
+    for (int64_t i = 0; i < T; ++i) {
+      float dot = 0.0f;
+      for (int64_t j = 0; j < D; ++j) dot += to_f32(d_o[(i * A + h) * D + j]) * to_f32(o[(i * A + h) * D + j]);
+      delta[h * T + i] = dot;
+    }
+}
+
+// One key row j (kv head kh) of the attention backward against query rows i_begin..T−1 of the
+// group's query heads, FlashAttention-2's arithmetic against the final lse and delta ([a, T]
+// fp32): dK and dV of the row added into dk_row, dv_row [d] (fp32), dQ into dq_acc [T, a, d].
+template <class S>
+void key_row_backward(const S* q, const S* d_o, const float* lse, const float* delta, const S* kj, const S* vj, int64_t kh,
+                      int64_t i_begin, int64_t T, int64_t A, int64_t group, int64_t D, float* dk_row, float* dv_row, float* dq_acc) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
+    for (int64_t i = i_begin; i < T; ++i) {
+      const S* qi = q + (i * A + h) * D;
+      const S* gi = d_o + (i * A + h) * D;
+      float s = 0.0f, dp = 0.0f;
+      for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]), dp += to_f32(gi[x]) * to_f32(vj[x]);
+      const float pr = std::exp(scale * s - lse[h * T + i]);
+      const float ds = pr * (dp - delta[h * T + i]);
+      float* aq = dq_acc + (i * A + h) * D;
+      for (int64_t x = 0; x < D; ++x) {
+        dv_row[x] += pr * to_f32(gi[x]);
+        dk_row[x] += scale * ds * to_f32(qi[x]);
+        aq[x] += scale * ds * to_f32(kj[x]);
+      }
+    }
+}
+
 // FlashAttention-2's backward, one key row at a time: dK and dV of the row in fp32 registers
 // (`regs`, [2, d]), dQ accumulated in fp32 over key rows (`dq_acc` [T, a·d]), delta = Σ dO ⊙ O per
 // query row (`delta` [a, T] fp32); writes dq, dk, dv in the storage dtype.
@@ -98,13 +135,7 @@ void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* 
   float* acc = dq_acc;
   float* dl = delta;
   const int64_t group = A / G;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int64_t h = 0; h < A; ++h)
-    for (int64_t i = 0; i < T; ++i) {
-      float dot = 0.0f;
-      for (int64_t j = 0; j < D; ++j) dot += to_f32(g[(i * A + h) * D + j]) * to_f32(o[(i * A + h) * D + j]);
-      dl[h * T + i] = dot;
-    }
+  attention_row_delta(g, o, dl, T, A, D);
   std::fill(acc, acc + T * A * D, 0.0f);
   float* dk_row = regs;
   float* dv_row = dk_row + D;
@@ -113,27 +144,77 @@ void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* 
       std::fill(dk_row, dk_row + 2 * D, 0.0f);
       const S* kj = k + (j * G + kh) * D;
       const S* vj = v + (j * G + kh) * D;
-      for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-        for (int64_t i = j; i < T; ++i) {
-          const S* qi = q + (i * A + h) * D;
-          const S* gi = g + (i * A + h) * D;
-          float s = 0.0f, dp = 0.0f;
-          for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]), dp += to_f32(gi[x]) * to_f32(vj[x]);
-          const float pr = std::exp(scale * s - lse[h * T + i]);
-          const float ds = pr * (dp - dl[h * T + i]);
-          float* aq = acc + (i * A + h) * D;
-          for (int64_t x = 0; x < D; ++x) {
-            dv_row[x] += pr * to_f32(gi[x]);
-            dk_row[x] += scale * ds * to_f32(qi[x]);
-            aq[x] += scale * ds * to_f32(kj[x]);
-          }
-        }
+      key_row_backward(q, g, lse, dl, kj, vj, kh, j, T, A, group, D, dk_row, dv_row, acc);
       for (int64_t x = 0; x < D; ++x) {
         store_f32(dk + (j * G + kh) * D + x, dk_row[x]);
         store_f32(dv + (j * G + kh) * D + x, dv_row[x]);
       }
     }
   for (int64_t i = 0; i < T * A * D; ++i) store_f32(dq + i, acc[i]);
+}
+
+// Ring attention (CP > 1). The sequence is split into CP chunks of T consecutive tokens, rank r
+// holding the r-th; a K,V chunk travels as one buffer of T·g·d keys then T·g·d values. Query rows
+// attend to every key of an earlier chunk and causally to their own chunk's (causal = true).
+
+// Folds one K,V chunk into this rank's running attention: `acc` [T, a, d] fp32 holds the output
+// normalised over the chunks folded so far and `lse_acc` [a, T] their log-sum-exp (−inf before the
+// first), so the fold starts each row from (max = lse, sum = 1, output = acc) and ends with
+// acc = output / sum, lse = max + log(sum): the online softmax carried across chunks.
+template <class S>
+void ring_attention_fold(const S* q, const S* kv, float* acc, float* lse_acc, int64_t T, int64_t A, int64_t G, int64_t D,
+                         bool causal) {
+  const S* k = kv;
+  const S* v = kv + T * G * D;
+  const int64_t group = A / G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int64_t h = 0; h < A; ++h)
+    for (int64_t i = 0; i < T; ++i) {
+      const S* qi = q + (i * A + h) * D;
+      float* o = acc + (i * A + h) * D;
+      float m = lse_acc[h * T + i];
+      float l = m == -INFINITY ? 0.0f : 1.0f;
+      const int64_t kh = h / group;
+      for (int64_t j = 0; j < (causal ? i + 1 : T); ++j) {
+        const S* kj = k + (j * G + kh) * D;
+        const S* vj = v + (j * G + kh) * D;
+        float s = 0.0f;
+        for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]);
+        s *= scale;
+        if (s > m) {
+          const float r = online_softmax_rescale(m, s);
+          l *= r;
+          for (int64_t x = 0; x < D; ++x) o[x] *= r;
+          m = s;
+        }
+        const float p = std::exp(s - m);
+        l += p;
+        for (int64_t x = 0; x < D; ++x) o[x] += p * to_f32(vj[x]);
+      }
+      if (l == 0.0f) continue;  // no key folded (never for a causal chunk: key i is its own)
+      for (int64_t x = 0; x < D; ++x) o[x] /= l;
+      lse_acc[h * T + i] = m + std::log(l);
+    }
+}
+
+// One K,V chunk's part of the attention backward, FlashAttention-2's arithmetic against the
+// final lse and delta = Σ dO ⊙ O ([a, T] fp32 each): dQ added into `dq_acc` [T, a, d] fp32 and the
+// chunk's dK then dV into `dkv` [2, T, g, d] fp32, the accumulator that travels with the chunk.
+template <class S>
+void ring_attention_backward_chunk(const S* q, const S* d_o, const float* lse, const float* delta, const S* kv, float* dq_acc,
+                                   float* dkv, int64_t T, int64_t A, int64_t G, int64_t D, bool causal) {
+  const S* k = kv;
+  const S* v = kv + T * G * D;
+  float* dk = dkv;
+  float* dv = dkv + T * G * D;
+  const int64_t group = A / G;
+  for (int64_t kh = 0; kh < G; ++kh)
+    for (int64_t j = 0; j < T; ++j) {
+      const S* kj = k + (j * G + kh) * D;
+      const S* vj = v + (j * G + kh) * D;
+      key_row_backward(q, d_o, lse, delta, kj, vj, kh, causal ? j : 0, T, A, group, D, dk + (j * G + kh) * D,
+                       dv + (j * G + kh) * D, dq_acc);
+    }
 }
 
 }  // namespace flatpeak::exec::layer_detail

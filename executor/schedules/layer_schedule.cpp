@@ -18,17 +18,19 @@ namespace flatpeak::exec {
 
 namespace {
 
-// How an input is drawn from the seed: value(i) = offset + scale · uniform_pm1(stream, i).
+// How an input is drawn from the seed: value(i) = offset + scale · uniform_pm1(stream, first + i).
 struct DrawnInput {
   std::string name;
   int64_t numel = 0;
   uint64_t stream = 0;
   float scale = 1.0f, offset = 0.0f;
-  float value(int64_t i) const { return offset + scale * uniform_pm1(stream, static_cast<uint64_t>(i)); }
+  int64_t first = 0;  // x and r of CP rank r: the r-th T·H values of the sequence's stream
+  float value(int64_t i) const { return offset + scale * uniform_pm1(stream, static_cast<uint64_t>(first + i)); }
 };
 
-// Every input in drawing order: input j draws from stream seed·16 + j + 1.
-std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
+// Every input in drawing order: input j draws from stream seed·16 + j + 1; x and r from token
+// `first_token` of the sequence on.
+std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c, int64_t first_token = 0) {
   const int64_t T = c.tokens, H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
   std::vector<DrawnInput> out;
   auto add = [&](const char* name, int64_t n, float scale, float offset) {
@@ -37,6 +39,7 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
   const float inv_h = 1.0f / std::sqrt(static_cast<float>(H));
   add("x", T * H, 1.0f, 0.0f);
   add("r", T * H, 1.0f, 0.0f);
+  out[0].first = out[1].first = first_token * H;
   add("norm1", H, 0.1f, 1.0f);
   add("wq", A * D * H, inv_h, 0.0f);
   add("wk", G * D * H, inv_h, 0.0f);
@@ -63,7 +66,7 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c) {
 // Input `name`'s values: the caller's (LayerInputs::values) or drawn, element by element.
 class InputValues {
  public:
-  InputValues(const LayerScheduleConfig& c, const LayerInputs& in, const std::string& name, int64_t numel) {
+  InputValues(const LayerScheduleConfig& c, const LayerInputs& in, const std::string& name, int64_t numel, int64_t first_token) {
     const auto given = in.values.find(name);
     if (given != in.values.end()) {
       given_ = &given->second;
@@ -72,7 +75,7 @@ class InputValues {
                                     " values, not " + std::to_string(numel));
       return;
     }
-    for (DrawnInput& d : drawn_inputs(c))
+    for (DrawnInput& d : drawn_inputs(c, first_token))
       if (d.name == name) drawn_ = std::move(d);
     if (drawn_.numel != numel) throw std::invalid_argument("layer schedule: no input '" + name + "' of " + std::to_string(numel) + " values");
   }
@@ -85,9 +88,9 @@ class InputValues {
 
 // A tensor of `shape` in the layer's dtype holding input `name` (rounded to it).
 Tensor tensor_of(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in, const std::string& name,
-                 std::vector<int64_t> shape, Category category) {
+                 std::vector<int64_t> shape, Category category, int64_t first_token) {
   Tensor t(alloc, c.dtype, std::move(shape), category);
-  const InputValues values(c, in, name, t.numel());
+  const InputValues values(c, in, name, t.numel(), first_token);
   for (int64_t i = 0; i < t.numel(); ++i) {
     if (c.dtype == DType::F32) t.data<float>()[i] = values[i];
     else t.data<Bf16>()[i] = f32_to_bf16(values[i]);
@@ -137,21 +140,25 @@ LayerInputs make_layer_inputs(const LayerScheduleConfig& c) {
   return in;
 }
 
-LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in, bool keep_output) {
+LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerInputs& in, bool keep_output,
+                                       Communicator* cp_group) {
   check_layer_config(c);
+  if (c.cp > 1 && (cp_group == nullptr || cp_group->size() != c.cp))
+    throw std::invalid_argument("layer schedule: cp = " + std::to_string(c.cp) + " needs a Communicator of that many ranks");
   const int64_t T = c.tokens, H = c.hidden;
+  const int64_t first_token = c.cp > 1 ? cp_group->rank() * T : 0;  // this rank's place in the sequence
   alloc.set_phase("init");
   // The gathered weights of the layer's unit (category fsdp), one buffer each, then the boundary x.
   const std::vector<LayerWeightShape> shapes = layer_weight_shapes(c);
   std::vector<Tensor> weights;
   LayerWeightPtrs w;
   for (const auto& s : shapes) {
-    weights.push_back(tensor_of(alloc, c, in, s.name, s.shape, Category::Fsdp));
+    weights.push_back(tensor_of(alloc, c, in, s.name, s.shape, Category::Fsdp, 0));
     layer_weight_ptr(w, s.name) = weights.back().raw();
   }
-  const Tensor x = tensor_of(alloc, c, in, "x", {T, H}, Category::Boundaries);
+  const Tensor x = tensor_of(alloc, c, in, "x", {T, H}, Category::Boundaries, first_token);
   // The gradient stream starts from r in the storage dtype (activations).
-  const TensorSource r_stream = [&] { return tensor_of(alloc, c, in, "r", {T, H}, Category::Activations); };
+  const TensorSource r_stream = [&] { return tensor_of(alloc, c, in, "r", {T, H}, Category::Activations, first_token); };
   // The unsharded grads of the unit (fsdp, +=), zeroed, one buffer each, when the backward starts.
   std::vector<Tensor> grads;
   const GradSource make_grads = [&] {
@@ -165,10 +172,10 @@ LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerSche
 
   LayerScheduleResult result;
   const std::string layer = "L" + std::to_string(c.layer_index);
-  DecoderLayer run(alloc, c, w);
+  DecoderLayer run(alloc, c, w, nullptr, cp_group);
   Tensor y = c.checkpointed ? run.forward_no_grad(x, "fwd/" + layer + "/") : run.forward_saving(x, "fwd/" + layer + "/", true, nullptr);
   // The loss proxy Σ y ⊙ r, r rounded to the storage dtype as the gradient stream holds it.
-  const InputValues r(c, in, "r", T * H);
+  const InputValues r(c, in, "r", T * H, first_token);
   for (int64_t i = 0; i < T * H; ++i) {
     const float yi = c.dtype == DType::F32 ? y.data<float>()[i] : to_f32(y.data<Bf16>()[i]);
     const float ri = c.dtype == DType::F32 ? r[i] : to_f32(f32_to_bf16(r[i]));
@@ -177,7 +184,7 @@ LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerSche
   if (keep_output) result.y = stored(y);
   y.reset();
   if (c.checkpointed) {
-    DecoderLayer again(alloc, c, w);
+    DecoderLayer again(alloc, c, w, nullptr, cp_group);
     again.forward_saving(x, "bwd/" + layer + "/recompute/", false, r_stream);
     const Tensor dx = again.backward(x, "bwd/" + layer + "/", nullptr, make_grads);
     result.grads["x"] = stored(dx);

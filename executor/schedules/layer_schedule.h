@@ -62,7 +62,11 @@ int64_t layer_gradient_elements(const LayerScheduleConfig& config);
 // activations and their grads — dispatch; op tiles (on-chip memory on a GPU) — workspace.
 // Throws std::invalid_argument for a shape the layer cannot run.
 // keep_output: copy y into the result (verify compares the loss and the gradients only).
+// config.cp > 1: every rank of `cp_group` (config.cp ranks) runs it; rank r draws x and r as the
+// r-th T tokens of the sequence of cp·T tokens the one-rank run on cp·T tokens draws (given
+// values are this rank's), so the ranks' dx are that run's in order and their weight grads sum
+// to its; the loss is this rank's part.
 LayerScheduleResult run_layer_schedule(TrackingAllocator& alloc, const LayerScheduleConfig& config,
-                                       const LayerInputs& inputs, bool keep_output = true);
+                                       const LayerInputs& inputs, bool keep_output = true, Communicator* cp_group = nullptr);
 
 }  // namespace flatpeak::exec

@@ -28,6 +28,7 @@ void check_layer_config(const LayerScheduleConfig& c) {
     throw std::invalid_argument("layer schedule: expert_bias needs a MoE layer (a dense FFN layer has no experts)");
   if (c.shared_gate && (c.dense_ffn > 0 || c.shared_ffn <= 0))
     throw std::invalid_argument("layer schedule: shared_gate gates shared experts: it needs shared_ffn > 0 in a MoE layer");
+  if (c.cp < 1) throw std::invalid_argument("layer schedule: cp must be >= 1");
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }

@@ -2,6 +2,8 @@
 // Qwen3-235B-A22B; GLM-4.5 with shared experts; Phi-3.5-MoE with LayerNorm), baseline and flatpeak plans, the measured `activations` and `dispatch` bytes
 // of every decoder-layer phase are within 1 % of the planner's; the recompute is bitwise the
 // naive run; one predicted term raised by 2 % fails; MLA and too few local experts are refused.
+// At CP > 1 the layer runs ring attention on the ranks, every row exact, and a prediction without
+// the ring's buffers fails; sliding-window layers and one rank are refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -118,6 +120,76 @@ TEST(VerifyLayer, RefusesWhatTheExecutorDoesNotRun) {
   const VerifyInputs mixtral = read_plan_inputs(plan_json("Mixtral-8x7B", {{"--gpus", "8"}, {"--context", "4K"}}), "plan.json");
   EXPECT_THROW(run_verification(mixtral, scale_config(mixtral, std::nullopt, 8), {"layer"}, 0.01), InputError);
   EXPECT_EQ(scale_config(mixtral, std::nullopt, 1).num_experts, 2);
+}
+
+VerifyReport verify_ring_layer(const std::string& model, const Flags& flags, int64_t max_ranks, const PredictionAdjust& adjust = nullptr) {
+  const VerifyInputs in = read_plan_inputs(plan_json(model, flags), "plan.json");
+  return run_verification(in, scale_config(in, std::nullopt, max_ranks), {"layer"}, 0.01, adjust);
+}
+
+// Qwen3-30B-A3B on 8 GPUs at CP = 2 and CP = 4 (each run as a ring of 2 and 4 ranks): every row of
+// both categories exact, the recompute bitwise the naive run on every rank.
+TEST(VerifyLayerRing, EveryRowExactOnTheRing) {
+  for (const char* cp : {"2", "4"}) {
+    const VerifyReport r =
+        verify_ring_layer("Qwen3-30B-A3B", {{"--gpus", "8"}, {"--context", "64K"}, {"--cp", cp}, {"--schedule", "flatpeak"}}, 4);
+    EXPECT_TRUE(r.pass) << cp;
+    int attention_rows = 0;
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << cp << " " << row.component << " " << row.phase;
+      attention_rows += row.phase.find("/attn") != std::string::npos ? 1 : 0;
+    }
+    EXPECT_EQ(attention_rows, 3) << cp;  // fwd, recompute, bwd
+    EXPECT_GE(r.rows.size(), 25u) << cp;
+    EXPECT_EQ(r.max_abs_dloss, 0.0);
+    EXPECT_EQ(r.max_abs_dgrad, 0.0);
+    bool noted = false;
+    for (const auto& n : r.notes) noted = noted || n.find("ring attention on CP = " + std::string(cp) + " ranks") != std::string::npos;
+    EXPECT_TRUE(noted) << cp;
+  }
+}
+
+// The ring's buffers taken out of the predicted attention phases: every attention row then fails.
+// Scaled Qwen3-30B-A3B: T = 512, a = 8, g = 1, d = 16. Forward and recompute: two K,V chunks
+// [2, T, g·d] bf16 of 32768 B, the output accumulator [T, a·d] fp32 262144, the lse accumulator
+// [a, T] fp32 16384; backward: two chunks and two dK,dV accumulators [2, T, g·d] fp32 of 65536.
+TEST(VerifyLayerRing, APredictionWithoutTheRingFails) {
+  const PredictionAdjust drop_ring = [](nlohmann::ordered_json& timeline) {
+    for (auto& phase : timeline["phases"]) {
+      const std::string name = phase["name"].get<std::string>();
+      if (name.size() < 5 || name.compare(name.size() - 5, 5, "/attn") != 0) continue;
+      const bool backward = name.rfind("bwd/", 0) == 0 && name.find("/recompute/") == std::string::npos;
+      const int64_t ring = backward ? 2 * 32768 + 2 * 65536 : 2 * 32768 + 262144 + 16384;
+      phase["device"]["activations"] = phase["device"]["activations"].get<int64_t>() - ring;
+    }
+  };
+  const VerifyReport r = verify_ring_layer("Qwen3-30B-A3B", {{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}}, 2, drop_ring);
+  EXPECT_FALSE(r.pass);
+  int attention_rows = 0;
+  for (const auto& row : r.rows) {
+    const bool attention = row.phase.find("/attn") != std::string::npos;
+    attention_rows += attention ? 1 : 0;
+    // Every attention row and the activations peak fail; nothing else does.
+    EXPECT_EQ(std::fabs(row.relative_error) > 0.01, attention || (row.phase == "peak" && row.component == "layer.activations"))
+        << row.component << " " << row.phase;
+  }
+  EXPECT_GE(attention_rows, 3);
+}
+
+TEST(VerifyLayerRing, RefusesWindowsAndOneRank) {
+  const Flags cp2{{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}};
+  try {
+    verify_ring_layer("gpt-oss-20b", cp2, 2);  // alternating 128-token windows
+    FAIL() << "a windowed model at CP > 1 must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("ring halo"), std::string::npos) << e.what();
+  }
+  try {
+    verify_ring_layer("Qwen3-30B-A3B", cp2, 1);
+    FAIL() << "CP > 1 on one rank must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("/inputs/run/cp"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -73,15 +73,19 @@ class UnsupportedPlan : public InputError {
   using InputError::InputError;
 };
 
-// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, CP > 1, a
-// dense model, fewer local experts than top_k, a plan without head counts ("the <component>
+// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, windowed layers at
+// CP > 1, a dense model, fewer local experts than top_k, a plan without head counts ("the <component>
 // component runs ...").
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
 // The same problems added to `errs` (a component that checks more in the same pass). The layer
 // component routes over one rank's E/EP experts (top_k must not exceed them); the step
 // (routes_over_every_expert) runs the EP ranks, whose tokens route over all E.
+// ring_attention: the component runs CP > 1 as a ring (the layer component; not for windowed layers).
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
-                          bool routes_over_every_expert = false);
+                          bool routes_over_every_expert = false, bool ring_attention = false);
+// Whether the layer component runs on the ranks: at CP > 1, as a ring (else `why_not` says why);
+// UnsupportedPlan for a plan it does not run at all.
+bool layer_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);
 
 // The measured record(s) a predicted phase stands for: itself, or, when folded ("loss/fwd/blk0"
 // with folds "blk0-blk3"), every measured phase that differs from it only in the last index.

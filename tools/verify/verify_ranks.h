@@ -36,6 +36,7 @@ VerifyReport merge_rank_reports(const std::vector<VerifyReport>& per_rank);
 // The multi-rank functions (verify_<component>_ranks.cpp); ctx.comm is this rank's communicator.
 void verify_dispatch_ranks(const VerifyContext& ctx, VerifyReport& report);
 void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report);
+void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report);  // CP > 1: a ring of the first CP' ranks
 
 // Every rank's report, in rank order, on every rank (rows, dloss, dgrad; not the traces).
 std::vector<VerifyReport> gather_reports(exec::Communicator& comm, const VerifyReport& mine);

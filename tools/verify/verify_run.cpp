@@ -37,7 +37,7 @@ const Component kComponents[] = {
     {"vocab", verify_vocab, verify_vocab_ring, nullptr, true},
     {"checkpoint", verify_checkpoint, nullptr, nullptr, true},
     {"optimizer", verify_optimizer, nullptr, nullptr, true},
-    {"layer", verify_layer, nullptr, nullptr, true},
+    {"layer", verify_layer, verify_layer_ranks, layer_runs_on_ranks, true},
     {"step", verify_step, verify_step_ranks, step_runs_on_ranks, true},
 };
 

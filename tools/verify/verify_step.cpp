@@ -1,6 +1,8 @@
 // verify --component layer: one decoder layer (GQA attention + MoE: no-grad forward, recompute and
 // backward) on one rank, against the planner's `activations` and `dispatch` device columns of
-// every decoder-layer phase. The whole step (--component step): verify_step_full.cpp.
+// every decoder-layer phase; at CP > 1 on a ring of CP ranks (ring attention, each rank T tokens
+// of one sequence), every rank against the planner's CP = CP prediction. The whole step
+// (--component step): verify_step_full.cpp.
 // Scaling: H shrinks by f = H / H_scaled; the kv heads by the same factor (at least one), the
 // query heads keep their number per kv head, and the head dim is chosen so that a·d shrinks by f
 // too (rounded up); the expert FFN width F scales with H (scale_dispatch_knobs); the local
@@ -11,11 +13,13 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "executor/comm/communicator.h"
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/layer_schedule.h"
 #include "spec/errors.h"
 #include "spec/model_loader.h"
 #include "verify_common.h"
+#include "verify_ranks.h"
 
 namespace flatpeak::cli {
 
@@ -59,26 +63,39 @@ int match_dense_attention_to_the_run_layer(nlohmann::ordered_json& predicted, co
 
 }  // namespace
 
-// The layer component runs what the executor has: GQA attention over one sequence (CP = 1), a
-// routed MoE block (with shared experts where the card has them). Anything else is refused
-// before anything runs.
+// The layer component runs what the executor has: GQA attention over one sequence (at CP > 1 a
+// ring of full causal attention), a routed MoE block (with shared experts where the card has
+// them). Anything else is refused before anything runs.
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component) {
   InputErrors errs;
-  layer_support_errors(in, s, component, errs);
+  layer_support_errors(in, s, component, errs, false, /*ring_attention=*/true);
   if (!errs.empty()) throw UnsupportedPlan(errs.diagnostics());
 }
 
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
-                          bool routes_over_every_expert) {
+                          bool routes_over_every_expert, bool ring_attention) {
   const std::string the = "the " + component + " component";
   if (in.attention != "gqa")
     errs.add(Diagnostic{in.file, "/inputs/model/attention",
                         the + " runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
   if (in.num_experts <= 0 || in.top_k <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_experts", the + " runs a MoE layer (got a dense model)", ""});
-  if (in.cp != 1)
-    errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention is not in the executor; got " +
+  if (in.cp != 1 && !ring_attention)
+    errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention runs in the layer component; got " +
                                                        std::to_string(in.cp) + ")", ""});
+  if (in.cp != 1 && ring_attention) {
+    // The executor's attention is full causal: a windowed layer's ring halo (planner/README.md
+    // "Ring attention") is not in it.
+    const ModelSpec card = load_plan_model(in);
+    for (size_t l = 0; l < card.layers.size(); ++l)
+      if (card.layers[l].window != AttentionWindow::Full && card.layers[l].attention_window_tokens > 0) {
+        errs.add(Diagnostic{in.file, "/inputs/run/cp",
+                            the + " runs full causal attention at CP > 1; layer " + std::to_string(l) +
+                                " attends to a window, whose ring halo is not in the executor (got CP = " + std::to_string(in.cp) + ")",
+                            ""});
+        break;
+      }
+  }
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
   if (in.num_experts > 0 && routes_over_every_expert && in.top_k > s.num_experts)
     errs.add(Diagnostic{in.file, "/inputs/model/top_k",
@@ -143,27 +160,50 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   return c;
 }
 
-void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
+// The ring verify runs at CP > 1: the largest ring that divides both the plan's CP and the
+// scaled ranks (the ring terms do not depend on its size; 1: none fits).
+int64_t layer_ring_size(const VerifyInputs& in, const ScaledConfig& s) {
+  for (int64_t r = std::min(in.cp, s.ranks); r > 1; --r)
+    if (in.cp % r == 0 && s.ranks % r == 0) return r;
+  return 1;
+}
+
+bool layer_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
+  check_layer_supported(ctx.in, ctx.scaled, "layer");
+  if (ctx.in.cp == 1) {
+    why_not = "one rank runs it at CP = 1";
+    return false;
+  }
+  if (layer_ring_size(ctx.in, ctx.scaled) < 2) {
+    why_not = "no ring of 2 or more of the " + std::to_string(ctx.scaled.ranks) + " ranks divides CP = " + std::to_string(ctx.in.cp);
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
+// The layer on `ring` ranks (1: one rank, CP = 1) against `predicted`: rows layer.activations and
+// layer.dispatch, and the checkpointed run's loss and grads against the naive reference's.
+void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predicted, int64_t ring, exec::Communicator* cp_group,
+                       VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
-  const ScaledConfig& s = ctx.scaled;
-  check_layer_supported(in, s, "layer");
-  // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
-  const ModelSpec model = layer_model(ctx);
-  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, model, {kWithoutMtp});
-  const exec::LayerScheduleConfig c = layer_schedule_config(in, s);
-  if (match_dense_attention_to_the_run_layer(predicted, model, c.layer_index) > 0)
+  exec::LayerScheduleConfig c = layer_schedule_config(in, ctx.scaled);
+  c.cp = ring;
+  const bool lead = cp_group == nullptr || cp_group->rank() == 0;
+  if (match_dense_attention_to_the_run_layer(predicted, layer_model(ctx), c.layer_index) > 0 && lead)
     report.notes.push_back("layer: the dense layers' attention phases are compared with those of the run MoE layer L" +
                            std::to_string(c.layer_index));
   // Both runs draw their inputs from the seed into their tracked buffers; their results are the
   // grads as bf16 bits (verify_independence_test counts them as comparison copies).
   exec::TrackingAllocator alloc({in.alignment_bytes, -1, -1});
-  const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, {}, false);
+  const exec::LayerScheduleResult got = exec::run_layer_schedule(alloc, c, {}, false, cp_group);
   // The naive reference (every activation kept from one forward) on the same data.
   exec::LayerScheduleConfig n = c;
   n.checkpointed = false;
   exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
-  const exec::LayerScheduleResult ref = exec::run_layer_schedule(naive_alloc, n, {}, false);
-  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
+  const exec::LayerScheduleResult ref = exec::run_layer_schedule(naive_alloc, n, {}, false, cp_group);
+  report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));  // this rank's part
   for (const auto& [name, g] : got.grads) {
     const exec::StoredValues& r = ref.grads.at(name);
     for (int64_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
@@ -172,6 +212,43 @@ void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,
                    [](const std::string& name) { return is_layer_phase(name) && name.find("/moe/") != std::string::npos; }, report);
   if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);
+}
+
+}  // namespace
+
+void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  check_layer_supported(in, ctx.scaled, "layer");
+  if (in.cp != 1)
+    throw UnsupportedPlan({Diagnostic{in.file, "/inputs/run/cp",
+                                      "the layer component runs CP = " + std::to_string(in.cp) +
+                                          " as a ring of 2 or more ranks, and one rank runs here",
+                                      "verify with --max-ranks 2 or more"}});
+  // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
+  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {kWithoutMtp});
+  run_layer_against(ctx, predicted, 1, nullptr, report);
+}
+
+void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
+  const VerifyInputs& in = ctx.in;
+  const ScaledConfig& s = ctx.scaled;
+  const int64_t ring = layer_ring_size(in, s);
+  // The first `ring` ranks run it; the others have nothing to add (every ring would measure the same).
+  const std::unique_ptr<exec::Communicator> cp_group = ctx.comm->split(ctx.comm->rank() < ring ? 0 : 1, ctx.comm->rank());
+  if (ctx.comm->rank() >= ring) return;
+  // The planner on the ring: CP = ring GPUs, each T tokens of a sequence of ring·T, EP = 1 with
+  // the rank's E/EP experts (the dispatch as on one rank); its ring terms do not depend on CP.
+  // Ring-DTP on one ring of one rank, as the one-rank prediction's vocabulary blocks are (the loss
+  // is not compared here).
+  const std::string r = std::to_string(ring);
+  FlagList flags{kWithoutMtp, {"--gpus", r}, {"--gpus-per-node", r}, {"--cp", r}, {"--ep", "1"},
+                 {"--context", std::to_string(ring * s.tokens)}};
+  if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
+  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), flags);
+  if (cp_group->rank() == 0)
+    report.notes.push_back("layer: ring attention on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) +
+                           "), each T = " + std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
+  run_layer_against(ctx, predicted, ring, cp_group.get(), report);
 }
 
 }  // namespace flatpeak::cli

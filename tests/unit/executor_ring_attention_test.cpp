@@ -1,0 +1,144 @@
+// Ring attention in the decoder layer (CP > 1): CP ranks, each holding T consecutive tokens of one
+// sequence, give the one-rank layer's results on the whole sequence of CP·T tokens (fp32 storage:
+// the ring folds the softmax chunk by chunk, so agreement is to rounding, not bitwise); the
+// checkpointed run is bitwise the naive one on the ranks; the ring adds exactly its buffers to the
+// attention phases (two K,V chunks in flight and the fp32 output and lse accumulators forward;
+// two chunks and two fp32 dK,dV accumulators backward) and nothing to any other phase.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "executor/comm/threads_comm.h"
+#include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/layer_schedule.h"
+
+namespace flatpeak::exec {
+namespace {
+
+LayerScheduleConfig small(DType dtype, int64_t tokens) {
+  LayerScheduleConfig c;
+  c.tokens = tokens; c.hidden = 32; c.q_heads = 4; c.kv_heads = 2; c.head_dim = 8;
+  c.experts = 6; c.top_k = 2; c.expert_ffn = 16; c.shared_ffn = 12; c.dtype = dtype; c.seed = 11;
+  return c;
+}
+
+// Every rank's result of the layer on `cp` ranks (rank order).
+std::vector<LayerScheduleResult> run_on_ring(const LayerScheduleConfig& c, std::vector<std::vector<PhaseRecord>>* records = nullptr) {
+  std::vector<LayerScheduleResult> out(static_cast<size_t>(c.cp));
+  if (records != nullptr) records->assign(static_cast<size_t>(c.cp), {});
+  const RunResult run = run_ranks(static_cast<int>(c.cp), [&](int rank, Communicator& comm) {
+    TrackingAllocator alloc({512});
+    out[static_cast<size_t>(rank)] = run_layer_schedule(alloc, c, {}, true, &comm);
+    EXPECT_EQ(alloc.live_allocations(), 0);
+    if (records != nullptr) (*records)[static_cast<size_t>(rank)] = alloc.phase_records();
+  });
+  EXPECT_TRUE(run.ok()) << run.message;
+  return out;
+}
+
+TEST(RingAttention, CpRanksAreTheOneRankRunOnTheWholeSequence) {
+  for (int64_t cp : {2, 4}) {
+    const int64_t T = 24;  // not a multiple of the CPU attention's 32-row tiles
+    LayerScheduleConfig whole = small(DType::F32, cp * T);
+    TrackingAllocator alloc({512});
+    const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
+    LayerScheduleConfig c = small(DType::F32, T);
+    c.cp = cp;
+    const std::vector<LayerScheduleResult> got = run_on_ring(c);
+    const int64_t H = c.hidden;
+    double loss = 0.0, worst_y = 0.0, worst_dx = 0.0;
+    for (int64_t r = 0; r < cp; ++r) {
+      const LayerScheduleResult& g = got[static_cast<size_t>(r)];
+      loss += g.loss;
+      for (int64_t i = 0; i < T * H; ++i) {
+        worst_y = std::max(worst_y, static_cast<double>(std::fabs(g.y[i] - ref.y[r * T * H + i])));
+        worst_dx = std::max(worst_dx, static_cast<double>(std::fabs(g.grads.at("x")[i] - ref.grads.at("x")[r * T * H + i])));
+      }
+    }
+    EXPECT_NEAR(loss, ref.loss, 1e-4 * std::fabs(ref.loss) + 1e-4) << "cp " << cp;
+    EXPECT_LT(worst_y, 2e-5) << "cp " << cp;
+    EXPECT_LT(worst_dx, 2e-5) << "cp " << cp;
+    // Each weight's gradient: the ranks' parts summed (what FSDP's reduce-scatter does).
+    for (const auto& [name, full] : ref.grads) {
+      if (name == "x") continue;
+      double worst = 0.0, scale = 0.0;
+      for (int64_t i = 0; i < full.size(); ++i) {
+        float sum = 0.0f;
+        for (const auto& g : got) sum += g.grads.at(name)[i];
+        worst = std::max(worst, static_cast<double>(std::fabs(sum - full[i])));
+        scale = std::max(scale, static_cast<double>(std::fabs(full[i])));
+      }
+      EXPECT_GT(scale, 0.0) << name;
+      EXPECT_LT(worst, 1e-4 * scale + 1e-6) << name << " cp " << cp;
+    }
+  }
+}
+
+TEST(RingAttention, RecomputeIsBitwiseTheNaiveRunOnTheRanks) {
+  for (DType dtype : {DType::BF16, DType::F32}) {
+    LayerScheduleConfig c = small(dtype, 32);
+    c.cp = 3;
+    const std::vector<LayerScheduleResult> ckpt = run_on_ring(c);
+    c.checkpointed = false;
+    const std::vector<LayerScheduleResult> naive = run_on_ring(c);
+    for (size_t r = 0; r < ckpt.size(); ++r) {
+      EXPECT_EQ(ckpt[r].loss, naive[r].loss);
+      EXPECT_TRUE(ckpt[r].y == naive[r].y);
+      for (const auto& [name, g] : ckpt[r].grads) EXPECT_TRUE(g == naive[r].grads.at(name)) << name << " rank " << r;
+    }
+  }
+}
+
+// T = 64, a = 4, g = 2, d = 8, bf16, alignment 512. Forward (fwd/L0/attn, and the recompute's
+// attention): two K,V chunks [2, T, g·d] bf16 of 4096 B, the output accumulator [T, a·d] fp32
+// 8192 and the lse accumulator [a, T] fp32 1024. Backward (bwd/L0/attn): two chunks 4096 and two
+// dK,dV accumulators [2, T, g·d] fp32 8192.
+TEST(RingAttention, AddsItsBuffersToTheAttentionPhasesAlone) {
+  LayerScheduleConfig one = small(DType::BF16, 64);
+  TrackingAllocator alone({512});
+  run_layer_schedule(alone, one, {}, false);
+  std::map<std::string, int64_t> base;
+  for (const auto& r : alone.phase_records())
+    if (r.space == MemorySpace::Device) base[r.phase] = r.bytes_at_peak[static_cast<size_t>(Category::Activations)];
+  LayerScheduleConfig c = one;
+  c.cp = 2;
+  std::vector<std::vector<PhaseRecord>> records;
+  run_on_ring(c, &records);
+  const std::map<std::string, int64_t> ring_bytes = {
+      {"fwd/L0/attn", 2 * 4096 + 8192 + 1024}, {"bwd/L0/recompute/attn", 2 * 4096 + 8192 + 1024}, {"bwd/L0/attn", 2 * 4096 + 2 * 8192}};
+  for (const auto& rank : records) {
+    std::map<std::string, int64_t> phases;
+    for (const auto& r : rank) {
+      if (r.space != MemorySpace::Device) continue;
+      const auto extra = ring_bytes.find(r.phase);
+      EXPECT_EQ(r.bytes_at_peak[static_cast<size_t>(Category::Activations)] - base.at(r.phase),
+                extra == ring_bytes.end() ? 0 : extra->second)
+          << r.phase;
+      phases[r.phase] = 1;
+    }
+    EXPECT_EQ(phases.size(), base.size());
+  }
+}
+
+TEST(RingAttention, RefusesAMissingOrMismatchedGroup) {
+  LayerScheduleConfig c = small(DType::F32, 16);
+  c.cp = 2;
+  TrackingAllocator alloc({512});
+  EXPECT_THROW(run_layer_schedule(alloc, c, {}, false), std::invalid_argument);
+  c.cp = 0;
+  EXPECT_THROW(run_layer_schedule(alloc, c, {}, false), std::invalid_argument);
+  c.cp = 3;
+  const RunResult run = run_ranks(2, [&](int, Communicator& comm) {
+    TrackingAllocator a({512});
+    EXPECT_THROW(run_layer_schedule(a, c, {}, false, &comm), std::invalid_argument);
+  });
+  EXPECT_TRUE(run.ok());
+}
+
+}  // namespace
+}  // namespace flatpeak::exec
