@@ -28,6 +28,8 @@
 //   opt/...        the optimizer step on the shards (params, m, v from init; host state too).
 #include "executor/schedules/step_schedule.h"
 
+#include "executor/comm/threads_comm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -65,6 +67,7 @@ void check(const StepScheduleConfig& c) {
   require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
+  require(c.cp >= 1, "cp must be >= 1");
 }
 
 bool is_dense_layer(const StepScheduleConfig& c, int64_t layer) { return c.model.layers[static_cast<size_t>(layer)].ffn != FfnKind::Moe; }
@@ -90,6 +93,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
     l.expert_bias = m.expert_bias;
   }
   l.layer_norm = m.norm_bias;
+  l.cp = c.cp;
   l.dtype = DType::BF16;
   check_layer_config(l);
   return l;
@@ -154,8 +158,10 @@ void for_each_reference_piece(const StepScheduleConfig& c, int64_t unit, int64_t
 
 class StepRun {
  public:
-  StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c)
-      : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
+  // cp_group: the one-rank step's CP ring (cp > 1 without FSDP across ranks); with `comm` the
+  // ring is split from it (CP groups of cp consecutive ranks).
+  StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c, Communicator* cp_group = nullptr)
+      : a_(alloc), comm_(comm), c_(c), cp_group_(cp_group), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
         lcs_(layer_configs(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
         data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() % c.ep : 0) {
     head_ = L_ + 1;
@@ -255,6 +261,11 @@ class StepRun {
       ep_group_ = comm_->split(rank / ep, rank % ep);
       replicas_ = comm_->split(rank % ep, rank / ep);
     }
+    if (comm_ != nullptr && c_.cp > 1) {  // ring attention within CP groups of consecutive ranks
+      const int rank = comm_->rank(), cp = static_cast<int>(c_.cp);
+      cp_ring_ = comm_->split(rank / cp, rank % cp);
+      cp_group_ = cp_ring_.get();
+    }
     shards_ = std::make_unique<FsdpShards>(a_, comm_, unit_shapes_, offload_ ? ShardPrecision::Bf16 : ShardPrecision::Fp32Master,
                                            GradShards::Caller, replicas_.get());
     P_ = shards_->shard_params();
@@ -342,6 +353,7 @@ class StepRun {
     if (c_.ep == 1) return nullptr;
     return ep_group_ ? ep_group_.get() : comm_;
   }
+  Communicator* cp_group() const { return c_.cp > 1 ? cp_group_ : nullptr; }
 
   // ---- token ids (input data)
 
@@ -403,11 +415,11 @@ class StepRun {
       };
       Tensor y;
       if (c_.naive) {
-        naive_layers_.emplace_back(a_, lc(l), weights_of(l), ep_group());
+        naive_layers_.emplace_back(a_, lc(l), weights_of(l), ep_group(), cp_group());
         y = naive_layers_.back().forward_saving(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), true, nullptr, start);
         if (!is_dense_layer(c_, l)) expert_counts_.push_back(naive_layers_.back().expert_counts());
       } else {
-        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group());
+        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group(), cp_group());
         y = layer.forward_no_grad(device_[static_cast<size_t>(l)], layer_prefix("fwd", l), start);
         if (!is_dense_layer(c_, l)) expert_counts_.push_back(layer.expert_counts());
         reshard(layer_unit(l));
@@ -572,7 +584,7 @@ class StepRun {
           fetch(l);
           for (int64_t i = l - 1; i >= 0 && i >= l - c_.prefetch; --i) fetch(i);  // SCO's prefetch
         };
-        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group());
+        DecoderLayer layer(a_, lc(l), weights_of(l), ep_group(), cp_group());
         layer.forward_saving(device_[static_cast<size_t>(l)], layer_prefix("bwd", l) + "recompute/", false,
                              [&] { return std::move(dy_); }, start);
         dx = layer.backward(device_[static_cast<size_t>(l)], layer_prefix("bwd", l), nullptr, make_grads);
@@ -632,6 +644,8 @@ class StepRun {
   std::vector<int64_t> slot_;
 
   std::unique_ptr<Communicator> ep_group_, replicas_;  // 1 < EP < N only (destroyed after shards_, before comm_)
+  std::unique_ptr<Communicator> cp_ring_;              // CP > 1 across the ranks of comm_
+  Communicator* cp_group_ = nullptr;                   // the layers' CP ring (cp > 1), else null
   std::unique_ptr<FsdpShards> shards_;  // the rank's param shards; grad shards are grad_shards_
   Tensor m_, v_;
   std::unique_ptr<OptimizerHostState> host_state_;
@@ -739,30 +753,52 @@ void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t
   });
 }
 
-StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config) {
+StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config, Communicator* cp_group) {
   check(config);
   require(config.ep == 1, "ep > 1 needs a Communicator of ep ranks");
-  return StepRun(nullptr, alloc, config).run();
+  require(config.cp == 1 || (cp_group != nullptr && cp_group->size() == config.cp),
+          "cp > 1 needs a CP group of cp ranks (got cp = " + std::to_string(config.cp) + ")");
+  return StepRun(nullptr, alloc, config, cp_group).run();
 }
 
 StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& alloc, const StepScheduleConfig& config) {
   check(config);
   require(comm.size() % config.ep == 0,
           "ep must divide the number of ranks (got ep = " + std::to_string(config.ep) + " on " + std::to_string(comm.size()) + " ranks)");
+  require(comm.size() % config.cp == 0,
+          "cp must divide the number of ranks (got cp = " + std::to_string(config.cp) + " on " + std::to_string(comm.size()) + " ranks)");
   return StepRun(&comm, alloc, config).run();
 }
 
 StepReference step_reference(const StepScheduleConfig& config, int ranks, int64_t alignment_bytes) {
   if (ranks < 1) throw std::invalid_argument("step reference: ranks must be >= 1 (got " + std::to_string(ranks) + ")");
   StepReference ref;
-  for (int r = 0; r < ranks; ++r) {
+  // Rank r's naive step: every expert on the rank, its own sequence; at CP > 1 its attention a ring
+  // with the other ranks of its CP group, so a group's steps run together (thread ranks).
+  const auto naive_step = [&](int r, Communicator* cp_group) {
     StepScheduleConfig n = config;
-    n.ep = 1;  // every expert on the rank
+    n.ep = 1;
     n.naive = true;
     n.keep_results = true;
     n.data_seed = step_data_seed(config, r);
     TrackingAllocator alloc({alignment_bytes});
-    const StepScheduleResult got = run_step_schedule(alloc, n);
+    return run_step_schedule(alloc, n, cp_group);
+  };
+  std::vector<StepScheduleResult> per_rank(static_cast<size_t>(ranks));
+  if (config.cp > 1) {
+    if (ranks % config.cp != 0)
+      throw std::invalid_argument("step reference: cp = " + std::to_string(config.cp) + " must divide the ranks (got " + std::to_string(ranks) + ")");
+    for (int group = 0; group < ranks / config.cp; ++group) {
+      const RunResult run = run_ranks(static_cast<int>(config.cp), [&](int r, Communicator& ring) {
+        per_rank[static_cast<size_t>(group * config.cp + r)] = naive_step(static_cast<int>(group * config.cp + r), &ring);
+      });
+      if (!run.ok()) throw std::runtime_error("step reference: " + run.message);
+    }
+  } else {
+    for (int r = 0; r < ranks; ++r) per_rank[static_cast<size_t>(r)] = naive_step(r, nullptr);
+  }
+  for (int r = 0; r < ranks; ++r) {  // the grads summed in rank order
+    const StepScheduleResult& got = per_rank[static_cast<size_t>(r)];
     ref.losses.push_back(got.loss);
     if (r == 0) ref.grads.assign(got.grads.size(), 0.0f), ref.unit_params = got.unit_params;
     for (size_t i = 0; i < got.grads.size(); ++i) ref.grads[i] = r == 0 ? got.grads[i] : ref.grads[i] + got.grads[i];

@@ -1,7 +1,8 @@
 // One training step of a small MoE transformer on one rank (N = 1 under FSDP2) or on each of the N
 // ranks of a Communicator (FSDP across them: at EP = 1 every rank holds a 1/N slice of every unit,
 // the experts included; at EP = N a 1/N slice of every dense weight and its own E/N experts whole,
-// each MoE layer's dispatch then crossing the ranks; every rank runs its own sequence), every buffer from
+// each MoE layer's dispatch then crossing the ranks; every rank runs its own sequence, or at CP > 1
+// its T tokens of its CP group's, attention a ring within the group), every buffer from
 // the TrackingAllocator with its traces/ category and the shared phase names: fwd/embed, each
 // layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
 // as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last
@@ -45,6 +46,10 @@ struct StepScheduleConfig {
   // r computes and holds whole experts [r·E/N, (r+1)·E/N); the dense weights are sharded over the
   // N ranks). 1 < EP < N is not built.
   int64_t ep = 1;
+  // CP ranks each sequence is split over (ring attention in every layer): groups of cp consecutive
+  // ranks of the Communicator, rank r of a group holding the r-th T tokens; the one-rank step
+  // takes its ring as a CP group. Every other part of the step is per token, as at CP = 1.
+  int64_t cp = 1;
   // The naive reference: no checkpointing (every layer's saved set kept from one forward with
   // grad), materialised loss, optimizer on the device, boundaries kept; `loss.mode`,
   // `offloaded`, `prefetch` and `optimizer.placement` are ignored.
@@ -127,8 +132,9 @@ struct StepScheduleResult {
 // [N·S] (final-norm grad first), which is reduced in place; the materialised dW is the head's bf16
 // grads. The embedding's reduce-scatter runs at the end of bwd/embed. The optimizer steps the
 // rank's shard only.
-// Throws std::invalid_argument for a model or knobs the step cannot run.
-StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config);
+// Throws std::invalid_argument for a model or knobs the step cannot run. config.cp > 1: `cp_group`
+// (config.cp ranks, this one among them) is the layers' attention ring; nothing else crosses ranks.
+StepScheduleResult run_step_schedule(TrackingAllocator& alloc, const StepScheduleConfig& config, Communicator* cp_group = nullptr);
 // The same on every rank of `comm` (each rank calls it with the same config and its own allocator):
 // rank r runs the sequence of step_data_seed(config, r); the gathers and reduce-scatters are the
 // communicator's, the grads summed over the ranks in rank order.
@@ -137,7 +143,8 @@ StepScheduleResult run_step_schedule(Communicator& comm, TrackingAllocator& allo
 // The single-rank reference of the step on `ranks` ranks: the naive step of each rank's sequence
 // at EP = 1 (own allocators), the grads summed in rank order in fp32 (the Communicator's reduce order) and,
 // with the optimizer offloaded (bf16 grad shards), rounded once to bf16, then one AdamW step
-// (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector.
+// (m = v = 0, t = 1, the config's hyperparameters) of the whole [P] vector. At CP > 1 each CP
+// group's naive steps run together as thread ranks (their attention is a ring).
 struct StepReference {
   std::vector<int64_t> unit_params;  // step_unit_params
   std::vector<double> losses;        // per rank

@@ -286,6 +286,54 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
   }
 }
 
+// CP > 1: every layer's attention a ring within CP groups of consecutive ranks (the reference's
+// naive steps of a group run together on a ring of their own). Materialised loss at EP = 1: the
+// loss, grad shards and updated params bitwise the reference's on every rank, at CP = 2 and 4;
+// ring attention really couples the ranks (a later rank's loss differs from its CP = 1 one, the
+// first rank's of each group does not: it attends to its own chunk alone).
+TEST(ExecutorStepRanks, RingAttentionWithinCpGroups) {
+  const StepReference flat = step_reference(config(), kRanks);
+  for (int64_t cp : {2, 4}) {
+    StepScheduleConfig c = config();
+    c.cp = cp;
+    c.offloaded = {true, false, true};
+    c.prefetch = 1;
+    c.optimizer.placement = OptimizerPlacement::Serial;
+    const StepReference ref = step_reference(c, kRanks);
+    const std::vector<StepScheduleResult> got = run_on_ranks(c);
+    for (int r = 0; r < kRanks; ++r) {
+      const std::string what = "CP " + std::to_string(cp) + " rank " + std::to_string(r);
+      const StepScheduleResult& g = got[static_cast<size_t>(r)];
+      EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << what;
+      const SliceDiff d = compare_slices(g, ref);
+      EXPECT_TRUE(d.bitwise) << what << ": max |dgrad| " << d.grad << ", max |dparam| " << d.param;
+      if (r % cp == 0) EXPECT_EQ(ref.losses[static_cast<size_t>(r)], flat.losses[static_cast<size_t>(r)]) << what;
+      else EXPECT_NE(ref.losses[static_cast<size_t>(r)], flat.losses[static_cast<size_t>(r)]) << what;
+    }
+  }
+}
+
+// The ring beside EP = N (the dispatch crossing every rank, attention within CP pairs): each rank's
+// loss is the reference's; grads within the experts' rounding bound of ExpertsSplitOverTheRanks,
+// here over every element (2^-6 of the largest grad).
+TEST(ExecutorStepRanks, RingAttentionBesideExpertParallelism) {
+  StepScheduleConfig c = config(3);
+  c.model.num_experts = 8;
+  c.ep = kRanks;
+  c.cp = 2;
+  const StepReference ref = step_reference(c, kRanks);
+  const std::vector<StepScheduleResult> got = run_on_ranks(c);
+  double largest = 0.0;
+  for (float g : ref.grads) largest = std::max(largest, std::fabs(double(g)));
+  for (int r = 0; r < kRanks; ++r) {
+    const StepScheduleResult& g = got[static_cast<size_t>(r)];
+    EXPECT_EQ(g.loss, ref.losses[static_cast<size_t>(r)]) << "rank " << r;
+    const SliceDiff d = compare_slices(g, ref);
+    EXPECT_LE(d.grad, std::ldexp(largest, -6)) << "rank " << r;
+    EXPECT_LE(d.param, 2.0 * c.optimizer.lr + 1e-6) << "rank " << r;
+  }
+}
+
 // The reference's layout and a rank's meet: the pieces of the 4 ranks tile [P] exactly.
 TEST(ExecutorStepRanks, RankPiecesTileTheReference) {
   StepScheduleConfig c = config();

@@ -10,6 +10,8 @@
 // predicted term raised by 2 % fails. --ep 2 (OLMoE-1B-7B baseline): two EP groups of 2 ranks, each
 // rank's experts sharded over the 2 replicas that hold them. GLM-4.5 baseline --ep 4: its dense
 // first layers (each unit sharded whole over the 4 ranks) beside the MoE layer and its shared expert.
+// CP = 2 (Qwen3-30B-A3B baseline, EP = 1 and EP = 4): ring attention within pairs of ranks, every
+// row exact, bitwise the reference at EP = 1; the ring's terms taken out of the prediction fail.
 // Plans at 16K context, verified at --scale 128 (T = 128, H = 16-22; fast under ASan).
 #include <gtest/gtest.h>
 
@@ -173,6 +175,41 @@ TEST(VerifyStepRanksTerms, OneExpertARankBelowTopK) {
   EXPECT_FALSE(r.rows.empty());
   for (const auto& row : r.rows) EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
   EXPECT_THROW(run_verification(in, scaled, {"layer"}, 0.01), UnsupportedPlan);
+}
+
+// CP = 2 on 4 ranks: two rings of 2 (each rank T tokens of its ring's sequence). Every row exact;
+// at EP = 1 with the materialised loss the loss, grads and params bitwise the reference (whose
+// naive steps run their rings too); at EP = 4 the grads within the experts' rounding.
+TEST(VerifyStepRanksTerms, RingAttentionInCpPairs) {
+  for (const char* ep : {"1", "4"}) {
+    const VerifyInputs in =
+        read_plan_inputs(plan_json("Qwen3-30B-A3B", {{"--ep", ep}, {"--cp", "2"}, {"--schedule", "baseline"}}), "plan.json");
+    const VerifyReport r = verify_step_of(in);
+    EXPECT_TRUE(r.pass) << ep;
+    EXPECT_TRUE(has_note(r, "ring attention in CP groups of 2 ranks (the plan's CP = 2)")) << ep;
+    EXPECT_GT(r.rows.size(), 200u) << ep;
+    for (const auto& row : r.rows) EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << ep << " " << row.component << " " << row.phase;
+    EXPECT_EQ(r.max_abs_dloss, 0.0) << ep;
+    if (std::string(ep) == "1") EXPECT_EQ(r.max_abs_dgrad, 0.0);
+    else EXPECT_LT(r.max_abs_dgrad, 1e-4);
+  }
+  // The forward ring buffers (two K,V chunks, the fp32 output and lse accumulators) out of the
+  // predicted fwd/L3/attn: that row fails.
+  const VerifyInputs in = read_plan_inputs(plan_json("Qwen3-30B-A3B", {{"--ep", "1"}, {"--cp", "2"}, {"--schedule", "baseline"}}), "plan.json");
+  const ScaledConfig s = scale_config(in, 128.0, 8);
+  const int64_t kv = 2 * s.tokens * s.kv_heads * s.head_dim * 2;  // [2, T, g·d] bf16
+  const int64_t ring = 2 * ((kv + 511) / 512 * 512) + (s.tokens * s.q_heads * s.head_dim * 4 + 511) / 512 * 512 +
+                       (s.q_heads * s.tokens * 4 + 511) / 512 * 512;
+  const PredictionAdjust drop = [ring](nlohmann::ordered_json& timeline) {
+    for (auto& phase : timeline["phases"])
+      if (phase["name"] == "fwd/L3/attn") phase["device"]["activations"] = phase["device"]["activations"].get<int64_t>() - ring;
+  };
+  const VerifyReport r = run_verification(in, s, {"step"}, 0.01, drop);
+  EXPECT_FALSE(r.pass);
+  bool failed = false;
+  for (const auto& row : r.rows)
+    if (row.phase == "fwd/L3/attn" && row.component == "step.activations") failed = std::fabs(row.relative_error) > 0.01;
+  EXPECT_TRUE(failed);
 }
 
 }  // namespace

@@ -83,6 +83,9 @@ void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const 
 // ring_attention: the component runs CP > 1 as a ring (the layer component; not for windowed layers).
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
                           bool routes_over_every_expert = false, bool ring_attention = false);
+// The ring verify runs a plan's CP > 1 on: the largest that divides both the plan's CP and the
+// scaled ranks (1: none of 2 or more).
+int64_t layer_ring_size(const VerifyInputs& in, const ScaledConfig& s);
 // Whether the layer component runs on the ranks: at CP > 1, as a ring (else `why_not` says why);
 // UnsupportedPlan for a plan it does not run at all.
 bool layer_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);

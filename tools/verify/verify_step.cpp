@@ -160,8 +160,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   return c;
 }
 
-// The ring verify runs at CP > 1: the largest ring that divides both the plan's CP and the
-// scaled ranks (the ring terms do not depend on its size; 1: none fits).
+// The ring's terms do not depend on its size, so the largest that fits stands for the plan's.
 int64_t layer_ring_size(const VerifyInputs& in, const ScaledConfig& s) {
   for (int64_t r = std::min(in.cp, s.ranks); r > 1; --r)
     if (in.cp % r == 0 && s.ranks % r == 0) return r;

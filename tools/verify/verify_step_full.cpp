@@ -52,7 +52,8 @@ std::string layer_set_text(const std::vector<bool>& offloaded) {
 // What the step runs beyond the decoder layer: MoE and dense FFN layers, no MTP, an untied head.
 void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const ModelSpec& model) {
   InputErrors errs;
-  layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true);  // its EP ranks route over all E
+  // Its EP ranks route over all E; at CP > 1 its layers' attention is a ring of ranks.
+  layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true, /*ring_attention=*/true);
   if (in.mtp)
     errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
   if (model.tie_word_embeddings)
@@ -121,6 +122,11 @@ void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::T
 
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
   check_step_supported(ctx.in, ctx.scaled, layer_model(ctx));
+  if (ctx.in.cp > 1 && layer_ring_size(ctx.in, ctx.scaled) < 2) {
+    why_not = "no multi-rank run: no ring of 2 or more of the " + std::to_string(ctx.scaled.ranks) + " ranks divides CP = " +
+              std::to_string(ctx.in.cp);
+    return false;
+  }
   if (ctx.scaled.ranks % ctx.scaled.ep == 0) return true;
   why_not = "no multi-rank run: EP = " + std::to_string(ctx.scaled.ep) + " does not divide N = " + std::to_string(ctx.scaled.ranks);
   return false;
@@ -135,10 +141,18 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
   // crossing the ranks of each EP group (on one rank: that rank's E/EP experts at EP = 1).
   const int64_t ep = ranks > 1 ? s.ep : 1;
   if (ep > 1) model.num_experts = s.num_experts;
+  if (in.cp > 1 && ranks == 1)
+    throw UnsupportedPlan({Diagnostic{in.file, "/inputs/run/cp",
+                                      "the step component runs CP = " + std::to_string(in.cp) +
+                                          " with rings of 2 or more ranks, and one rank runs here",
+                                      "verify with --max-ranks 2 or more"}});
+  // CP > 1: rings of `cp` consecutive ranks (layer_ring_size), each rank T tokens of its ring's sequence.
+  const int64_t cp = in.cp > 1 ? layer_ring_size(in, s) : 1;
 
   exec::StepScheduleConfig c;
   c.model = model;
   c.ep = ep;
+  c.cp = cp;
   c.tokens = s.tokens;
   if (s.boundaries != "device") c.offloaded = s.sco_offloaded;  // sync-offload: every layer
   c.prefetch = s.boundaries == "sco" ? s.sco_prefetch : 0;
@@ -178,11 +192,13 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
     // The step's MoE layers run one uncapped dispatch each (LLEP and PipelinedLLEP's rounds are the
     // dispatch component's).
     if (ep > 1) flags.emplace_back("--llep", "off");
+    if (cp > 1) flags.insert(flags.end(), {{"--cp", std::to_string(cp)}, {"--context", std::to_string(cp * s.tokens)}});
   }
   StepSetup out{c, params, predicted_timeline_for(ctx, model, flags, routing), ""};
   out.note = "P = " + std::to_string(params) + " params on " + (ranks > 1 ? "rank 0" : "the rank") + " (" +
              std::to_string(model.num_experts / ep) + " experts a layer" + (ep > 1 ? " of " + std::to_string(model.num_experts) + ", EP = " + std::to_string(ep) : "") +
-             "), boundaries " + s.boundaries + ", optimizer " + s.optimizer;
+             ")" + (cp > 1 ? ", ring attention in CP groups of " + std::to_string(cp) + " ranks (the plan's CP = " + std::to_string(in.cp) + ")" : "") +
+             ", boundaries " + s.boundaries + ", optimizer " + s.optimizer;
   if (s.optimizer == "stream")
     out.note += " (" + std::to_string(s.bucket_count) + " buckets of " + std::to_string(c.optimizer.bucket_params) + ", depth " +
                 std::to_string(s.bucket_depth) + ")";

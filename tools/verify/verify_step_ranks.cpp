@@ -15,7 +15,8 @@
 // (rounded once to bf16 when the optimizer is offloaded: bf16 grad shards), then AdamW on the
 // rank's slice: max_abs_dloss (each rank's loss against its naive step), max_abs_dgrad over the
 // rank's grad shard, and a note with the largest updated-parameter difference over the ranks; all
-// three 0 (bitwise) when the plan's loss is materialised at EP = 1. At EP > 1 the experts' weight
+// three 0 (bitwise) when the plan's loss is materialised at EP = 1. At CP > 1 the layers'
+// attention is a ring within CP groups of consecutive ranks, in the naive steps too. At EP > 1 the experts' weight
 // grads sum every source's rows in one GEMM (one bf16 rounding, not one per rank), so they and
 // the params they update differ within rounding; everything else stays bitwise. The reference is built first and the
 // measured step hands its grads and params to the comparison while its buffers hold them
@@ -166,8 +167,11 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
     naive.result_sink = [&](exec::StepResultPart part, int64_t offset, const float* values, int64_t count) {
       if (part == exec::StepResultPart::Grads) shard.add(offset, values, count);
     };
+    // At CP > 1 the naive steps of a CP group run their attention as a ring of their own.
+    const std::unique_ptr<exec::Communicator> ring =
+        c.cp > 1 ? comm.split(comm.rank() / static_cast<int>(c.cp), comm.rank() % static_cast<int>(c.cp)) : nullptr;
     exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
-    naive_loss = exec::run_step_schedule(naive_alloc, naive).loss;
+    naive_loss = exec::run_step_schedule(naive_alloc, naive, ring.get()).loss;
     ref_grads = shard.take();
     ref_params = exec::step_reference_update(c, ref_grads, exec::step_rank_pieces(c, n, comm.rank()));
   }
