@@ -346,7 +346,7 @@ TEST(VerifyPlanFields, TechniqueKnobsMustBeThePlansOwn) {
   ASSERT_EQ(s.optimizer_refusal.size(), 1u);
   const std::string refusal = s.optimizer_refusal[0].to_string();
   EXPECT_EQ(refusal.rfind("plan.json: /knobs/bucket_params/value: makes ", 0), 0u) << refusal;
-  EXPECT_NE(refusal.find("verify keeps the bucket count and runs at most 4096 (got 1)"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("verify keeps the bucket count and runs at most 16384 (got 1)"), std::string::npos) << refusal;
   for (const char* component : {"optimizer", "step"}) EXPECT_THROW(run_verification(in, s, {component}, 0.01), InputError) << component;
   EXPECT_TRUE(run_verification(in, s, {"vocab"}, 0.01).pass);
   const VerifyReport every = run_verification(in, s, verify_components(), 0.01);
