@@ -29,7 +29,7 @@ void ring_attention(const Ctx& c, int64_t layer, bool backward, Acc& t) {
   if (s.window != AttentionWindow::Full && s.attention_window_tokens > 0) {
     const int64_t halo = std::min(s.attention_window_tokens, T);
     t.add(kAct, mul(halo, kv), kB16);
-    if (backward) t.add(kAct, mul(halo, kv), kF32);
+    if (backward) t.add(kAct, mul(halo, kv), kF32, 2);  // sent and received
     return;
   }
   t.add(kAct, mul(T, kv), kB16, 2);

@@ -86,7 +86,12 @@ void add_ring_attention(const Context& c, int64_t layer, bool backward, TermList
     // Only the last `window` tokens of the previous rank's chunk are attended to.
     const int64_t halo = std::min(spec.attention_window_tokens, T);
     t.add("ring halo K,V (sliding window)", {{"window", halo}, {"g*(d+dv)", kv}}, kBf16, kAct);
-    if (backward) t.add("ring halo dK,dV", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+    // Backward: the halo's dK,dV go back to the previous rank while the next rank's, for this
+    // rank's last keys, arrive (a second buffer: a send and a receive cannot share one).
+    if (backward) {
+      t.add("ring halo dK,dV", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+      t.add("ring halo dK,dV received (this rank's last keys)", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+    }
     return;
   }
   // Double-buffered KV chunks in flight (the one computed on + the one arriving).

@@ -20,6 +20,9 @@
 // two in flight, each folded into an fp32 output and lse accumulator; the backward passes each
 // chunk on with its fp32 dK,dV accumulator, which a last shift brings home. The ring buffers are
 // released with the dQ accumulator and delta, after d norm-1 output is allocated.
+// A sliding-window layer (attention_window) masks its keys to the window; at CP > 1 it takes the
+// previous rank's last min(window, T) K,V rows as a halo in place of the ring, and in backward
+// sends the halo's dK,dV back while the next rank's arrive (two fp32 buffers of the halo's size).
 // Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
 // backward) off the phase's peak; which buffers are live at each peak is listed per phase below.
 //   DecoderLayer layer(alloc, config, layer_weights_in(unit.raw(), config));  Tensor y = layer.forward_no_grad(x, "fwd/L0/");
@@ -196,6 +199,10 @@ class LayerCore final : public DecoderLayer::Engine {
     linear(n1_, wv_, v_, H_, G_ * D_);
     o_ = act({T_, A_ * D_});
     lse_ = f32({A_, T_}, kAct);
+    if (c_.attention_window > 0) {
+      windowed_attention_forward();
+      return;
+    }
     if (cp_ != nullptr) {
       ring_attention_forward();
       return;
@@ -237,6 +244,61 @@ class LayerCore final : public DecoderLayer::Engine {
     }
     for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(o_.data<S>() + i, acc.data<float>()[i]);
     std::copy(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, lse_.data<float>());
+  }
+
+  // The halo a windowed layer needs at CP > 1: the previous rank's last `halo` K rows then V rows,
+  // sent on by every rank (the first rank's, from the last rank, is not attended to).
+  int64_t halo_rows() const { return cp_ != nullptr ? std::min(c_.attention_window, T_) : 0; }
+  void receive_halo(Tensor& halo_kv) {
+    const int64_t n = halo_rows() * G_ * D_, from = (T_ - halo_rows()) * G_ * D_;
+    cp_->sendrecv_shift(k_.data<S>() + from, halo_kv.data<S>(), n, c_.dtype, 1);
+    cp_->sendrecv_shift(v_.data<S>() + from, halo_kv.data<S>() + n, n, c_.dtype, 1);
+  }
+  // Whether this rank's queries attend to a halo (not the sequence's first rank), and whether its
+  // own last keys are in the next rank's (not the last rank).
+  bool attends_halo() const { return cp_ != nullptr && cp_->rank() > 0; }
+  bool feeds_halo() const { return cp_ != nullptr && cp_->rank() + 1 < c_.cp; }
+
+  // Sliding-window attention into o, lse; at CP > 1 peak adds the halo K,V [2, halo, g·d].
+  void windowed_attention_forward() {
+    const int64_t halo = halo_rows();
+    Tensor halo_kv;
+    if (halo > 0) {
+      halo_kv = act({2 * halo * G_ * D_});
+      receive_halo(halo_kv);
+    }
+    Tensor row = f32({D_}, Category::Workspace);
+    layer_detail::windowed_attention_forward<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), halo > 0 ? halo_kv.data<S>() : nullptr,
+                                                attends_halo() ? halo : 0, o_.data<S>(), lse_.data<float>(), row.data<float>(), T_, A_,
+                                                G_, D_, c_.attention_window);
+  }
+
+  // Sliding-window attention backward into dq, dk, dv. At CP > 1: the halo K,V again (chunk[0]),
+  // its dK,dV (dchunk[0], sent to the previous rank) and the next rank's for this rank's last
+  // rows (dchunk[1]), left for the caller to release as the ring's buffers are.
+  void windowed_attention_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta,
+                                   Tensor (&chunk)[2], Tensor (&dchunk)[2]) {
+    const int64_t halo = halo_rows(), n = 2 * halo * G_ * D_;
+    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, D_);
+    std::fill(dq_acc.data<float>(), dq_acc.data<float>() + T_ * A_ * D_, 0.0f);
+    if (halo > 0) {
+      chunk[0] = act({n});
+      receive_halo(chunk[0]);
+      dchunk[0] = f32({n}, kAct);
+      dchunk[1] = f32({n}, kAct);
+      std::fill(dchunk[0].data<float>(), dchunk[0].data<float>() + n, 0.0f);
+      if (attends_halo())
+        layer_detail::windowed_attention_backward_halo<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
+                                                          chunk[0].data<S>(), halo, dchunk[0].data<float>(), dq_acc.data<float>(), T_,
+                                                          A_, G_, D_, c_.attention_window);
+      cp_->sendrecv_shift(dchunk[0].raw(), dchunk[1].raw(), n, DType::F32, -1);  // to the previous rank, from the next
+    }
+    Tensor regs = f32({2 * D_}, Category::Workspace);
+    layer_detail::windowed_attention_backward_local<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), d_o.data<S>(), lse_.data<float>(),
+                                                       delta.data<float>(), feeds_halo() ? dchunk[1].data<float>() : nullptr, halo,
+                                                       regs.data<float>(), dq_acc.data<float>(), dk.data<S>(), dv.data<S>(), T_, A_,
+                                                       G_, D_, c_.attention_window);
+    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, dq_acc.data<float>()[i]);
   }
 
   // Ring attention backward into dq, dk, dv; the chunks and their dK,dV accumulators are left in
@@ -937,8 +999,9 @@ class LayerCore final : public DecoderLayer::Engine {
     }
     Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * D_});
     Tensor dq_acc = f32({T_, A_ * D_}, kAct), delta = f32({A_, T_}, kAct);
-    Tensor chunk[2], dchunk[2];  // CP > 1: ring attention's K,V chunks and dK,dV accumulators
-    if (cp_ != nullptr) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
+    Tensor chunk[2], dchunk[2];  // CP > 1: ring attention's K,V chunks and dK,dV accumulators, or a window's halo
+    if (c_.attention_window > 0) windowed_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
+    else if (cp_ != nullptr) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
     else flash2_backward(d_o, dq, dk, dv, dq_acc, delta);
     Tensor dn1 = act({T_, H_});
     dq_acc.reset(), delta.reset();

@@ -100,15 +100,16 @@ void attention_row_delta(const S* d_o, const S* o, float* delta, int64_t T, int6
     }
 }
 
-// One key row j (kv head kh) of the attention backward against query rows i_begin..T−1 of the
+// One key row j (kv head kh) of the attention backward against query rows [i_begin, i_end) of the
 // group's query heads, FlashAttention-2's arithmetic against the final lse and delta ([a, T]
 // fp32): dK and dV of the row added into dk_row, dv_row [d] (fp32), dQ into dq_acc [T, a, d].
 template <class S>
 void key_row_backward(const S* q, const S* d_o, const float* lse, const float* delta, const S* kj, const S* vj, int64_t kh,
-                      int64_t i_begin, int64_t T, int64_t A, int64_t group, int64_t D, float* dk_row, float* dv_row, float* dq_acc) {
+                      int64_t i_begin, int64_t i_end, int64_t T, int64_t A, int64_t group, int64_t D, float* dk_row, float* dv_row,
+                      float* dq_acc) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
-    for (int64_t i = i_begin; i < T; ++i) {
+    for (int64_t i = i_begin; i < i_end; ++i) {
       const S* qi = q + (i * A + h) * D;
       const S* gi = d_o + (i * A + h) * D;
       float s = 0.0f, dp = 0.0f;
@@ -144,7 +145,7 @@ void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* 
       std::fill(dk_row, dk_row + 2 * D, 0.0f);
       const S* kj = k + (j * G + kh) * D;
       const S* vj = v + (j * G + kh) * D;
-      key_row_backward(q, g, lse, dl, kj, vj, kh, j, T, A, group, D, dk_row, dv_row, acc);
+      key_row_backward(q, g, lse, dl, kj, vj, kh, j, T, T, A, group, D, dk_row, dv_row, acc);
       for (int64_t x = 0; x < D; ++x) {
         store_f32(dk + (j * G + kh) * D + x, dk_row[x]);
         store_f32(dv + (j * G + kh) * D + x, dv_row[x]);
@@ -156,6 +157,47 @@ void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* 
 // Ring attention (CP > 1). The sequence is split into CP chunks of T consecutive tokens, rank r
 // holding the r-th; a K,V chunk travels as one buffer of T·g·d keys then T·g·d values. Query rows
 // attend to every key of an earlier chunk and causally to their own chunk's (causal = true).
+
+// One online-softmax step of a row: score s with value row vj folded into (m, l, o).
+template <class S>
+inline void fold_key(float s, const S* vj, int64_t D, float& m, float& l, float* o) {
+  if (s > m) {
+    const float r = online_softmax_rescale(m, s);
+    l *= r;
+    for (int64_t x = 0; x < D; ++x) o[x] *= r;
+    m = s;
+  }
+  const float p = std::exp(s - m);
+  l += p;
+  for (int64_t x = 0; x < D; ++x) o[x] += p * to_f32(vj[x]);
+}
+
+// Forward into o (storage dtype) and lse [a, T]; `row` is a [d] fp32 scratch.
+template <class S>
+void windowed_attention_forward(const S* q, const S* k, const S* v, const S* halo_kv, int64_t halo, S* o, float* lse, float* row,
+                                int64_t T, int64_t A, int64_t G, int64_t D, int64_t window) {
+  const int64_t group = A / G;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto score = [&](const S* qi, const S* kj) {
+    float s = 0.0f;
+    for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]);
+    return s * scale;
+  };
+  for (int64_t h = 0; h < A; ++h)
+    for (int64_t i = 0; i < T; ++i) {
+      const S* qi = q + (i * A + h) * D;
+      const int64_t kh = h / group;
+      float m = -INFINITY, l = 0.0f;
+      std::fill(row, row + D, 0.0f);
+      // Halo row jh sits at distance i + halo − jh before query i.
+      for (int64_t jh = std::max<int64_t>(0, i + halo - window + 1); jh < halo; ++jh)
+        fold_key(score(qi, halo_kv + (jh * G + kh) * D), halo_kv + halo * G * D + (jh * G + kh) * D, D, m, l, row);
+      for (int64_t j = std::max<int64_t>(0, i - window + 1); j <= i; ++j)
+        fold_key(score(qi, k + (j * G + kh) * D), v + (j * G + kh) * D, D, m, l, row);
+      for (int64_t x = 0; x < D; ++x) store_f32(o + (i * A + h) * D + x, row[x] / l);
+      lse[h * T + i] = m + std::log(l);
+    }
+}
 
 // Folds one K,V chunk into this rank's running attention: `acc` [T, a, d] fp32 holds the output
 // normalised over the chunks folded so far and `lse_acc` [a, T] their log-sum-exp (−inf before the
@@ -180,16 +222,7 @@ void ring_attention_fold(const S* q, const S* kv, float* acc, float* lse_acc, in
         const S* vj = v + (j * G + kh) * D;
         float s = 0.0f;
         for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]);
-        s *= scale;
-        if (s > m) {
-          const float r = online_softmax_rescale(m, s);
-          l *= r;
-          for (int64_t x = 0; x < D; ++x) o[x] *= r;
-          m = s;
-        }
-        const float p = std::exp(s - m);
-        l += p;
-        for (int64_t x = 0; x < D; ++x) o[x] += p * to_f32(vj[x]);
+        fold_key(s * scale, vj, D, m, l, o);
       }
       if (l == 0.0f) continue;  // no key folded (never for a causal chunk: key i is its own)
       for (int64_t x = 0; x < D; ++x) o[x] /= l;
@@ -212,8 +245,57 @@ void ring_attention_backward_chunk(const S* q, const S* d_o, const float* lse, c
     for (int64_t j = 0; j < T; ++j) {
       const S* kj = k + (j * G + kh) * D;
       const S* vj = v + (j * G + kh) * D;
-      key_row_backward(q, d_o, lse, delta, kj, vj, kh, causal ? j : 0, T, A, group, D, dk + (j * G + kh) * D,
+      key_row_backward(q, d_o, lse, delta, kj, vj, kh, causal ? j : 0, T, T, A, group, D, dk + (j * G + kh) * D,
                        dv + (j * G + kh) * D, dq_acc);
+    }
+}
+
+// Sliding-window causal attention (gpt-oss's local layers): a query attends to the `window` latest
+// keys up to its own position. At CP > 1 the keys a rank's first queries need from the previous
+// rank are its last `halo` = min(window, T) rows (the halo, packed K then V: [2, halo, g, d]),
+// placed before this rank's own T rows; halo = 0 without one (CP = 1, or the sequence's first
+// rank).
+
+// Backward of the halo's keys: their dK, dV into `halo_dkv` [2, halo, g, d] fp32 (zeroed by the
+// caller; it goes to the previous rank), dQ into dq_acc.
+template <class S>
+void windowed_attention_backward_halo(const S* q, const S* d_o, const float* lse, const float* delta, const S* halo_kv, int64_t halo,
+                                      float* halo_dkv, float* dq_acc, int64_t T, int64_t A, int64_t G, int64_t D, int64_t window) {
+  const int64_t group = A / G;
+  for (int64_t kh = 0; kh < G; ++kh)
+    for (int64_t jh = 0; jh < halo; ++jh) {
+      const int64_t at = (jh * G + kh) * D;
+      // Queries i with i + halo − jh < window.
+      key_row_backward(q, d_o, lse, delta, halo_kv + at, halo_kv + halo * G * D + at, kh, 0, std::min(T, window - halo + jh), T, A,
+                       group, D, halo_dkv + at, halo_dkv + halo * G * D + at, dq_acc);
+    }
+}
+
+// Backward of this rank's own keys into dk, dv (storage dtype), dQ into dq_acc; `received`
+// ([2, halo, g, d] fp32, or null): the next rank's dK, dV of this rank's last `halo` keys, added
+// to those rows first. `regs` is a [2, d] fp32 scratch.
+template <class S>
+void windowed_attention_backward_local(const S* q, const S* k, const S* v, const S* d_o, const float* lse, const float* delta,
+                                       const float* received, int64_t halo, float* regs, float* dq_acc, S* dk, S* dv, int64_t T,
+                                       int64_t A, int64_t G, int64_t D, int64_t window) {
+  const int64_t group = A / G;
+  float* dk_row = regs;
+  float* dv_row = regs + D;
+  for (int64_t kh = 0; kh < G; ++kh)
+    for (int64_t j = 0; j < T; ++j) {
+      std::fill(dk_row, dk_row + 2 * D, 0.0f);
+      const int64_t jh = j - (T - halo);  // this key's row in the next rank's halo
+      if (received != nullptr && jh >= 0)
+        for (int64_t x = 0; x < D; ++x) {
+          dk_row[x] = received[(jh * G + kh) * D + x];
+          dv_row[x] = received[halo * G * D + (jh * G + kh) * D + x];
+        }
+      key_row_backward(q, d_o, lse, delta, k + (j * G + kh) * D, v + (j * G + kh) * D, kh, j, std::min(T, j + window), T, A, group, D,
+                       dk_row, dv_row, dq_acc);
+      for (int64_t x = 0; x < D; ++x) {
+        store_f32(dk + (j * G + kh) * D + x, dk_row[x]);
+        store_f32(dv + (j * G + kh) * D + x, dv_row[x]);
+      }
     }
 }
 

@@ -94,6 +94,9 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   }
   l.layer_norm = m.norm_bias;
   l.cp = c.cp;
+  // Sliding windows (gpt-oss's local layers) run as such; chunked windows (Llama 4) run full causal.
+  const LayerSpec& spec = m.layers[static_cast<size_t>(layer)];
+  if (spec.window == AttentionWindow::Sliding) l.attention_window = spec.attention_window_tokens;
   l.dtype = DType::BF16;
   check_layer_config(l);
   return l;
@@ -161,10 +164,11 @@ class StepRun {
   // cp_group: the one-rank step's CP ring (cp > 1 without FSDP across ranks); with `comm` the
   // ring is split from it (CP groups of cp consecutive ranks).
   StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c, Communicator* cp_group = nullptr)
-      : a_(alloc), comm_(comm), c_(c), cp_group_(cp_group), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
+      : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
         lcs_(layer_configs(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
         data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() % c.ep : 0) {
     head_ = L_ + 1;
+    cp_group_ = cp_group;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
     for (int64_t l = 0; l < L_; ++l)
       require(layer_weight_elems(lcs_[static_cast<size_t>(l)]) <= unit_params_[static_cast<size_t>(l + 1)], "the layer's weights exceed its unit");

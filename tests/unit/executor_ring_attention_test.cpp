@@ -3,13 +3,14 @@
 // the ring folds the softmax chunk by chunk, so agreement is to rounding, not bitwise); the
 // checkpointed run is bitwise the naive one on the ranks; the ring adds exactly its buffers to the
 // attention phases (two K,V chunks in flight and the fp32 output and lse accumulators forward;
-// two chunks and two fp32 dK,dV accumulators backward) and nothing to any other phase.
+// two chunks and two fp32 dK,dV accumulators backward) and nothing to any other phase. Sliding
+// windows: a window as long as the sequence is full causal attention; CP ranks exchanging a halo
+// give the one-rank windowed layer's results; the halo's buffers are what the attention phases add.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,41 +42,43 @@ std::vector<LayerScheduleResult> run_on_ring(const LayerScheduleConfig& c, std::
   return out;
 }
 
+// The largest |difference| of y, dx (rank slices of the whole) and of each weight grad (summed
+// over the ranks), relative to the whole run's largest grad of that weight for the weights.
+void expect_ranks_are_the_whole(const std::vector<LayerScheduleResult>& got, const LayerScheduleResult& ref, int64_t T, int64_t H,
+                                const std::string& what) {
+  double worst_y = 0.0, worst_dx = 0.0, loss = 0.0;
+  for (size_t r = 0; r < got.size(); ++r) {
+    loss += got[r].loss;
+    for (int64_t i = 0; i < T * H; ++i) {
+      const int64_t at = static_cast<int64_t>(r) * T * H + i;
+      worst_y = std::max(worst_y, static_cast<double>(std::fabs(got[r].y[i] - ref.y[at])));
+      worst_dx = std::max(worst_dx, static_cast<double>(std::fabs(got[r].grads.at("x")[i] - ref.grads.at("x")[at])));
+    }
+  }
+  EXPECT_NEAR(loss, ref.loss, 1e-4 * std::fabs(ref.loss) + 1e-4) << what;
+  EXPECT_LT(worst_y, 2e-5) << what;
+  EXPECT_LT(worst_dx, 2e-5) << what;
+  for (const auto& [name, full] : ref.grads) {
+    if (name == "x") continue;
+    double worst = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < full.size(); ++i) {
+      float sum = 0.0f;
+      for (const auto& g : got) sum += g.grads.at(name)[i];
+      worst = std::max(worst, static_cast<double>(std::fabs(sum - full[i])));
+      scale = std::max(scale, static_cast<double>(std::fabs(full[i])));
+    }
+    EXPECT_LT(worst, 1e-4 * scale + 1e-6) << what << " " << name;
+  }
+}
+
 TEST(RingAttention, CpRanksAreTheOneRankRunOnTheWholeSequence) {
   for (int64_t cp : {2, 4}) {
     const int64_t T = 24;  // not a multiple of the CPU attention's 32-row tiles
-    LayerScheduleConfig whole = small(DType::F32, cp * T);
     TrackingAllocator alloc({512});
-    const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
+    const LayerScheduleResult ref = run_layer_schedule(alloc, small(DType::F32, cp * T), {});
     LayerScheduleConfig c = small(DType::F32, T);
     c.cp = cp;
-    const std::vector<LayerScheduleResult> got = run_on_ring(c);
-    const int64_t H = c.hidden;
-    double loss = 0.0, worst_y = 0.0, worst_dx = 0.0;
-    for (int64_t r = 0; r < cp; ++r) {
-      const LayerScheduleResult& g = got[static_cast<size_t>(r)];
-      loss += g.loss;
-      for (int64_t i = 0; i < T * H; ++i) {
-        worst_y = std::max(worst_y, static_cast<double>(std::fabs(g.y[i] - ref.y[r * T * H + i])));
-        worst_dx = std::max(worst_dx, static_cast<double>(std::fabs(g.grads.at("x")[i] - ref.grads.at("x")[r * T * H + i])));
-      }
-    }
-    EXPECT_NEAR(loss, ref.loss, 1e-4 * std::fabs(ref.loss) + 1e-4) << "cp " << cp;
-    EXPECT_LT(worst_y, 2e-5) << "cp " << cp;
-    EXPECT_LT(worst_dx, 2e-5) << "cp " << cp;
-    // Each weight's gradient: the ranks' parts summed (what FSDP's reduce-scatter does).
-    for (const auto& [name, full] : ref.grads) {
-      if (name == "x") continue;
-      double worst = 0.0, scale = 0.0;
-      for (int64_t i = 0; i < full.size(); ++i) {
-        float sum = 0.0f;
-        for (const auto& g : got) sum += g.grads.at(name)[i];
-        worst = std::max(worst, static_cast<double>(std::fabs(sum - full[i])));
-        scale = std::max(scale, static_cast<double>(std::fabs(full[i])));
-      }
-      EXPECT_GT(scale, 0.0) << name;
-      EXPECT_LT(worst, 1e-4 * scale + 1e-6) << name << " cp " << cp;
-    }
+    expect_ranks_are_the_whole(run_on_ring(c), ref, T, c.hidden, "cp " + std::to_string(cp));
   }
 }
 
@@ -94,35 +97,93 @@ TEST(RingAttention, RecomputeIsBitwiseTheNaiveRunOnTheRanks) {
   }
 }
 
-// T = 64, a = 4, g = 2, d = 8, bf16, alignment 512. Forward (fwd/L0/attn, and the recompute's
-// attention): two K,V chunks [2, T, g·d] bf16 of 4096 B, the output accumulator [T, a·d] fp32
-// 8192 and the lse accumulator [a, T] fp32 1024. Backward (bwd/L0/attn): two chunks 4096 and two
-// dK,dV accumulators [2, T, g·d] fp32 8192.
-TEST(RingAttention, AddsItsBuffersToTheAttentionPhasesAlone) {
-  LayerScheduleConfig one = small(DType::BF16, 64);
-  TrackingAllocator alone({512});
-  run_layer_schedule(alone, one, {}, false);
+// Every rank's activations at each device phase minus the one-rank run's: `added` bytes in the
+// phases it names, nothing in any other.
+void expect_added_activations(const TrackingAllocator& alone, const std::vector<std::vector<PhaseRecord>>& records,
+                              const std::map<std::string, int64_t>& added) {
   std::map<std::string, int64_t> base;
   for (const auto& r : alone.phase_records())
     if (r.space == MemorySpace::Device) base[r.phase] = r.bytes_at_peak[static_cast<size_t>(Category::Activations)];
-  LayerScheduleConfig c = one;
-  c.cp = 2;
-  std::vector<std::vector<PhaseRecord>> records;
-  run_on_ring(c, &records);
-  const std::map<std::string, int64_t> ring_bytes = {
-      {"fwd/L0/attn", 2 * 4096 + 8192 + 1024}, {"bwd/L0/recompute/attn", 2 * 4096 + 8192 + 1024}, {"bwd/L0/attn", 2 * 4096 + 2 * 8192}};
   for (const auto& rank : records) {
     std::map<std::string, int64_t> phases;
     for (const auto& r : rank) {
       if (r.space != MemorySpace::Device) continue;
-      const auto extra = ring_bytes.find(r.phase);
-      EXPECT_EQ(r.bytes_at_peak[static_cast<size_t>(Category::Activations)] - base.at(r.phase),
-                extra == ring_bytes.end() ? 0 : extra->second)
+      const auto extra = added.find(r.phase);
+      EXPECT_EQ(r.bytes_at_peak[static_cast<size_t>(Category::Activations)] - base.at(r.phase), extra == added.end() ? 0 : extra->second)
           << r.phase;
       phases[r.phase] = 1;
     }
     EXPECT_EQ(phases.size(), base.size());
   }
+}
+
+// T = 64, a = 4, g = 2, d = 8, bf16, alignment 512. Forward (fwd/L0/attn, and the recompute's
+// attention): two K,V chunks [2, T, g·d] bf16 of 4096 B, the output accumulator [T, a·d] fp32
+// 8192 and the lse accumulator [a, T] fp32 1024. Backward (bwd/L0/attn): two chunks 4096 and two
+// dK,dV accumulators [2, T, g·d] fp32 8192.
+TEST(RingAttention, AddsItsBuffersToTheAttentionPhasesAlone) {
+  LayerScheduleConfig c = small(DType::BF16, 64);
+  TrackingAllocator alone({512});
+  run_layer_schedule(alone, c, {}, false);
+  c.cp = 2;
+  std::vector<std::vector<PhaseRecord>> records;
+  run_on_ring(c, &records);
+  expect_added_activations(alone, records,
+                           {{"fwd/L0/attn", 2 * 4096 + 8192 + 1024}, {"bwd/L0/recompute/attn", 2 * 4096 + 8192 + 1024},
+                            {"bwd/L0/attn", 2 * 4096 + 2 * 8192}});
+}
+
+TEST(SlidingWindow, AsLongAsTheSequenceIsFullCausalAttention) {
+  LayerScheduleConfig full = small(DType::F32, 40);
+  LayerScheduleConfig windowed = full;
+  windowed.attention_window = 40;
+  TrackingAllocator a({512}), b({512});
+  const LayerScheduleResult want = run_layer_schedule(a, full, {});
+  const LayerScheduleResult got = run_layer_schedule(b, windowed, {});
+  expect_ranks_are_the_whole({got}, want, 40, full.hidden, "window 40 of 40");
+  // A shorter window really is one: the output changes.
+  windowed.attention_window = 6;
+  TrackingAllocator c({512});
+  const LayerScheduleResult shorter = run_layer_schedule(c, windowed, {});
+  double moved = 0.0;
+  for (int64_t i = 0; i < shorter.y.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(shorter.y[i] - want.y[i])));
+  EXPECT_GT(moved, 1e-3);
+}
+
+TEST(SlidingWindow, CpRanksExchangingAHaloAreTheOneRankRun) {
+  const int64_t T = 24;
+  for (int64_t cp : {2, 4})
+    for (int64_t window : {5, 24}) {
+      LayerScheduleConfig whole = small(DType::F32, cp * T);
+      whole.attention_window = window;
+      TrackingAllocator alloc({512});
+      const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
+      LayerScheduleConfig c = small(DType::F32, T);
+      c.attention_window = window;
+      c.cp = cp;
+      expect_ranks_are_the_whole(run_on_ring(c), ref, T, c.hidden, "cp " + std::to_string(cp) + " window " + std::to_string(window));
+    }
+}
+
+// T = 64, g = 2, d = 8, bf16, window 20 (the halo: 20 rows), alignment 512. Forward and recompute:
+// the halo K,V [2, 20, g·d] bf16 = 1280 → 1536 B; backward: it, and two dK,dV [2, 20, g·d] fp32 of
+// 2560 → 2560 B (the halo's, sent back, and the next rank's, received).
+TEST(SlidingWindow, AddsTheHalosBuffersToTheAttentionPhasesAlone) {
+  LayerScheduleConfig c = small(DType::BF16, 64);
+  c.attention_window = 20;
+  TrackingAllocator alone({512});
+  run_layer_schedule(alone, c, {}, false);
+  c.cp = 3;
+  std::vector<std::vector<PhaseRecord>> records;
+  run_on_ring(c, &records);
+  expect_added_activations(alone, records, {{"fwd/L0/attn", 1536}, {"bwd/L0/recompute/attn", 1536}, {"bwd/L0/attn", 1536 + 2 * 2560}});
+  // A window longer than a rank's tokens would need keys from further back: refused.
+  c.attention_window = 65;
+  const RunResult run = run_ranks(3, [&](int, Communicator& comm) {
+    TrackingAllocator a({512});
+    EXPECT_THROW(run_layer_schedule(a, c, {}, false, &comm), std::invalid_argument);
+  });
+  EXPECT_TRUE(run.ok());
 }
 
 TEST(RingAttention, RefusesAMissingOrMismatchedGroup) {

@@ -584,6 +584,9 @@ TEST(PlannerTiny, ContextParallelRingAttentionBuffers) {
   m.layers[0].attention_window_tokens = 4;
   const Plan w = plan_of(m, tiny_gpu(), with({{"--cp", "2"}}));
   EXPECT_EQ(term_bytes(phase(w, "fwd/L0/attn"), "ring halo K,V (sliding window)"), 4 * 8 * 2);
+  // Backward: the halo's dK,dV and the next rank's, received (fp32 each).
+  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV"), 4 * 8 * 4);
+  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV received (this rank's last keys)"), 4 * 8 * 4);
 }
 
 TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {

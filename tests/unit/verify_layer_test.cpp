@@ -3,7 +3,8 @@
 // of every decoder-layer phase are within 1 % of the planner's; the recompute is bitwise the
 // naive run; one predicted term raised by 2 % fails; MLA and too few local experts are refused.
 // At CP > 1 the layer runs ring attention on the ranks, every row exact, and a prediction without
-// the ring's buffers fails; sliding-window layers and one rank are refused.
+// the ring's buffers fails; sliding-window layers run with a halo; chunked windows, a window longer
+// than T and one rank are refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -144,7 +145,7 @@ TEST(VerifyLayerRing, EveryRowExactOnTheRing) {
     EXPECT_EQ(r.max_abs_dloss, 0.0);
     EXPECT_EQ(r.max_abs_dgrad, 0.0);
     bool noted = false;
-    for (const auto& n : r.notes) noted = noted || n.find("ring attention on CP = " + std::string(cp) + " ranks") != std::string::npos;
+    for (const auto& n : r.notes) noted = noted || n.find("ring attention, on CP = " + std::string(cp) + " ranks") != std::string::npos;
     EXPECT_TRUE(noted) << cp;
   }
 }
@@ -176,13 +177,44 @@ TEST(VerifyLayerRing, APredictionWithoutTheRingFails) {
   EXPECT_GE(attention_rows, 3);
 }
 
-TEST(VerifyLayerRing, RefusesWindowsAndOneRank) {
+// gpt-oss-20b at CP = 2: its sliding-window layers (a halo from the previous rank) and its full
+// layers (the ring) each run as the first MoE layer of their kind, against their own groups'
+// phases; every row exact.
+TEST(VerifyLayerRing, SlidingWindowLayersRunWithAHalo) {
+  const VerifyReport r =
+      verify_ring_layer("gpt-oss-20b", {{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}, {"--schedule", "flatpeak"}}, 2);
+  EXPECT_TRUE(r.pass);
+  int attention_rows = 0;
+  for (const auto& row : r.rows) {
+    EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
+    attention_rows += row.phase.find("/attn") != std::string::npos ? 1 : 0;
+  }
+  EXPECT_GE(attention_rows, 6);  // fwd, recompute and bwd of each kind
+  bool halo = false, ring = false;
+  for (const auto& n : r.notes) {
+    halo = halo || n.find("L0, a sliding window of 128 tokens, its halo from the previous rank") != std::string::npos;
+    ring = ring || n.find("L1, ring attention") != std::string::npos;
+  }
+  EXPECT_TRUE(halo);
+  EXPECT_TRUE(ring);
+}
+
+TEST(VerifyLayerRing, RefusesWhatTheHaloCannotHoldAndOneRank) {
   const Flags cp2{{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}};
+  // gpt-oss's 128-token window over a scaled T of 32 tokens: keys from further back than the halo.
+  const VerifyInputs gpt_oss = read_plan_inputs(plan_json("gpt-oss-20b", cp2), "plan.json");
   try {
-    verify_ring_layer("gpt-oss-20b", cp2, 2);  // alternating 128-token windows
-    FAIL() << "a windowed model at CP > 1 must be refused";
+    run_verification(gpt_oss, scale_config(gpt_oss, 1024.0, 2), {"layer"}, 0.01);
+    FAIL() << "a window longer than T at CP > 1 must be refused";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("ring halo"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("longer than the scaled T = 32"), std::string::npos) << e.what();
+  }
+  // Llama 4's chunked attention.
+  try {
+    verify_ring_layer(FLATPEAK_TEST_DATA_DIR "/hf/Llama-4-Scout/config.json", cp2, 2);
+    FAIL() << "chunked attention at CP > 1 must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("attends to chunks of 8192 tokens"), std::string::npos) << e.what();
   }
   try {
     verify_ring_layer("Qwen3-30B-A3B", cp2, 1);

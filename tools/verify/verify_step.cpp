@@ -11,6 +11,7 @@
 //   flatpeak verify p.json --component layer        # rows layer.activations, layer.dispatch
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 
 #include "executor/comm/communicator.h"
@@ -30,6 +31,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // A width scaled with H (rounded up; 0 stays 0).
 int64_t scaled_with_h(const VerifyInputs& in, const ScaledConfig& s, int64_t width) {
   return width > 0 ? std::max<int64_t>(1, ceil_div(width * s.hidden, in.hidden)) : 0;
+}
+
+// A layer's sliding window (0: full causal, or a chunked window, which the executor runs full).
+int64_t sliding_window_of(const ModelSpec& card, int64_t layer) {
+  if (layer >= static_cast<int64_t>(card.layers.size())) return 0;
+  const LayerSpec& spec = card.layers[static_cast<size_t>(layer)];
+  return spec.window == AttentionWindow::Sliding ? spec.attention_window_tokens : 0;
 }
 
 // The MoE layer's phases; dense-FFN layers' FFN phases (fwd/Ll/ffn, ...) are not run.
@@ -84,17 +92,28 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
     errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention runs in the layer component; got " +
                                                        std::to_string(in.cp) + ")", ""});
   if (in.cp != 1 && ring_attention) {
-    // The executor's attention is full causal: a windowed layer's ring halo (planner/README.md
-    // "Ring attention") is not in it.
+    // At CP > 1 a sliding window runs as a halo from the previous rank, which must hold every key
+    // the window reaches (window <= T); chunked windows (Llama 4) are not in the executor.
     const ModelSpec card = load_plan_model(in);
-    for (size_t l = 0; l < card.layers.size(); ++l)
-      if (card.layers[l].window != AttentionWindow::Full && card.layers[l].attention_window_tokens > 0) {
+    for (size_t l = 0; l < card.layers.size(); ++l) {
+      const LayerSpec& spec = card.layers[l];
+      if (spec.window == AttentionWindow::Full || spec.attention_window_tokens <= 0) continue;
+      if (spec.window != AttentionWindow::Sliding)
         errs.add(Diagnostic{in.file, "/inputs/run/cp",
-                            the + " runs full causal attention at CP > 1; layer " + std::to_string(l) +
-                                " attends to a window, whose ring halo is not in the executor (got CP = " + std::to_string(in.cp) + ")",
+                            the + " runs full causal and sliding-window attention at CP > 1; layer " + std::to_string(l) +
+                                " attends to chunks of " + std::to_string(spec.attention_window_tokens) + " tokens (got CP = " +
+                                std::to_string(in.cp) + ")",
                             ""});
-        break;
-      }
+      else if (spec.attention_window_tokens > s.tokens)
+        errs.add(Diagnostic{in.file, "/inputs/run/cp",
+                            the + " runs a sliding window at CP > 1 as a halo from the previous rank; layer " + std::to_string(l) +
+                                "'s window of " + std::to_string(spec.attention_window_tokens) + " tokens is longer than the scaled T = " +
+                                std::to_string(s.tokens) + " (got CP = " + std::to_string(in.cp) + ")",
+                            "verify with a smaller --scale"});
+      else
+        continue;
+      break;
+    }
   }
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
   if (in.num_experts > 0 && routes_over_every_expert && in.top_k > s.num_experts)
@@ -145,6 +164,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
     ++moe_layer;
   exec::LayerScheduleConfig c;
   c.layer_index = moe_layer;
+  c.attention_window = sliding_window_of(card, moe_layer);
   c.tokens = s.tokens;
   c.hidden = s.hidden;
   c.q_heads = s.q_heads;
@@ -184,11 +204,21 @@ namespace {
 
 // The layer on `ring` ranks (1: one rank, CP = 1) against `predicted`: rows layer.activations and
 // layer.dispatch, and the checkpointed run's loss and grads against the naive reference's.
+// `run_layer` >= 0 (CP > 1): the layer run in place of the first MoE layer, and only the phases of
+// the layers whose sliding window is its own compared (a window's halo and the ring hold
+// different buffers, and the planner's groups split by window at CP > 1).
 void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predicted, int64_t ring, exec::Communicator* cp_group,
-                       VerifyReport& report) {
+                       VerifyReport& report, int64_t run_layer = -1) {
   const VerifyInputs& in = ctx.in;
+  const ModelSpec card = load_plan_model(in);
   exec::LayerScheduleConfig c = layer_schedule_config(in, ctx.scaled);
+  if (run_layer >= 0) c.layer_index = run_layer, c.attention_window = sliding_window_of(card, run_layer);
   c.cp = ring;
+  const std::function<bool(const std::string&)> same_window = [&card, &c, run_layer](const std::string& name) {
+    if (run_layer < 0 || !is_layer_phase(name)) return is_layer_phase(name);
+    const size_t at = name.find("/L") + 2;
+    return sliding_window_of(card, std::stoll(name.substr(at, name.find('/', at) - at))) == c.attention_window;
+  };
   const bool lead = cp_group == nullptr || cp_group->rank() == 0;
   if (match_dense_attention_to_the_run_layer(predicted, layer_model(ctx), c.layer_index) > 0 && lead)
     report.notes.push_back("layer: the dense layers' attention phases are compared with those of the run MoE layer L" +
@@ -207,9 +237,9 @@ void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predict
     const exec::StoredValues& r = ref.grads.at(name);
     for (int64_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
   }
-  compare_category("layer.activations", "activations", exec::MemorySpace::Device, predicted, alloc, is_layer_phase, report);
+  compare_category("layer.activations", "activations", exec::MemorySpace::Device, predicted, alloc, same_window, report);
   compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,
-                   [](const std::string& name) { return is_layer_phase(name) && name.find("/moe/") != std::string::npos; }, report);
+                   [&](const std::string& name) { return same_window(name) && name.find("/moe/") != std::string::npos; }, report);
   if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);
 }
 
@@ -243,11 +273,28 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
   FlagList flags{kWithoutMtp, {"--gpus", r}, {"--gpus-per-node", r}, {"--cp", r}, {"--ep", "1"},
                  {"--context", std::to_string(ring * s.tokens)}};
   if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
-  nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), flags);
-  if (cp_group->rank() == 0)
-    report.notes.push_back("layer: ring attention on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) +
-                           "), each T = " + std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
-  run_layer_against(ctx, predicted, ring, cp_group.get(), report);
+  // One run for each attention the scaled layers hold: full causal (the ring) and each sliding
+  // window (a halo), each the first MoE layer of its kind.
+  const ModelSpec card = load_plan_model(in);
+  const int64_t first = layer_schedule_config(in, s).layer_index;
+  std::vector<int64_t> run_layers{first};
+  for (int64_t l = first + 1; l < std::min<int64_t>(s.layers, static_cast<int64_t>(card.layers.size())); ++l) {
+    const bool seen = std::any_of(run_layers.begin(), run_layers.end(),
+                                  [&](int64_t r) { return sliding_window_of(card, r) == sliding_window_of(card, l); });
+    if (!seen && card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) run_layers.push_back(l);
+  }
+  for (int64_t l : run_layers) {
+    nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), flags);
+    if (cp_group->rank() == 0) {
+      const int64_t window = sliding_window_of(card, l);
+      report.notes.push_back("layer: L" + std::to_string(l) + ", " +
+                             (window > 0 ? "a sliding window of " + std::to_string(window) + " tokens, its halo from the previous rank,"
+                                         : std::string("ring attention,")) +
+                             " on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) + "), each T = " +
+                             std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
+    }
+    run_layer_against(ctx, predicted, ring, cp_group.get(), report, l);
+  }
 }
 
 }  // namespace flatpeak::cli
