@@ -2,7 +2,8 @@
 // ranks of a Communicator (FSDP across them: at EP = 1 every rank holds a 1/N slice of every unit,
 // the experts included; at EP = N a 1/N slice of every dense weight and its own E/N experts whole,
 // each MoE layer's dispatch then crossing the ranks; every rank runs its own sequence, or at CP > 1
-// its T tokens of its CP group's, attention a ring within the group), every buffer from
+// the T tokens of its place in its CP group's, attention a ring within the group; the token ids
+// are drawn per rank either way), every buffer from
 // the TrackingAllocator with its traces/ category and the shared phase names: fwd/embed, each
 // layer's no-grad forward keeping its checkpoint boundary (on the device, or offloaded to the host
 // as the knobs say), the loss (materialised or blocked), loss backward, each layer from the last

@@ -16,6 +16,7 @@
 
 #include "executor/comm/threads_comm.h"
 #include "executor/memory/tracking_allocator.h"
+#include "executor/schedules/decoder_layer_parts.h"
 #include "executor/schedules/layer_schedule.h"
 
 namespace flatpeak::exec {
@@ -148,6 +149,77 @@ TEST(SlidingWindow, AsLongAsTheSequenceIsFullCausalAttention) {
   double moved = 0.0;
   for (int64_t i = 0; i < shorter.y.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(shorter.y[i] - want.y[i])));
   EXPECT_GT(moved, 1e-3);
+}
+
+// The window mask against a plain fp64 softmax over the keys j with i − window < j ≤ i, forward
+// (o, lse) and backward (dq, dk, dv from dP = dO·Vᵀ, dS = P ⊙ (dP − Σ dO ⊙ O)), on one rank:
+// an off-by-one shared by the forward and backward kernels would pass the CP tests, not this.
+TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
+  const int64_t T = 13, A = 2, G = 1, D = 4;
+  for (int64_t window : {1, 5, 13}) {
+    std::vector<float> q(T * A * D), k(T * G * D), v(T * G * D), d_o(T * A * D);
+    uint64_t state = 17;
+    auto draw = [&]() {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      return static_cast<float>(static_cast<int64_t>(state >> 40) % 2001 - 1000) / 1000.0f;
+    };
+    for (auto* vec : {&q, &k, &v, &d_o})
+      for (float& x : *vec) x = draw();
+    std::vector<float> o(T * A * D), lse(A * T), row(D), delta(A * T), dq_acc(T * A * D, 0.0f), regs(2 * D), dq(T * A * D),
+        dk(T * G * D), dv(T * G * D);
+    layer_detail::windowed_attention_forward<float>(q.data(), k.data(), v.data(), nullptr, 0, o.data(), lse.data(), row.data(), T, A, G,
+                                                    D, window);
+    layer_detail::attention_row_delta<float>(d_o.data(), o.data(), delta.data(), T, A, D);
+    layer_detail::windowed_attention_backward_local<float>(q.data(), k.data(), v.data(), d_o.data(), lse.data(), delta.data(), nullptr,
+                                                           0, regs.data(), dq_acc.data(), dk.data(), dv.data(), T, A, G, D, window);
+    std::vector<double> want_dk(T * G * D, 0.0), want_dv(T * G * D, 0.0);
+    double *WANT_DK_ = want_dk.data(), *WANT_DV_ = want_dv.data();
+    // Plain pointers: the reference indexes with int64 products.
+    const float *Q_ = q.data(), *K_ = k.data(), *V_ = v.data(), *D_O_ = d_o.data(), *O_ = o.data(), *LSE_ = lse.data();
+    const float *DQ_ACC_ = dq_acc.data(), *DK_ = dk.data(), *DV_ = dv.data();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    for (int64_t h = 0; h < A; ++h)
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t lo = std::max<int64_t>(0, i - window + 1);
+        std::vector<double> p(static_cast<size_t>(i + 1), 0.0);
+        double mx = -1e300, sum = 0.0;
+        for (int64_t j = lo; j <= i; ++j) {
+          double sc = 0.0;
+          for (int64_t x = 0; x < D; ++x) sc += double(Q_[(i * A + h) * D + x]) * K_[j * D + x];
+          p[static_cast<size_t>(j)] = sc * scale;
+          mx = std::max(mx, sc * scale);
+        }
+        for (int64_t j = lo; j <= i; ++j) sum += std::exp(p[static_cast<size_t>(j)] - mx);
+        EXPECT_NEAR(LSE_[h * T + i], mx + std::log(sum), 1e-5) << "window " << window;
+        double dsum = 0.0;  // Σ dO ⊙ O of the fp64 output
+        std::vector<double> out(static_cast<size_t>(D), 0.0), dp(static_cast<size_t>(i + 1), 0.0);
+        double* OUT_ = out.data();
+        for (int64_t j = lo; j <= i; ++j) {
+          p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx) / sum;
+          for (int64_t x = 0; x < D; ++x) OUT_[x] += p[static_cast<size_t>(j)] * V_[j * D + x];
+        }
+        for (int64_t x = 0; x < D; ++x) {
+          EXPECT_NEAR(O_[(i * A + h) * D + x], OUT_[x], 1e-5) << "window " << window;
+          dsum += double(D_O_[(i * A + h) * D + x]) * OUT_[x];
+        }
+        std::vector<double> dqi(static_cast<size_t>(D), 0.0);
+        double* DQI_ = dqi.data();
+        for (int64_t j = lo; j <= i; ++j) {
+          for (int64_t x = 0; x < D; ++x) dp[static_cast<size_t>(j)] += double(D_O_[(i * A + h) * D + x]) * V_[j * D + x];
+          const double ds = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - dsum);
+          for (int64_t x = 0; x < D; ++x) {
+            DQI_[x] += ds * scale * K_[j * D + x];
+            WANT_DK_[j * D + x] += ds * scale * Q_[(i * A + h) * D + x];
+            WANT_DV_[j * D + x] += p[static_cast<size_t>(j)] * D_O_[(i * A + h) * D + x];
+          }
+        }
+        for (int64_t x = 0; x < D; ++x) EXPECT_NEAR(DQ_ACC_[(i * A + h) * D + x], DQI_[x], 1e-5) << "window " << window;
+      }
+    for (int64_t e = 0; e < T * G * D; ++e) {
+      EXPECT_NEAR(DK_[e], WANT_DK_[e], 1e-5) << "window " << window;
+      EXPECT_NEAR(DV_[e], WANT_DV_[e], 1e-5) << "window " << window;
+    }
+  }
 }
 
 TEST(SlidingWindow, CpRanksExchangingAHaloAreTheOneRankRun) {

@@ -222,6 +222,23 @@ TEST(VerifyLayerRing, RefusesWhatTheHaloCannotHoldAndOneRank) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("/inputs/run/cp"), std::string::npos) << e.what();
   }
+  // CP = 2 on 3 scaled ranks (6 GPUs, EP = 2 kept as N/EP = 3 replicas): no ring divides both.
+  const VerifyInputs odd =
+      read_plan_inputs(plan_json("Qwen3-30B-A3B", {{"--gpus", "6"}, {"--ep", "2"}, {"--context", "64K"}, {"--cp", "2"}}), "plan.json");
+  const ScaledConfig three = scale_config(odd, std::nullopt, 3);
+  ASSERT_EQ(three.ranks, 3);
+  try {
+    run_verification(odd, three, {"layer"}, 0.01);
+    FAIL() << "no ring of the ranks: must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("no ring of 2 or more ranks divides both CP = 2 and the 3 scaled ranks"), std::string::npos)
+        << e.what();
+  }
+  // Every component at once: the layer and the step are skipped with a note saying why.
+  const VerifyReport r = run_verification(odd, three, {"layer", "step"}, 0.01);
+  int skipped = 0;
+  for (const auto& n : r.notes) skipped += n.find("not run") != std::string::npos && n.find("no ring of 2 or more") != std::string::npos;
+  EXPECT_EQ(skipped, 2);
 }
 
 }  // namespace

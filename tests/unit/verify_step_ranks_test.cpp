@@ -10,8 +10,9 @@
 // predicted term raised by 2 % fails. --ep 2 (OLMoE-1B-7B baseline): two EP groups of 2 ranks, each
 // rank's experts sharded over the 2 replicas that hold them. GLM-4.5 baseline --ep 4: its dense
 // first layers (each unit sharded whole over the 4 ranks) beside the MoE layer and its shared expert.
-// CP = 2 (Qwen3-30B-A3B baseline, EP = 1 and EP = 4): ring attention within pairs of ranks, every
-// row exact, bitwise the reference at EP = 1; the ring's terms taken out of the prediction fail.
+// CP = 2 (Qwen3-30B-A3B baseline, EP = 1 and EP = 4; gpt-oss-20b with its sliding windows): ring
+// attention within pairs of ranks, every row exact, bitwise the reference at EP = 1; the ring's
+// terms taken out of the prediction fail.
 // Plans at 16K context, verified at --scale 128 (T = 128, H = 16-22; fast under ASan).
 #include <gtest/gtest.h>
 
@@ -192,6 +193,16 @@ TEST(VerifyStepRanksTerms, RingAttentionInCpPairs) {
     EXPECT_EQ(r.max_abs_dloss, 0.0) << ep;
     if (std::string(ep) == "1") EXPECT_EQ(r.max_abs_dgrad, 0.0);
     else EXPECT_LT(r.max_abs_dgrad, 1e-4);
+  }
+  // gpt-oss-20b at --scale 64 (T = 128, its 128-token window: the halo is the previous rank's whole
+  // chunk): sliding-window layers with their halo beside full layers with the ring, every row exact.
+  {
+    const VerifyInputs gpt_oss = read_plan_inputs(plan_json("gpt-oss-20b", {{"--cp", "2"}, {"--schedule", "baseline"}}), "plan.json");
+    const VerifyReport r = run_verification(gpt_oss, scale_config(gpt_oss, 64.0, 8), {"step"}, 0.01);
+    EXPECT_TRUE(r.pass);
+    EXPECT_TRUE(has_note(r, "ring attention in CP groups of 2 ranks"));
+    EXPECT_GT(r.rows.size(), 200u);
+    for (const auto& row : r.rows) EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << "gpt-oss " << row.component << " " << row.phase;
   }
   // The forward ring buffers (two K,V chunks, the fp32 output and lse accumulators) out of the
   // predicted fwd/L3/attn: that row fails.

@@ -65,27 +65,30 @@ ModelSpec layer_model(const VerifyContext& ctx);
 // The executor's configuration of the layer component (verify_step.cpp): layer_model's layer on
 // the scaled tokens, named after the scaled model's first MoE layer.
 exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
-// A plan whose model or layout a component's executor does not run (MLA, dense FFN layers, MTP,
-// CP > 1, ...): an input error (exit 2) when the component is asked for alone; when every
+// A plan whose model or layout a component's executor does not run (MLA, MTP, a tied head,
+// chunked windows at CP > 1, ...): an input error (exit 2) when the component is asked for alone; when every
 // component runs (the default), that component is skipped with a note (verify_run.cpp).
 class UnsupportedPlan : public InputError {
  public:
   using InputError::InputError;
 };
 
-// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, windowed layers at
-// CP > 1, a dense model, fewer local experts than top_k, a plan without head counts ("the <component>
+// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, at CP > 1 chunked
+// windows and sliding windows longer than the scaled T, a dense model, fewer local experts than top_k, a plan without head counts ("the <component>
 // component runs ...").
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
 // The same problems added to `errs` (a component that checks more in the same pass). The layer
 // component routes over one rank's E/EP experts (top_k must not exceed them); the step
 // (routes_over_every_expert) runs the EP ranks, whose tokens route over all E.
-// ring_attention: the component runs CP > 1 as a ring (the layer component; not for windowed layers).
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
-                          bool routes_over_every_expert = false, bool ring_attention = false);
+                          bool routes_over_every_expert = false);
 // The ring verify runs a plan's CP > 1 on: the largest that divides both the plan's CP and the
 // scaled ranks (1: none of 2 or more).
 int64_t layer_ring_size(const VerifyInputs& in, const ScaledConfig& s);
+// Why a plan at CP > 1 cannot run on the scaled ranks (one rank, or no ring of 2 or more dividing
+// both): the note's text and the refusal of `component` ("layer", "step").
+std::string no_ring_text(const VerifyInputs& in, const ScaledConfig& s);
+Diagnostic no_ring_diagnostic(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
 // Whether the layer component runs on the ranks: at CP > 1, as a ring (else `why_not` says why);
 // UnsupportedPlan for a plan it does not run at all.
 bool layer_runs_on_ranks(const VerifyContext& ctx, std::string& why_not);

@@ -1,7 +1,8 @@
 // verify --component layer: one decoder layer (GQA attention + MoE: no-grad forward, recompute and
 // backward) on one rank, against the planner's `activations` and `dispatch` device columns of
-// every decoder-layer phase; at CP > 1 on a ring of CP ranks (ring attention, each rank T tokens
-// of one sequence), every rank against the planner's CP = CP prediction. The whole step
+// every decoder-layer phase; at CP > 1 on a ring of CP' ranks (layer_ring_size; ring attention,
+// or a sliding window's halo, each rank T tokens of one sequence), every rank against the
+// planner's prediction at CP = CP', once for each attention kind the layers hold. The whole step
 // (--component step): verify_step_full.cpp.
 // Scaling: H shrinks by f = H / H_scaled; the kv heads by the same factor (at least one), the
 // query heads keep their number per kv head, and the head dim is chosen so that a·d shrinks by f
@@ -72,26 +73,23 @@ int match_dense_attention_to_the_run_layer(nlohmann::ordered_json& predicted, co
 }  // namespace
 
 // The layer component runs what the executor has: GQA attention over one sequence (at CP > 1 a
-// ring of full causal attention), a routed MoE block (with shared experts where the card has
-// them). Anything else is refused before anything runs.
+// ring of full causal attention, or a sliding window's halo), a routed MoE block (with shared
+// experts where the card has them). Anything else is refused before anything runs.
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component) {
   InputErrors errs;
-  layer_support_errors(in, s, component, errs, false, /*ring_attention=*/true);
+  layer_support_errors(in, s, component, errs);
   if (!errs.empty()) throw UnsupportedPlan(errs.diagnostics());
 }
 
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
-                          bool routes_over_every_expert, bool ring_attention) {
+                          bool routes_over_every_expert) {
   const std::string the = "the " + component + " component";
   if (in.attention != "gqa")
     errs.add(Diagnostic{in.file, "/inputs/model/attention",
                         the + " runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
   if (in.num_experts <= 0 || in.top_k <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_experts", the + " runs a MoE layer (got a dense model)", ""});
-  if (in.cp != 1 && !ring_attention)
-    errs.add(Diagnostic{in.file, "/inputs/run/cp", the + " runs CP = 1 only (ring attention runs in the layer component; got " +
-                                                       std::to_string(in.cp) + ")", ""});
-  if (in.cp != 1 && ring_attention) {
+  if (in.cp != 1) {
     // At CP > 1 a sliding window runs as a halo from the previous rank, which must hold every key
     // the window reaches (window <= T); chunked windows (Llama 4) are not in the executor.
     const ModelSpec card = load_plan_model(in);
@@ -180,6 +178,17 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   return c;
 }
 
+std::string no_ring_text(const VerifyInputs& in, const ScaledConfig& s) {
+  return "no ring of 2 or more ranks divides both CP = " + std::to_string(in.cp) + " and the " + std::to_string(s.ranks) +
+         " scaled ranks";
+}
+
+Diagnostic no_ring_diagnostic(const VerifyInputs& in, const ScaledConfig& s, const std::string& component) {
+  const std::string runs = "the " + component + " component runs CP = " + std::to_string(in.cp) + " on rings of ranks, ";
+  if (s.ranks == 1) return Diagnostic{in.file, "/inputs/run/cp", runs + "and one rank runs here", "verify with --max-ranks 2 or more"};
+  return Diagnostic{in.file, "/inputs/run/cp", runs + "and " + no_ring_text(in, s), ""};
+}
+
 // The ring's terms do not depend on its size, so the largest that fits stands for the plan's.
 int64_t layer_ring_size(const VerifyInputs& in, const ScaledConfig& s) {
   for (int64_t r = std::min(in.cp, s.ranks); r > 1; --r)
@@ -194,7 +203,7 @@ bool layer_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
     return false;
   }
   if (layer_ring_size(ctx.in, ctx.scaled) < 2) {
-    why_not = "no ring of 2 or more of the " + std::to_string(ctx.scaled.ranks) + " ranks divides CP = " + std::to_string(ctx.in.cp);
+    why_not = no_ring_text(ctx.in, ctx.scaled);
     return false;
   }
   return true;
@@ -207,8 +216,10 @@ namespace {
 // `run_layer` >= 0 (CP > 1): the layer run in place of the first MoE layer, and only the phases of
 // the layers whose sliding window is its own compared (a window's halo and the ring hold
 // different buffers, and the planner's groups split by window at CP > 1).
+// `name_peaks`: its peak rows are named "peak L<run layer>" (two runs, one per attention kind,
+// would otherwise share the merged report's "peak" rows).
 void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predicted, int64_t ring, exec::Communicator* cp_group,
-                       VerifyReport& report, int64_t run_layer = -1) {
+                       VerifyReport& report, int64_t run_layer = -1, bool name_peaks = false) {
   const VerifyInputs& in = ctx.in;
   const ModelSpec card = load_plan_model(in);
   exec::LayerScheduleConfig c = layer_schedule_config(in, ctx.scaled);
@@ -237,10 +248,14 @@ void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predict
     const exec::StoredValues& r = ref.grads.at(name);
     for (int64_t i = 0; i < g.size(); ++i) report.max_abs_dgrad = std::max(report.max_abs_dgrad, static_cast<double>(std::fabs(g[i] - r[i])));
   }
+  const size_t first_row = report.rows.size();
   compare_category("layer.activations", "activations", exec::MemorySpace::Device, predicted, alloc, same_window, report);
   compare_category("layer.dispatch", "dispatch", exec::MemorySpace::Device, predicted, alloc,
                    [&](const std::string& name) { return same_window(name) && name.find("/moe/") != std::string::npos; }, report);
-  if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);
+  if (name_peaks)
+    for (size_t i = first_row; i < report.rows.size(); ++i)
+      if (report.rows[i].phase == "peak") report.rows[i].phase = "peak L" + std::to_string(c.layer_index);
+  if (report.measured_trace.is_null()) report.measured_trace = measured_trace(alloc);  // the first run's
 }
 
 }  // namespace
@@ -248,11 +263,7 @@ void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predict
 void verify_layer(const VerifyContext& ctx, VerifyReport& report) {
   const VerifyInputs& in = ctx.in;
   check_layer_supported(in, ctx.scaled, "layer");
-  if (in.cp != 1)
-    throw UnsupportedPlan({Diagnostic{in.file, "/inputs/run/cp",
-                                      "the layer component runs CP = " + std::to_string(in.cp) +
-                                          " as a ring of 2 or more ranks, and one rank runs here",
-                                      "verify with --max-ranks 2 or more"}});
+  if (in.cp != 1) throw UnsupportedPlan({no_ring_diagnostic(in, ctx.scaled, "layer")});
   // The planner on the scaled layer shape, one rank (EP = 1 with the rank's E/EP experts).
   nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), {kWithoutMtp});
   run_layer_against(ctx, predicted, 1, nullptr, report);
@@ -280,7 +291,7 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
   std::vector<int64_t> run_layers{first};
   for (int64_t l = first + 1; l < std::min<int64_t>(s.layers, static_cast<int64_t>(card.layers.size())); ++l) {
     const bool seen = std::any_of(run_layers.begin(), run_layers.end(),
-                                  [&](int64_t r) { return sliding_window_of(card, r) == sliding_window_of(card, l); });
+                                  [&](int64_t run) { return sliding_window_of(card, run) == sliding_window_of(card, l); });
     if (!seen && card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) run_layers.push_back(l);
   }
   for (int64_t l : run_layers) {
@@ -293,7 +304,7 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
                              " on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) + "), each T = " +
                              std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
     }
-    run_layer_against(ctx, predicted, ring, cp_group.get(), report, l);
+    run_layer_against(ctx, predicted, ring, cp_group.get(), report, l, run_layers.size() > 1);
   }
 }
 

@@ -53,7 +53,7 @@ std::string layer_set_text(const std::vector<bool>& offloaded) {
 void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const ModelSpec& model) {
   InputErrors errs;
   // Its EP ranks route over all E; at CP > 1 its layers' attention is a ring of ranks.
-  layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true, /*ring_attention=*/true);
+  layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true);
   if (in.mtp)
     errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
   if (model.tie_word_embeddings)
@@ -123,8 +123,7 @@ void compare_step_columns(const nlohmann::ordered_json& predicted, const exec::T
 bool step_runs_on_ranks(const VerifyContext& ctx, std::string& why_not) {
   check_step_supported(ctx.in, ctx.scaled, layer_model(ctx));
   if (ctx.in.cp > 1 && layer_ring_size(ctx.in, ctx.scaled) < 2) {
-    why_not = "no multi-rank run: no ring of 2 or more of the " + std::to_string(ctx.scaled.ranks) + " ranks divides CP = " +
-              std::to_string(ctx.in.cp);
+    why_not = "no multi-rank run: " + no_ring_text(ctx.in, ctx.scaled);
     return false;
   }
   if (ctx.scaled.ranks % ctx.scaled.ep == 0) return true;
@@ -141,11 +140,7 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
   // crossing the ranks of each EP group (on one rank: that rank's E/EP experts at EP = 1).
   const int64_t ep = ranks > 1 ? s.ep : 1;
   if (ep > 1) model.num_experts = s.num_experts;
-  if (in.cp > 1 && ranks == 1)
-    throw UnsupportedPlan({Diagnostic{in.file, "/inputs/run/cp",
-                                      "the step component runs CP = " + std::to_string(in.cp) +
-                                          " with rings of 2 or more ranks, and one rank runs here",
-                                      "verify with --max-ranks 2 or more"}});
+  if (in.cp > 1 && (ranks == 1 || layer_ring_size(in, s) < 2)) throw UnsupportedPlan({no_ring_diagnostic(in, s, "step")});
   // CP > 1: rings of `cp` consecutive ranks (layer_ring_size), each rank T tokens of its ring's sequence.
   const int64_t cp = in.cp > 1 ? layer_ring_size(in, s) : 1;
 
