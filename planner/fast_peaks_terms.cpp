@@ -26,8 +26,10 @@ void ring_attention(const Ctx& c, int64_t layer, bool backward, Acc& t) {
   const int64_t T = c.T;
   const int64_t kv = m.num_kv_heads * (m.head_dim + m.v_head_dim);
   const LayerSpec s = c.spec(layer);
-  if (s.window != AttentionWindow::Full && s.attention_window_tokens > 0) {
-    const int64_t halo = std::min(s.attention_window_tokens, T);
+  const CpKeyReach reach = cp_key_reach(s.window, s.attention_window_tokens, T, c.r.cp);
+  if (!reach.ring) {
+    const int64_t halo = reach.halo_rows;
+    if (halo == 0) return;
     t.add(kAct, mul(halo, kv), kB16);
     if (backward) t.add(kAct, mul(halo, kv), kF32, 2);  // sent and received
     return;

@@ -82,15 +82,19 @@ void add_ring_attention(const Context& c, int64_t layer, bool backward, TermList
   const int64_t T = c.work.tokens;
   const int64_t kv = m.num_kv_heads * (m.head_dim + m.v_head_dim);
   const LayerSpec spec = c.layer_spec(layer);
-  if (spec.window != AttentionWindow::Full && spec.attention_window_tokens > 0) {
-    // Only the last `window` tokens of the previous rank's chunk are attended to.
-    const int64_t halo = std::min(spec.attention_window_tokens, T);
-    t.add("ring halo K,V (sliding window)", {{"window", halo}, {"g*(d+dv)", kv}}, kBf16, kAct);
+  const CpKeyReach reach = cp_key_reach(spec.window, spec.attention_window_tokens, T, c.run.cp);
+  if (!reach.ring) {
+    // A window that stays within the previous rank: only its last halo_rows keys are attended to
+    // (none for chunks that never straddle a rank boundary).
+    const int64_t halo = reach.halo_rows;
+    if (halo == 0) return;
+    const std::string kind = spec.window == AttentionWindow::Chunked ? "chunked window" : "sliding window";
+    t.add("ring halo K,V (" + kind + ")", {{"halo", halo}, {"g*(d+dv)", kv}}, kBf16, kAct);
     // Backward: the halo's dK,dV go back to the previous rank while the next rank's, for this
     // rank's last keys, arrive (a second buffer: a send and a receive cannot share one).
     if (backward) {
-      t.add("ring halo dK,dV", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
-      t.add("ring halo dK,dV received (this rank's last keys)", {{"window", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+      t.add("ring halo dK,dV", {{"halo", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
+      t.add("ring halo dK,dV received (this rank's last keys)", {{"halo", halo}, {"g*(d+dv)", kv}}, kFp32, kAct);
     }
     return;
   }

@@ -245,15 +245,18 @@ TimeModel::TimeModel(const ModelSpec& model, const HardwareSpec& hardware, const
 
     if (cp_ > 1) {
       const double hops = d(cp_ - 1);
-      if (spec.window != AttentionWindow::Full && spec.attention_window_tokens > 0) {
-        // Halo of the previous rank's last w tokens: K,V in forward and recompute, K,V + fp32
-        // dK,dV in backward; one exposed hop per pass.
-        const double halo = d(std::min(spec.attention_window_tokens, T_)) * kv;
-        const double bytes = halo * (2 + 2 + 6);
-        cp_bytes_ += bytes;
-        const double busy = link_seconds(bytes, cp_, true);
-        cp_busy_s_ += busy;
-        cp_exposed_s_ += busy + 3 * eff_.hop_latency_s;
+      const CpKeyReach reach = cp_key_reach(spec.window, spec.attention_window_tokens, T_, cp_);
+      if (!reach.ring) {
+        // Halo of the previous rank's last keys the window reaches (none for chunks that never
+        // straddle a rank boundary): K,V in forward and recompute, K,V + fp32 dK,dV in backward;
+        // one exposed hop per pass.
+        if (reach.halo_rows > 0) {
+          const double bytes = d(reach.halo_rows) * kv * (2 + 2 + 6);
+          cp_bytes_ += bytes;
+          const double busy = link_seconds(bytes, cp_, true);
+          cp_busy_s_ += busy;
+          cp_exposed_s_ += busy + 3 * eff_.hop_latency_s;
+        }
       } else {
         // (CP−1) hops per pass: K,V chunks (bf16) forward and in the recompute; K,V + dK,dV
         // (fp32) in backward. Each hop hides behind 1/CP of that pass's attention.

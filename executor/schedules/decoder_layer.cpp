@@ -20,9 +20,11 @@
 // two in flight, each folded into an fp32 output and lse accumulator; the backward passes each
 // chunk on with its fp32 dK,dV accumulator, which a last shift brings home. The ring buffers are
 // released with the dQ accumulator and delta, after d norm-1 output is allocated.
-// A sliding-window layer (attention_window) masks its keys to the window; at CP > 1 it takes the
-// previous rank's last min(window, T) K,V rows as a halo in place of the ring, and in backward
-// sends the halo's dK,dV back while the next rank's arrive (two fp32 buffers of the halo's size).
+// A sliding-window (attention_window) or chunked (attention_chunk) layer masks its keys to the
+// window. At CP > 1 a window that stays within the previous rank (cp_key_reach) takes that rank's
+// last K,V rows it reaches as a halo in place of the ring, and in backward sends the halo's dK,dV
+// back while the next rank's arrive (two fp32 buffers of the halo's size); chunks that never
+// straddle a rank boundary need no halo, and a longer window runs the ring with the mask.
 // Order of work inside a phase keeps short-lived buffers (router gradients, the norm-2
 // backward) off the phase's peak; which buffers are live at each peak is listed per phase below.
 //   DecoderLayer layer(alloc, config, layer_weights_in(unit.raw(), config));  Tensor y = layer.forward_no_grad(x, "fwd/L0/");
@@ -40,6 +42,7 @@
 #include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/decoder_layer_parts.h"
+#include "spec/model_spec.h"
 
 namespace flatpeak::exec {
 
@@ -83,7 +86,10 @@ class LayerCore final : public DecoderLayer::Engine {
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
         wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr),
-        cp_(c.cp > 1 ? cp_group : nullptr) {
+        cp_(c.cp > 1 ? cp_group : nullptr), mask_{c.attention_window, c.attention_chunk},
+        reach_(cp_key_reach(c.attention_window > 0 ? AttentionWindow::Sliding : c.attention_chunk > 0 ? AttentionWindow::Chunked
+                                                                                                      : AttentionWindow::Full,
+                            std::max(c.attention_window, c.attention_chunk), c.tokens, c.cp)) {
     if (c.expert_bias != (wb_ != nullptr))
       throw std::invalid_argument("decoder layer: the b_expert weight must be given exactly when expert_bias is set");
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
@@ -199,12 +205,12 @@ class LayerCore final : public DecoderLayer::Engine {
     linear(n1_, wv_, v_, H_, G_ * D_);
     o_ = act({T_, A_ * D_});
     lse_ = f32({A_, T_}, kAct);
-    if (c_.attention_window > 0) {
-      windowed_attention_forward();
+    if (rings()) {
+      ring_attention_forward();
       return;
     }
-    if (cp_ != nullptr) {
-      ring_attention_forward();
+    if (windowed()) {
+      windowed_attention_forward();
       return;
     }
     AttentionArgs at = attention_args();
@@ -222,6 +228,12 @@ class LayerCore final : public DecoderLayer::Engine {
   // The chunk held at ring step s came from rank (r − s) mod CP: its own at s = 0 (causal),
   // an earlier chunk of the sequence when that rank is below r, else a later one (skipped).
   int64_t chunk_source(int64_t step) const { return (cp_->rank() - step + c_.cp) % c_.cp; }
+  // Ring attention: CP > 1 with full attention or a window that reaches past the previous rank.
+  bool rings() const { return cp_ != nullptr && reach_.ring; }
+  // A sliding or chunked window, run by the windowed kernels (with a halo at CP > 1).
+  bool windowed() const { return c_.attention_window > 0 || c_.attention_chunk > 0; }
+  // This rank's first token's place in the sequence (where the mask counts from).
+  int64_t first_position() const { return cp_ != nullptr ? cp_->rank() * T_ : 0; }
 
   // Ring attention forward into o, lse: peak norm-1 output, q, k, v, o, lse, two K,V chunks in
   // flight, the output accumulator [T, a·d] and lse accumulator [a, T] (fp32).
@@ -240,7 +252,7 @@ class LayerCore final : public DecoderLayer::Engine {
       }
       if (chunk_source(step) <= cp_->rank())
         layer_detail::ring_attention_fold<S>(q_.data<S>(), chunk[cur].data<S>(), acc.data<float>(), lse_acc.data<float>(), T_, A_,
-                                             G_, D_, step == 0);
+                                             G_, D_, mask_, first_position(), chunk_source(step) * T_);
     }
     for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(o_.data<S>() + i, acc.data<float>()[i]);
     std::copy(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, lse_.data<float>());
@@ -248,7 +260,7 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // The halo a windowed layer needs at CP > 1: the previous rank's last `halo` K rows then V rows,
   // sent on by every rank (the first rank's, from the last rank, is not attended to).
-  int64_t halo_rows() const { return cp_ != nullptr ? std::min(c_.attention_window, T_) : 0; }
+  int64_t halo_rows() const { return cp_ != nullptr && !reach_.ring ? reach_.halo_rows : 0; }
   void receive_halo(Tensor& halo_kv) {
     const int64_t n = halo_rows() * G_ * D_, from = (T_ - halo_rows()) * G_ * D_;
     cp_->sendrecv_shift(k_.data<S>() + from, halo_kv.data<S>(), n, c_.dtype, 1);
@@ -256,10 +268,10 @@ class LayerCore final : public DecoderLayer::Engine {
   }
   // Whether this rank's queries attend to a halo (not the sequence's first rank), and whether its
   // own last keys are in the next rank's (not the last rank).
-  bool attends_halo() const { return cp_ != nullptr && cp_->rank() > 0; }
-  bool feeds_halo() const { return cp_ != nullptr && cp_->rank() + 1 < c_.cp; }
+  bool attends_halo() const { return halo_rows() > 0 && cp_->rank() > 0; }
+  bool feeds_halo() const { return halo_rows() > 0 && cp_->rank() + 1 < c_.cp; }
 
-  // Sliding-window attention into o, lse; at CP > 1 peak adds the halo K,V [2, halo, g·d].
+  // Windowed attention into o, lse; at CP > 1 peak adds the halo K,V [2, halo, g·d].
   void windowed_attention_forward() {
     const int64_t halo = halo_rows();
     Tensor halo_kv;
@@ -270,10 +282,10 @@ class LayerCore final : public DecoderLayer::Engine {
     Tensor row = f32({D_}, Category::Workspace);
     layer_detail::windowed_attention_forward<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), halo > 0 ? halo_kv.data<S>() : nullptr,
                                                 attends_halo() ? halo : 0, o_.data<S>(), lse_.data<float>(), row.data<float>(), T_, A_,
-                                                G_, D_, c_.attention_window);
+                                                G_, D_, mask_, first_position());
   }
 
-  // Sliding-window attention backward into dq, dk, dv. At CP > 1: the halo K,V again (chunk[0]),
+  // Windowed attention backward into dq, dk, dv. At CP > 1: the halo K,V again (chunk[0]),
   // its dK,dV (dchunk[0], sent to the previous rank) and the next rank's for this rank's last
   // rows (dchunk[1]), left for the caller to release as the ring's buffers are.
   void windowed_attention_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta,
@@ -290,14 +302,14 @@ class LayerCore final : public DecoderLayer::Engine {
       if (attends_halo())
         layer_detail::windowed_attention_backward_halo<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
                                                           chunk[0].data<S>(), halo, dchunk[0].data<float>(), dq_acc.data<float>(), T_,
-                                                          A_, G_, D_, c_.attention_window);
+                                                          A_, G_, D_, mask_, first_position());
       cp_->sendrecv_shift(dchunk[0].raw(), dchunk[1].raw(), n, DType::F32, -1);  // to the previous rank, from the next
     }
     Tensor regs = f32({2 * D_}, Category::Workspace);
     layer_detail::windowed_attention_backward_local<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), d_o.data<S>(), lse_.data<float>(),
                                                        delta.data<float>(), feeds_halo() ? dchunk[1].data<float>() : nullptr, halo,
                                                        regs.data<float>(), dq_acc.data<float>(), dk.data<S>(), dv.data<S>(), T_, A_,
-                                                       G_, D_, c_.attention_window);
+                                                       G_, D_, mask_, first_position());
     for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, dq_acc.data<float>()[i]);
   }
 
@@ -322,7 +334,7 @@ class LayerCore final : public DecoderLayer::Engine {
       if (chunk_source(step) <= cp_->rank())
         layer_detail::ring_attention_backward_chunk<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
                                                        chunk[cur].data<S>(), dq_acc.data<float>(), dchunk[cur].data<float>(), T_,
-                                                       A_, G_, D_, step == 0);
+                                                       A_, G_, D_, mask_, first_position(), chunk_source(step) * T_);
     }
     // The chunk here is rank r + 1's: one more shift brings every dK,dV home.
     cp_->sendrecv_shift(dchunk[cur].raw(), dchunk[1 - cur].raw(), n, DType::F32, 1);
@@ -1000,8 +1012,8 @@ class LayerCore final : public DecoderLayer::Engine {
     Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * D_});
     Tensor dq_acc = f32({T_, A_ * D_}, kAct), delta = f32({A_, T_}, kAct);
     Tensor chunk[2], dchunk[2];  // CP > 1: ring attention's K,V chunks and dK,dV accumulators, or a window's halo
-    if (c_.attention_window > 0) windowed_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
-    else if (cp_ != nullptr) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
+    if (rings()) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
+    else if (windowed()) windowed_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
     else flash2_backward(d_o, dq, dk, dv, dq_acc, delta);
     Tensor dn1 = act({T_, H_});
     dq_acc.reset(), delta.reset();
@@ -1101,6 +1113,8 @@ class LayerCore final : public DecoderLayer::Engine {
   const S* wb_;                       // the experts' biases [E/EP, 2F + H] (null without)
   Communicator* comm_;                // the EP group (EP > 1), else null
   Communicator* cp_;                  // the CP ring (CP > 1), else null
+  const layer_detail::KeyWindow mask_;  // the keys each query attends to (sliding or chunked window)
+  const CpKeyReach reach_;              // at CP > 1: the ring, or the halo the window needs
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
   int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)
   std::vector<int64_t> local_begin_;  // [E/EP + 1] each local expert's first expert-input row

@@ -42,10 +42,15 @@ struct LayerScheduleConfig {
   // and two fp32 dK,dV chunks travelling with them (backward): planner/README.md, "Terms, one by one".
   int64_t cp = 1;
   // A sliding window (gpt-oss's local layers): each query attends to the `attention_window` latest
-  // keys up to its own (0: full causal). At CP > 1 the rank receives the previous rank's last
-  // min(window, T) K,V rows (the halo) in place of the ring, and in backward sends their dK,dV back
-  // while receiving the next rank's for its own last rows; a window longer than T is refused.
+  // keys up to its own (0: full causal). Chunked attention (Llama 4's local layers): each query
+  // attends to the keys of its own chunk of `attention_chunk` tokens (0: none); at most one of the
+  // two. At CP > 1 a window that stays within the previous rank (cp_key_reach,
+  // planner/spec/model_spec.h) receives that rank's last K,V rows it reaches (the halo) in place of
+  // the ring, and in backward sends their dK,dV back while receiving the next rank's for its own
+  // last rows; chunks that never straddle a rank boundary exchange nothing; a longer window runs
+  // the ring, masked.
   int64_t attention_window = 0;
+  int64_t attention_chunk = 0;
   int64_t top_k = 0;       // k
   int64_t expert_ffn = 0;  // F
   int64_t shared_ffn = 0;  // F_s, total width of the shared experts (0: none)

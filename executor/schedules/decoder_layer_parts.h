@@ -154,9 +154,33 @@ void flash2_attention_backward(const SavedAttention<S>& a, const S* d_o, float* 
   for (int64_t i = 0; i < T * A * D; ++i) store_f32(dq + i, acc[i]);
 }
 
+// The keys a query attends to, by position in the whole sequence (causal): every earlier one; with
+// `window` > 0 the `window` latest up to its own (a sliding window, gpt-oss); with `chunk` > 0 those
+// of its own chunk of `chunk` tokens (chunked attention, Llama 4). The kernels below take the
+// sequence positions of their first query and first key, so one mask serves a rank's own keys,
+// a halo and a ring chunk.
+struct KeyWindow {
+  int64_t window = 0, chunk = 0;
+  int64_t first_key(int64_t query) const {
+    if (window > 0) return std::max<int64_t>(0, query - window + 1);
+    if (chunk > 0) return query / chunk * chunk;
+    return 0;
+  }
+  // One past the last of queries [q0, q0 + T) that attend to the key at `key`, as a row of them.
+  int64_t query_end(int64_t key, int64_t q0, int64_t T) const {
+    int64_t last = q0 + T - 1;
+    if (window > 0) last = std::min(last, key + window - 1);
+    if (chunk > 0) last = std::min(last, (key / chunk + 1) * chunk - 1);
+    return std::max<int64_t>(0, last - q0 + 1);
+  }
+  // The first of queries [q0, ...) that attends to `key` (causal), as a row.
+  static int64_t query_begin(int64_t key, int64_t q0) { return std::max<int64_t>(0, key - q0); }
+};
+
 // Ring attention (CP > 1). The sequence is split into CP chunks of T consecutive tokens, rank r
 // holding the r-th; a K,V chunk travels as one buffer of T·g·d keys then T·g·d values. Query rows
-// attend to every key of an earlier chunk and causally to their own chunk's (causal = true).
+// at q0 (the rank's first token) attend to the keys of the chunk at k0 that `mask` lets them:
+// every key of an earlier chunk and causally their own chunk's with full attention.
 
 // One online-softmax step of a row: score s with value row vj folded into (m, l, o).
 template <class S>
@@ -172,10 +196,11 @@ inline void fold_key(float s, const S* vj, int64_t D, float& m, float& l, float*
   for (int64_t x = 0; x < D; ++x) o[x] += p * to_f32(vj[x]);
 }
 
-// Forward into o (storage dtype) and lse [a, T]; `row` is a [d] fp32 scratch.
+// Forward into o (storage dtype) and lse [a, T] of queries at q0..q0+T−1 over their own keys and
+// the `halo` rows before them (positions q0 − halo ...); `row` is a [d] fp32 scratch.
 template <class S>
 void windowed_attention_forward(const S* q, const S* k, const S* v, const S* halo_kv, int64_t halo, S* o, float* lse, float* row,
-                                int64_t T, int64_t A, int64_t G, int64_t D, int64_t window) {
+                                int64_t T, int64_t A, int64_t G, int64_t D, const KeyWindow& mask, int64_t q0) {
   const int64_t group = A / G;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto score = [&](const S* qi, const S* kj) {
@@ -187,12 +212,12 @@ void windowed_attention_forward(const S* q, const S* k, const S* v, const S* hal
     for (int64_t i = 0; i < T; ++i) {
       const S* qi = q + (i * A + h) * D;
       const int64_t kh = h / group;
+      const int64_t first = mask.first_key(q0 + i);
       float m = -INFINITY, l = 0.0f;
       std::fill(row, row + D, 0.0f);
-      // Halo row jh sits at distance i + halo − jh before query i.
-      for (int64_t jh = std::max<int64_t>(0, i + halo - window + 1); jh < halo; ++jh)
+      for (int64_t jh = std::max<int64_t>(0, first - (q0 - halo)); jh < halo; ++jh)
         fold_key(score(qi, halo_kv + (jh * G + kh) * D), halo_kv + halo * G * D + (jh * G + kh) * D, D, m, l, row);
-      for (int64_t j = std::max<int64_t>(0, i - window + 1); j <= i; ++j)
+      for (int64_t j = std::max<int64_t>(0, first - q0); j <= i; ++j)
         fold_key(score(qi, k + (j * G + kh) * D), v + (j * G + kh) * D, D, m, l, row);
       for (int64_t x = 0; x < D; ++x) store_f32(o + (i * A + h) * D + x, row[x] / l);
       lse[h * T + i] = m + std::log(l);
@@ -205,7 +230,7 @@ void windowed_attention_forward(const S* q, const S* k, const S* v, const S* hal
 // acc = output / sum, lse = max + log(sum): the online softmax carried across chunks.
 template <class S>
 void ring_attention_fold(const S* q, const S* kv, float* acc, float* lse_acc, int64_t T, int64_t A, int64_t G, int64_t D,
-                         bool causal) {
+                         const KeyWindow& mask, int64_t q0, int64_t k0) {
   const S* k = kv;
   const S* v = kv + T * G * D;
   const int64_t group = A / G;
@@ -217,14 +242,15 @@ void ring_attention_fold(const S* q, const S* kv, float* acc, float* lse_acc, in
       float m = lse_acc[h * T + i];
       float l = m == -INFINITY ? 0.0f : 1.0f;
       const int64_t kh = h / group;
-      for (int64_t j = 0; j < (causal ? i + 1 : T); ++j) {
+      const int64_t j_end = std::min(T, q0 + i - k0 + 1);
+      for (int64_t j = std::max<int64_t>(0, mask.first_key(q0 + i) - k0); j < j_end; ++j) {
         const S* kj = k + (j * G + kh) * D;
         const S* vj = v + (j * G + kh) * D;
         float s = 0.0f;
         for (int64_t x = 0; x < D; ++x) s += to_f32(qi[x]) * to_f32(kj[x]);
         fold_key(s * scale, vj, D, m, l, o);
       }
-      if (l == 0.0f) continue;  // no key folded (never for a causal chunk: key i is its own)
+      if (l == 0.0f) continue;  // no key folded (never for a rank's own chunk: key i is its own)
       for (int64_t x = 0; x < D; ++x) o[x] /= l;
       lse_acc[h * T + i] = m + std::log(l);
     }
@@ -235,7 +261,8 @@ void ring_attention_fold(const S* q, const S* kv, float* acc, float* lse_acc, in
 // chunk's dK then dV into `dkv` [2, T, g, d] fp32, the accumulator that travels with the chunk.
 template <class S>
 void ring_attention_backward_chunk(const S* q, const S* d_o, const float* lse, const float* delta, const S* kv, float* dq_acc,
-                                   float* dkv, int64_t T, int64_t A, int64_t G, int64_t D, bool causal) {
+                                   float* dkv, int64_t T, int64_t A, int64_t G, int64_t D, const KeyWindow& mask, int64_t q0,
+                                   int64_t k0) {
   const S* k = kv;
   const S* v = kv + T * G * D;
   float* dk = dkv;
@@ -245,29 +272,29 @@ void ring_attention_backward_chunk(const S* q, const S* d_o, const float* lse, c
     for (int64_t j = 0; j < T; ++j) {
       const S* kj = k + (j * G + kh) * D;
       const S* vj = v + (j * G + kh) * D;
-      key_row_backward(q, d_o, lse, delta, kj, vj, kh, causal ? j : 0, T, T, A, group, D, dk + (j * G + kh) * D,
-                       dv + (j * G + kh) * D, dq_acc);
+      key_row_backward(q, d_o, lse, delta, kj, vj, kh, std::min(T, KeyWindow::query_begin(k0 + j, q0)), mask.query_end(k0 + j, q0, T),
+                       T, A, group, D, dk + (j * G + kh) * D, dv + (j * G + kh) * D, dq_acc);
     }
 }
 
-// Sliding-window causal attention (gpt-oss's local layers): a query attends to the `window` latest
-// keys up to its own position. At CP > 1 the keys a rank's first queries need from the previous
-// rank are its last `halo` = min(window, T) rows (the halo, packed K then V: [2, halo, g, d]),
-// placed before this rank's own T rows; halo = 0 without one (CP = 1, or the sequence's first
-// rank).
+// Windowed attention (sliding or chunked) at CP > 1 when the window stays within the previous
+// rank (cp_key_reach in planner/spec/model_spec.h): the keys a rank's first queries need from the
+// previous rank are among its last `halo` rows (the halo, packed K then V: [2, halo, g, d]),
+// placed before this rank's own T rows; halo = 0 without one (CP = 1, the sequence's first rank,
+// or chunks that never straddle a rank boundary).
 
 // Backward of the halo's keys: their dK, dV into `halo_dkv` [2, halo, g, d] fp32 (zeroed by the
 // caller; it goes to the previous rank), dQ into dq_acc.
 template <class S>
 void windowed_attention_backward_halo(const S* q, const S* d_o, const float* lse, const float* delta, const S* halo_kv, int64_t halo,
-                                      float* halo_dkv, float* dq_acc, int64_t T, int64_t A, int64_t G, int64_t D, int64_t window) {
+                                      float* halo_dkv, float* dq_acc, int64_t T, int64_t A, int64_t G, int64_t D, const KeyWindow& mask,
+                                      int64_t q0) {
   const int64_t group = A / G;
   for (int64_t kh = 0; kh < G; ++kh)
     for (int64_t jh = 0; jh < halo; ++jh) {
       const int64_t at = (jh * G + kh) * D;
-      // Queries i with i + halo − jh < window.
-      key_row_backward(q, d_o, lse, delta, halo_kv + at, halo_kv + halo * G * D + at, kh, 0, std::min(T, window - halo + jh), T, A,
-                       group, D, halo_dkv + at, halo_dkv + halo * G * D + at, dq_acc);
+      key_row_backward(q, d_o, lse, delta, halo_kv + at, halo_kv + halo * G * D + at, kh, 0, mask.query_end(q0 - halo + jh, q0, T), T,
+                       A, group, D, halo_dkv + at, halo_dkv + halo * G * D + at, dq_acc);
     }
 }
 
@@ -277,7 +304,7 @@ void windowed_attention_backward_halo(const S* q, const S* d_o, const float* lse
 template <class S>
 void windowed_attention_backward_local(const S* q, const S* k, const S* v, const S* d_o, const float* lse, const float* delta,
                                        const float* received, int64_t halo, float* regs, float* dq_acc, S* dk, S* dv, int64_t T,
-                                       int64_t A, int64_t G, int64_t D, int64_t window) {
+                                       int64_t A, int64_t G, int64_t D, const KeyWindow& mask, int64_t q0) {
   const int64_t group = A / G;
   float* dk_row = regs;
   float* dv_row = regs + D;
@@ -290,8 +317,8 @@ void windowed_attention_backward_local(const S* q, const S* k, const S* v, const
           dk_row[x] = received[(jh * G + kh) * D + x];
           dv_row[x] = received[halo * G * D + (jh * G + kh) * D + x];
         }
-      key_row_backward(q, d_o, lse, delta, k + (j * G + kh) * D, v + (j * G + kh) * D, kh, j, std::min(T, j + window), T, A, group, D,
-                       dk_row, dv_row, dq_acc);
+      key_row_backward(q, d_o, lse, delta, k + (j * G + kh) * D, v + (j * G + kh) * D, kh, j, mask.query_end(q0 + j, q0, T), T, A, group,
+                       D, dk_row, dv_row, dq_acc);
       for (int64_t x = 0; x < D; ++x) {
         store_f32(dk + (j * G + kh) * D + x, dk_row[x]);
         store_f32(dv + (j * G + kh) * D + x, dv_row[x]);

@@ -29,10 +29,10 @@ void check_layer_config(const LayerScheduleConfig& c) {
   if (c.shared_gate && (c.dense_ffn > 0 || c.shared_ffn <= 0))
     throw std::invalid_argument("layer schedule: shared_gate gates shared experts: it needs shared_ffn > 0 in a MoE layer");
   if (c.cp < 1) throw std::invalid_argument("layer schedule: cp must be >= 1");
-  if (c.attention_window < 0) throw std::invalid_argument("layer schedule: attention_window must be >= 0");
-  if (c.cp > 1 && c.attention_window > c.tokens)
-    throw std::invalid_argument("layer schedule: a window of " + std::to_string(c.attention_window) + " keys over " +
-                                std::to_string(c.tokens) + " tokens a rank needs keys from more than the previous rank (CP > 1)");
+  if (c.attention_window < 0 || c.attention_chunk < 0)
+    throw std::invalid_argument("layer schedule: attention_window and attention_chunk must be >= 0");
+  if (c.attention_window > 0 && c.attention_chunk > 0)
+    throw std::invalid_argument("layer schedule: a layer has a sliding window or chunks, not both");
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }

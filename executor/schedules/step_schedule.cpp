@@ -68,11 +68,6 @@ void check(const StepScheduleConfig& c) {
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
   require(c.cp >= 1, "cp must be >= 1");
-  // At CP > 1 a sliding window runs as a halo and full attention as the ring; a chunked window
-  // (Llama 4) would run as the ring, where the planner counts a halo.
-  if (c.cp > 1)
-    for (const LayerSpec& l : m.layers)
-      require(l.window != AttentionWindow::Chunked || l.attention_window_tokens <= 0, "chunked attention windows run at CP = 1 only");
 }
 
 bool is_dense_layer(const StepScheduleConfig& c, int64_t layer) { return c.model.layers[static_cast<size_t>(layer)].ffn != FfnKind::Moe; }
@@ -99,9 +94,11 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   }
   l.layer_norm = m.norm_bias;
   l.cp = c.cp;
-  // Sliding windows (gpt-oss's local layers) run as such; chunked windows (Llama 4) run full causal.
+  // Sliding windows (gpt-oss's local layers) and chunks (Llama 4's) run masked, at CP > 1 as the
+  // planner reaches the keys (cp_key_reach).
   const LayerSpec& spec = m.layers[static_cast<size_t>(layer)];
   if (spec.window == AttentionWindow::Sliding) l.attention_window = spec.attention_window_tokens;
+  if (spec.window == AttentionWindow::Chunked) l.attention_chunk = spec.attention_window_tokens;
   l.dtype = DType::BF16;
   check_layer_config(l);
   return l;

@@ -95,4 +95,17 @@ const char* to_string(FfnKind kind);
 const char* to_string(QkNorm kind);
 const char* to_string(AttentionWindow kind);
 
+// How a rank's queries reach the keys of earlier ranks under context parallelism (CP > 1 ranks,
+// each holding T consecutive tokens of one sequence). `ring`: every earlier rank's K,V chunk
+// passes by (full attention, and any window that can reach past the previous rank: a sliding
+// window longer than T, chunks longer than T). Otherwise a halo of the previous rank's last
+// `halo_rows` keys: a sliding window's `window_tokens`; for chunks of C <= T tokens, the most any
+// rank's first chunk starts before it (max over ranks r of r*T mod C; 0 when C divides T, and no
+// keys move at all). The planner's terms and the executor's decoder layer both follow it.
+struct CpKeyReach {
+  bool ring = true;
+  int64_t halo_rows = 0;
+};
+CpKeyReach cp_key_reach(AttentionWindow window, int64_t window_tokens, int64_t tokens_per_rank, int64_t cp);
+
 }  // namespace flatpeak

@@ -5,7 +5,9 @@
 // attention phases (two K,V chunks in flight and the fp32 output and lse accumulators forward;
 // two chunks and two fp32 dK,dV accumulators backward) and nothing to any other phase. Sliding
 // windows: a window as long as the sequence is full causal attention; CP ranks exchanging a halo
-// give the one-rank windowed layer's results; the halo's buffers are what the attention phases add.
+// (or running the masked ring, for a window longer than T) give the one-rank windowed layer's
+// results; the halo's buffers are what the attention phases add. Chunked attention likewise, its
+// reach (nothing, a halo or the ring) by where the chunks fall.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -151,12 +153,17 @@ TEST(SlidingWindow, AsLongAsTheSequenceIsFullCausalAttention) {
   EXPECT_GT(moved, 1e-3);
 }
 
-// The window mask against a plain fp64 softmax over the keys j with i − window < j ≤ i, forward
-// (o, lse) and backward (dq, dk, dv from dP = dO·Vᵀ, dS = P ⊙ (dP − Σ dO ⊙ O)), on one rank:
-// an off-by-one shared by the forward and backward kernels would pass the CP tests, not this.
+// The window masks against a plain fp64 softmax over the keys j with i − window < j ≤ i (sliding)
+// or ⌊i / chunk⌋·chunk ≤ j ≤ i (chunked), forward (o, lse) and backward (dq, dk, dv from
+// dP = dO·Vᵀ, dS = P ⊙ (dP − Σ dO ⊙ O)), on one rank: an off-by-one shared by the forward and
+// backward kernels would pass the CP tests, not this.
 TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
   const int64_t T = 13, A = 2, G = 1, D = 4;
-  for (int64_t window : {1, 5, 13}) {
+  struct Case {
+    int64_t window, chunk;
+  };
+  for (const Case mask : {Case{1, 0}, Case{5, 0}, Case{13, 0}, Case{0, 1}, Case{0, 4}, Case{0, 13}}) {
+    const std::string what = "window " + std::to_string(mask.window) + " chunk " + std::to_string(mask.chunk);
     std::vector<float> q(T * A * D), k(T * G * D), v(T * G * D), d_o(T * A * D);
     uint64_t state = 17;
     auto draw = [&]() {
@@ -167,11 +174,12 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
       for (float& x : *vec) x = draw();
     std::vector<float> o(T * A * D), lse(A * T), row(D), delta(A * T), dq_acc(T * A * D, 0.0f), regs(2 * D), dq(T * A * D),
         dk(T * G * D), dv(T * G * D);
+    const layer_detail::KeyWindow key_window{mask.window, mask.chunk};
     layer_detail::windowed_attention_forward<float>(q.data(), k.data(), v.data(), nullptr, 0, o.data(), lse.data(), row.data(), T, A, G,
-                                                    D, window);
+                                                    D, key_window, 0);
     layer_detail::attention_row_delta<float>(d_o.data(), o.data(), delta.data(), T, A, D);
     layer_detail::windowed_attention_backward_local<float>(q.data(), k.data(), v.data(), d_o.data(), lse.data(), delta.data(), nullptr,
-                                                           0, regs.data(), dq_acc.data(), dk.data(), dv.data(), T, A, G, D, window);
+                                                           0, regs.data(), dq_acc.data(), dk.data(), dv.data(), T, A, G, D, key_window, 0);
     std::vector<double> want_dk(T * G * D, 0.0), want_dv(T * G * D, 0.0);
     double *WANT_DK_ = want_dk.data(), *WANT_DV_ = want_dv.data();
     // Plain pointers: the reference indexes with int64 products.
@@ -180,7 +188,7 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     for (int64_t h = 0; h < A; ++h)
       for (int64_t i = 0; i < T; ++i) {
-        const int64_t lo = std::max<int64_t>(0, i - window + 1);
+        const int64_t lo = mask.window > 0 ? std::max<int64_t>(0, i - mask.window + 1) : i - i % mask.chunk;
         std::vector<double> p(static_cast<size_t>(i + 1), 0.0);
         double mx = -1e300, sum = 0.0;
         for (int64_t j = lo; j <= i; ++j) {
@@ -190,7 +198,7 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
           mx = std::max(mx, sc * scale);
         }
         for (int64_t j = lo; j <= i; ++j) sum += std::exp(p[static_cast<size_t>(j)] - mx);
-        EXPECT_NEAR(LSE_[h * T + i], mx + std::log(sum), 1e-5) << "window " << window;
+        EXPECT_NEAR(LSE_[h * T + i], mx + std::log(sum), 1e-5) << what;
         double dsum = 0.0;  // Σ dO ⊙ O of the fp64 output
         std::vector<double> out(static_cast<size_t>(D), 0.0), dp(static_cast<size_t>(i + 1), 0.0);
         double* OUT_ = out.data();
@@ -199,7 +207,7 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
           for (int64_t x = 0; x < D; ++x) OUT_[x] += p[static_cast<size_t>(j)] * V_[j * D + x];
         }
         for (int64_t x = 0; x < D; ++x) {
-          EXPECT_NEAR(O_[(i * A + h) * D + x], OUT_[x], 1e-5) << "window " << window;
+          EXPECT_NEAR(O_[(i * A + h) * D + x], OUT_[x], 1e-5) << what;
           dsum += double(D_O_[(i * A + h) * D + x]) * OUT_[x];
         }
         std::vector<double> dqi(static_cast<size_t>(D), 0.0);
@@ -213,28 +221,35 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
             WANT_DV_[j * D + x] += p[static_cast<size_t>(j)] * D_O_[(i * A + h) * D + x];
           }
         }
-        for (int64_t x = 0; x < D; ++x) EXPECT_NEAR(DQ_ACC_[(i * A + h) * D + x], DQI_[x], 1e-5) << "window " << window;
+        for (int64_t x = 0; x < D; ++x) EXPECT_NEAR(DQ_ACC_[(i * A + h) * D + x], DQI_[x], 1e-5) << what;
       }
     for (int64_t e = 0; e < T * G * D; ++e) {
-      EXPECT_NEAR(DK_[e], WANT_DK_[e], 1e-5) << "window " << window;
-      EXPECT_NEAR(DV_[e], WANT_DV_[e], 1e-5) << "window " << window;
+      EXPECT_NEAR(DK_[e], WANT_DK_[e], 1e-5) << what;
+      EXPECT_NEAR(DV_[e], WANT_DV_[e], 1e-5) << what;
     }
   }
 }
 
-TEST(SlidingWindow, CpRanksExchangingAHaloAreTheOneRankRun) {
+// A windowed layer (a sliding `window` or `chunk`s) on `cp` ranks of T = 24 tokens against the
+// one-rank windowed layer on the whole sequence.
+void expect_windowed_ranks_are_the_whole(int64_t cp, int64_t window, int64_t chunk) {
   const int64_t T = 24;
+  LayerScheduleConfig whole = small(DType::F32, cp * T);
+  whole.attention_window = window;
+  whole.attention_chunk = chunk;
+  TrackingAllocator alloc({512});
+  const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
+  LayerScheduleConfig c = small(DType::F32, T);
+  c.attention_window = window;
+  c.attention_chunk = chunk;
+  c.cp = cp;
+  expect_ranks_are_the_whole(run_on_ring(c), ref, T, c.hidden,
+                             "cp " + std::to_string(cp) + " window " + std::to_string(window) + " chunk " + std::to_string(chunk));
+}
+
+TEST(SlidingWindow, CpRanksExchangingAHaloAreTheOneRankRun) {
   for (int64_t cp : {2, 4})
-    for (int64_t window : {5, 24}) {
-      LayerScheduleConfig whole = small(DType::F32, cp * T);
-      whole.attention_window = window;
-      TrackingAllocator alloc({512});
-      const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
-      LayerScheduleConfig c = small(DType::F32, T);
-      c.attention_window = window;
-      c.cp = cp;
-      expect_ranks_are_the_whole(run_on_ring(c), ref, T, c.hidden, "cp " + std::to_string(cp) + " window " + std::to_string(window));
-    }
+    for (int64_t window : {5, 24}) expect_windowed_ranks_are_the_whole(cp, window, 0);
 }
 
 // T = 64, g = 2, d = 8, bf16, window 20 (the halo: 20 rows), alignment 512. Forward and recompute:
@@ -249,13 +264,60 @@ TEST(SlidingWindow, AddsTheHalosBuffersToTheAttentionPhasesAlone) {
   std::vector<std::vector<PhaseRecord>> records;
   run_on_ring(c, &records);
   expect_added_activations(alone, records, {{"fwd/L0/attn", 1536}, {"bwd/L0/recompute/attn", 1536}, {"bwd/L0/attn", 1536 + 2 * 2560}});
-  // A window longer than a rank's tokens would need keys from further back: refused.
-  c.attention_window = 65;
-  const RunResult run = run_ranks(3, [&](int, Communicator& comm) {
-    TrackingAllocator a({512});
-    EXPECT_THROW(run_layer_schedule(a, c, {}, false, &comm), std::invalid_argument);
-  });
-  EXPECT_TRUE(run.ok());
+}
+
+// A sliding window longer than a rank's T reaches past the previous rank: it runs the ring,
+// masked (planner/spec/model_spec.h, cp_key_reach), and gives the one-rank windowed run.
+TEST(SlidingWindow, LongerThanARankRunsTheMaskedRing) {
+  for (int64_t cp : {2, 4})
+    for (int64_t window : {25, 30, 60, 200}) expect_windowed_ranks_are_the_whole(cp, window, 0);
+}
+
+// Chunked attention (Llama 4's local layers) on CP ranks against the one-rank chunked layer, for
+// chunks that divide T (no keys move), chunks that straddle rank boundaries (a halo) and chunks
+// longer than T (the masked ring).
+TEST(ChunkedAttention, CpRanksAreTheOneRankRun) {
+  for (int64_t cp : {2, 4})
+    for (int64_t chunk : {8, 24, 5, 16, 40, 96}) expect_windowed_ranks_are_the_whole(cp, 0, chunk);
+  // Chunks are a real mask: the output differs from full causal attention.
+  TrackingAllocator a({512}), b({512});
+  LayerScheduleConfig chunked = small(DType::F32, 40);
+  chunked.attention_chunk = 8;
+  const LayerScheduleResult full = run_layer_schedule(a, small(DType::F32, 40), {});
+  const LayerScheduleResult got = run_layer_schedule(b, chunked, {});
+  double moved = 0.0;
+  for (int64_t i = 0; i < got.y.size(); ++i) moved = std::max(moved, static_cast<double>(std::fabs(got.y[i] - full.y[i])));
+  EXPECT_GT(moved, 1e-3);
+}
+
+// T = 64, a = 4, g = 2, d = 8, bf16, alignment 512, CP = 3, what each window adds to the
+// attention phases of the one-rank run:
+// - chunks of 16 divide T: nothing (no keys move);
+// - chunks of 20: rank 1 starts 64 mod 20 = 4 tokens into its chunk, rank 2 128 mod 20 = 8, so a
+//   halo of 8 rows: K,V [2, 8, g·d] bf16 = 512 B forward and in the recompute; backward it and two
+//   dK,dV [2, 8, g·d] fp32 of 1024 B;
+// - chunks of 128 and a sliding window of 65 reach past the previous rank: the ring's buffers
+//   (RingAttention.AddsItsBuffersToTheAttentionPhasesAlone).
+TEST(ChunkedAttention, AddsWhatItsReachNeedsToTheAttentionPhasesAlone) {
+  struct Case {
+    int64_t window, chunk, forward, backward;
+  };
+  const int64_t ring_forward = 2 * 4096 + 8192 + 1024, ring_backward = 2 * 4096 + 2 * 8192;
+  for (const Case w : {Case{0, 16, 0, 0}, Case{0, 20, 512, 512 + 2 * 1024}, Case{0, 128, ring_forward, ring_backward},
+                       Case{65, 0, ring_forward, ring_backward}}) {
+    LayerScheduleConfig c = small(DType::BF16, 64);
+    c.attention_window = w.window;
+    c.attention_chunk = w.chunk;
+    TrackingAllocator alone({512});
+    run_layer_schedule(alone, c, {}, false);
+    c.cp = 3;
+    std::vector<std::vector<PhaseRecord>> records;
+    run_on_ring(c, &records);
+    SCOPED_TRACE("window " + std::to_string(w.window) + " chunk " + std::to_string(w.chunk));
+    std::map<std::string, int64_t> added;
+    if (w.forward > 0) added = {{"fwd/L0/attn", w.forward}, {"bwd/L0/recompute/attn", w.forward}, {"bwd/L0/attn", w.backward}};
+    expect_added_activations(alone, records, added);
+  }
 }
 
 TEST(RingAttention, RefusesAMissingOrMismatchedGroup) {

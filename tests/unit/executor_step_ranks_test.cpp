@@ -289,19 +289,20 @@ TEST(ExecutorStepRanks, ExpertsSplitOverTheRanks) {
 // CP > 1: every layer's attention a ring within CP groups of consecutive ranks (the reference's
 // naive steps of a group run together on a ring of their own). Materialised loss at EP = 1: the
 // loss, grad shards and updated params bitwise the reference's on every rank, at CP = 2 and 4, with
-// one sliding-window layer (its halo from the previous rank);
+// one sliding-window layer (its halo from the previous rank) and one chunked layer (Llama 4's;
+// chunks of 20 over T = 48: halos of 8 rows at CP = 2, 16 at CP = 4);
 // ring attention really couples the ranks (a later rank's loss differs from its CP = 1 one, the
 // first rank's of each group does not: it attends to its own chunk alone).
 TEST(ExecutorStepRanks, RingAttentionWithinCpGroups) {
   StepScheduleConfig windowed = config();
-  windowed.model.layers[1].window = AttentionWindow::Sliding;
+  windowed.model.layers[1].window = AttentionWindow::Sliding;  // gpt-oss's local layers: a halo, not the ring
   windowed.model.layers[1].attention_window_tokens = 10;
+  windowed.model.layers[2].window = AttentionWindow::Chunked;
+  windowed.model.layers[2].attention_window_tokens = 20;
   const StepReference flat = step_reference(windowed, kRanks);
   for (int64_t cp : {2, 4}) {
-    StepScheduleConfig c = config();
+    StepScheduleConfig c = windowed;
     c.cp = cp;
-    c.model.layers[1].window = AttentionWindow::Sliding;  // gpt-oss's local layers: a halo, not the ring
-    c.model.layers[1].attention_window_tokens = 10;
     c.offloaded = {true, false, true};
     c.prefetch = 1;
     c.optimizer.placement = OptimizerPlacement::Serial;

@@ -589,6 +589,45 @@ TEST(PlannerTiny, ContextParallelRingAttentionBuffers) {
   EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV received (this rank's last keys)"), 4 * 8 * 4);
 }
 
+// What a window reaches across CP ranks (cp_key_reach): T = 8 tokens a rank at CP = 2, g·(d+dv) = 8.
+TEST(PlannerTiny, ContextParallelWindowsReachWhatTheyNeed) {
+  const auto plan_with = [](AttentionWindow kind, int64_t tokens, const char* cp) {
+    ModelSpec m = tiny_moe();
+    m.layers[0].window = kind;
+    m.layers[0].attention_window_tokens = tokens;
+    return plan_of(m, tiny_gpu(), with({{"--cp", cp}}));
+  };
+  // A sliding window longer than T reaches past the previous rank: the ring's buffers, no halo.
+  const Plan longer = plan_with(AttentionWindow::Sliding, 12, "2");
+  EXPECT_EQ(term_bytes(phase(longer, "fwd/L0/attn"), "ring K,V chunks in flight"), 256);
+  EXPECT_THROW(term_bytes(phase(longer, "fwd/L0/attn"), "ring halo K,V (sliding window)"), std::runtime_error);
+  // Chunks of 4 divide T: no keys move, no ring or halo term.
+  const Plan aligned = plan_with(AttentionWindow::Chunked, 4, "2");
+  for (const char* name : {"fwd/L0/attn", "bwd/L0/attn"})
+    for (const auto& t : phase(aligned, name).terms.terms()) EXPECT_EQ(t.name.find("ring"), std::string::npos) << name << " " << t.name;
+  // Chunks of 3: rank 1 starts 8 mod 3 = 2 tokens into its chunk, a halo of 2 rows.
+  const Plan straddling = plan_with(AttentionWindow::Chunked, 3, "2");
+  EXPECT_EQ(term_bytes(phase(straddling, "fwd/L0/attn"), "ring halo K,V (chunked window)"), 2 * 8 * 2);
+  EXPECT_EQ(term_bytes(phase(straddling, "bwd/L0/attn"), "ring halo dK,dV"), 2 * 8 * 4);
+  // Chunks of 16 > T: the ring.
+  EXPECT_EQ(term_bytes(phase(plan_with(AttentionWindow::Chunked, 16, "2"), "bwd/L0/attn"), "ring dK,dV travelling with the chunk"), 512);
+}
+
+TEST(CpKeyReach, FollowsWhereWindowsAndChunksFall) {
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Full, 0, 64, 4).ring);
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Sliding, 65, 64, 4).ring);
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Chunked, 128, 64, 4).ring);
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Sliding, 64, 64, 4).halo_rows, 64);
+  EXPECT_FALSE(cp_key_reach(AttentionWindow::Sliding, 64, 64, 4).ring);
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 16, 64, 4).halo_rows, 0);
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 2).halo_rows, 4);   // 64 mod 20
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 3).halo_rows, 8);   // 128 mod 20
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 64).halo_rows, 16);  // 64 r mod 20 for r = 1..4: 4, 8, 12, 16
+  // Llama 4's chunks of 8192 at 1M tokens on 8 ranks (T = 131072): aligned, nothing moves.
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 8192, 131072, 8).halo_rows, 0);
+  EXPECT_FALSE(cp_key_reach(AttentionWindow::Chunked, 8192, 131072, 8).ring);
+}
+
 TEST(PlannerTiny, MtpLayerWithItsOwnLoss) {
   ModelSpec m = tiny_moe();
   m.mtp_layers = 1;

@@ -66,16 +66,15 @@ ModelSpec layer_model(const VerifyContext& ctx);
 // the scaled tokens, named after the scaled model's first MoE layer.
 exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s);
 // A plan whose model or layout a component's executor does not run (MLA, MTP, a tied head,
-// chunked windows at CP > 1, ...): an input error (exit 2) when the component is asked for alone; when every
+// ...): an input error (exit 2) when the component is asked for alone; when every
 // component runs (the default), that component is skipped with a note (verify_run.cpp).
 class UnsupportedPlan : public InputError {
  public:
   using InputError::InputError;
 };
 
-// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, at CP > 1 chunked
-// windows and sliding windows longer than the scaled T, a dense model, fewer local experts than top_k, a plan without head counts ("the <component>
-// component runs ...").
+// Refuses (UnsupportedPlan) what the executor's decoder layer does not run: MLA, a dense model,
+// fewer local experts than top_k, a plan without head counts ("the <component> component runs ...").
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component);
 // The same problems added to `errs` (a component that checks more in the same pass). The layer
 // component routes over one rank's E/EP experts (top_k must not exceed them); the step

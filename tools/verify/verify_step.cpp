@@ -1,7 +1,7 @@
 // verify --component layer: one decoder layer (GQA attention + MoE: no-grad forward, recompute and
 // backward) on one rank, against the planner's `activations` and `dispatch` device columns of
 // every decoder-layer phase; at CP > 1 on a ring of CP' ranks (layer_ring_size; ring attention,
-// or a sliding window's halo, each rank T tokens of one sequence), every rank against the
+// or a window's halo, each rank T tokens of one sequence), every rank against the
 // planner's prediction at CP = CP', once for each attention kind the layers hold. The whole step
 // (--component step): verify_step_full.cpp.
 // Scaling: H shrinks by f = H / H_scaled; the kv heads by the same factor (at least one), the
@@ -34,11 +34,33 @@ int64_t scaled_with_h(const VerifyInputs& in, const ScaledConfig& s, int64_t wid
   return width > 0 ? std::max<int64_t>(1, ceil_div(width * s.hidden, in.hidden)) : 0;
 }
 
-// A layer's sliding window (0: full causal, or a chunked window, which the executor runs full).
-int64_t sliding_window_of(const ModelSpec& card, int64_t layer) {
-  if (layer >= static_cast<int64_t>(card.layers.size())) return 0;
+// A layer's attention window: its kind and tokens (full causal: {Full, 0}). The planner groups
+// layers by it at CP > 1, and the executor runs it as the layer config's window or chunk.
+struct LayerWindow {
+  AttentionWindow kind = AttentionWindow::Full;
+  int64_t tokens = 0;
+  bool operator==(const LayerWindow& o) const { return kind == o.kind && tokens == o.tokens; }
+  void apply_to(exec::LayerScheduleConfig& c) const {
+    c.attention_window = kind == AttentionWindow::Sliding ? tokens : 0;
+    c.attention_chunk = kind == AttentionWindow::Chunked ? tokens : 0;
+  }
+};
+LayerWindow window_of(const ModelSpec& card, int64_t layer) {
+  if (layer >= static_cast<int64_t>(card.layers.size())) return {};
   const LayerSpec& spec = card.layers[static_cast<size_t>(layer)];
-  return spec.window == AttentionWindow::Sliding ? spec.attention_window_tokens : 0;
+  if (spec.window == AttentionWindow::Full || spec.attention_window_tokens <= 0) return {};
+  return {spec.window, spec.attention_window_tokens};
+}
+
+// How the layer component runs a window on a ring of `ring` ranks of T tokens, for its note.
+std::string attention_text(const LayerWindow& w, int64_t T, int64_t ring) {
+  if (w.kind == AttentionWindow::Full) return "ring attention,";
+  const CpKeyReach reach = cp_key_reach(w.kind, w.tokens, T, ring);
+  const std::string what =
+      std::string(w.kind == AttentionWindow::Sliding ? "a sliding window of " : "chunks of ") + std::to_string(w.tokens) + " tokens";
+  if (reach.ring) return what + ", ring attention,";
+  if (reach.halo_rows == 0) return what + ", no keys from another rank,";
+  return what + ", a halo of the previous rank's last " + std::to_string(reach.halo_rows) + " keys,";
 }
 
 // The MoE layer's phases; dense-FFN layers' FFN phases (fwd/Ll/ffn, ...) are not run.
@@ -72,9 +94,9 @@ int match_dense_attention_to_the_run_layer(nlohmann::ordered_json& predicted, co
 
 }  // namespace
 
-// The layer component runs what the executor has: GQA attention over one sequence (at CP > 1 a
-// ring of full causal attention, or a sliding window's halo), a routed MoE block (with shared
-// experts where the card has them). Anything else is refused before anything runs.
+// The layer component runs what the executor has: GQA attention over one sequence, full causal or
+// windowed (at CP > 1 the ring, or a window's halo), a routed MoE block (with shared experts where
+// the card has them). Anything else is refused before anything runs.
 void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const std::string& component) {
   InputErrors errs;
   layer_support_errors(in, s, component, errs);
@@ -89,30 +111,6 @@ void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const s
                         the + " runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
   if (in.num_experts <= 0 || in.top_k <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_experts", the + " runs a MoE layer (got a dense model)", ""});
-  if (in.cp != 1) {
-    // At CP > 1 a sliding window runs as a halo from the previous rank, which must hold every key
-    // the window reaches (window <= T); chunked windows (Llama 4) are not in the executor.
-    const ModelSpec card = load_plan_model(in);
-    for (size_t l = 0; l < card.layers.size(); ++l) {
-      const LayerSpec& spec = card.layers[l];
-      if (spec.window == AttentionWindow::Full || spec.attention_window_tokens <= 0) continue;
-      if (spec.window != AttentionWindow::Sliding)
-        errs.add(Diagnostic{in.file, "/inputs/run/cp",
-                            the + " runs full causal and sliding-window attention at CP > 1; layer " + std::to_string(l) +
-                                " attends to chunks of " + std::to_string(spec.attention_window_tokens) + " tokens (got CP = " +
-                                std::to_string(in.cp) + ")",
-                            ""});
-      else if (spec.attention_window_tokens > s.tokens)
-        errs.add(Diagnostic{in.file, "/inputs/run/cp",
-                            the + " runs a sliding window at CP > 1 as a halo from the previous rank; layer " + std::to_string(l) +
-                                "'s window of " + std::to_string(spec.attention_window_tokens) + " tokens is longer than the scaled T = " +
-                                std::to_string(s.tokens) + " (got CP = " + std::to_string(in.cp) + ")",
-                            "verify with a smaller --scale"});
-      else
-        continue;
-      break;
-    }
-  }
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
   if (in.num_experts > 0 && routes_over_every_expert && in.top_k > s.num_experts)
     errs.add(Diagnostic{in.file, "/inputs/model/top_k",
@@ -162,7 +160,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
     ++moe_layer;
   exec::LayerScheduleConfig c;
   c.layer_index = moe_layer;
-  c.attention_window = sliding_window_of(card, moe_layer);
+  window_of(card, moe_layer).apply_to(c);
   c.tokens = s.tokens;
   c.hidden = s.hidden;
   c.q_heads = s.q_heads;
@@ -214,8 +212,8 @@ namespace {
 // The layer on `ring` ranks (1: one rank, CP = 1) against `predicted`: rows layer.activations and
 // layer.dispatch, and the checkpointed run's loss and grads against the naive reference's.
 // `run_layer` >= 0 (CP > 1): the layer run in place of the first MoE layer, and only the phases of
-// the layers whose sliding window is its own compared (a window's halo and the ring hold
-// different buffers, and the planner's groups split by window at CP > 1).
+// the layers whose window is its own compared (a window's halo and the ring hold different
+// buffers, and the planner's groups split by window at CP > 1).
 // `name_peaks`: its peak rows are named "peak L<run layer>" (two runs, one per attention kind,
 // would otherwise share the merged report's "peak" rows).
 void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predicted, int64_t ring, exec::Communicator* cp_group,
@@ -223,12 +221,12 @@ void run_layer_against(const VerifyContext& ctx, nlohmann::ordered_json& predict
   const VerifyInputs& in = ctx.in;
   const ModelSpec card = load_plan_model(in);
   exec::LayerScheduleConfig c = layer_schedule_config(in, ctx.scaled);
-  if (run_layer >= 0) c.layer_index = run_layer, c.attention_window = sliding_window_of(card, run_layer);
+  if (run_layer >= 0) c.layer_index = run_layer, window_of(card, run_layer).apply_to(c);
   c.cp = ring;
-  const std::function<bool(const std::string&)> same_window = [&card, &c, run_layer](const std::string& name) {
+  const std::function<bool(const std::string&)> same_window = [&card, run_layer](const std::string& name) {
     if (run_layer < 0 || !is_layer_phase(name)) return is_layer_phase(name);
     const size_t at = name.find("/L") + 2;
-    return sliding_window_of(card, std::stoll(name.substr(at, name.find('/', at) - at))) == c.attention_window;
+    return window_of(card, std::stoll(name.substr(at, name.find('/', at) - at))) == window_of(card, run_layer);
   };
   const bool lead = cp_group == nullptr || cp_group->rank() == 0;
   if (match_dense_attention_to_the_run_layer(predicted, layer_model(ctx), c.layer_index) > 0 && lead)
@@ -284,23 +282,21 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
   FlagList flags{kWithoutMtp, {"--gpus", r}, {"--gpus-per-node", r}, {"--cp", r}, {"--ep", "1"},
                  {"--context", std::to_string(ring * s.tokens)}};
   if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
-  // One run for each attention the scaled layers hold: full causal (the ring) and each sliding
-  // window (a halo), each the first MoE layer of its kind.
+  // One run for each attention the scaled layers hold: full causal (the ring) and each window
+  // (sliding or chunked: a halo, nothing, or the ring, as cp_key_reach says), each the first MoE
+  // layer of its kind.
   const ModelSpec card = load_plan_model(in);
   const int64_t first = layer_schedule_config(in, s).layer_index;
   std::vector<int64_t> run_layers{first};
   for (int64_t l = first + 1; l < std::min<int64_t>(s.layers, static_cast<int64_t>(card.layers.size())); ++l) {
     const bool seen = std::any_of(run_layers.begin(), run_layers.end(),
-                                  [&](int64_t run) { return sliding_window_of(card, run) == sliding_window_of(card, l); });
+                                  [&](int64_t run) { return window_of(card, run) == window_of(card, l); });
     if (!seen && card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) run_layers.push_back(l);
   }
   for (int64_t l : run_layers) {
     nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), flags);
     if (cp_group->rank() == 0) {
-      const int64_t window = sliding_window_of(card, l);
-      report.notes.push_back("layer: L" + std::to_string(l) + ", " +
-                             (window > 0 ? "a sliding window of " + std::to_string(window) + " tokens, its halo from the previous rank,"
-                                         : std::string("ring attention,")) +
+      report.notes.push_back("layer: L" + std::to_string(l) + ", " + attention_text(window_of(card, l), s.tokens, ring) +
                              " on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) + "), each T = " +
                              std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
     }
