@@ -5,7 +5,9 @@
 # dispatch crossing them), for the whole step on 4 ranks with FSDP at EP = 1 (an
 # OLMoE-1B-7B --gpus 4 --ep 1 plan, --scale 64) and for the dispatch component of a --gpus 4
 # --ep 2 plan (two EP groups, each on its own MPI_Comm_split communicator) and the whole step of
-# that plan (EP groups and expert replicas, both split communicators), all of which pass
+# that plan (EP groups and expert replicas, both split communicators), and the layer component and
+# the whole step of a gpt-oss-20b --gpus 4 --cp 2 plan (rings of 2 ranks: a sliding window's halo
+# and full attention's ring, in CP groups split from the job), all of which pass
 # (exit 0); a job whose process count differs
 # from the plan's ranks ends with exit 2 and says so; an unwritable --trace ends every process with
 # exit 2 before the run, and a failed run leaves an old trace whole. Every step runs under its own timeout (then
@@ -72,6 +74,18 @@ grep -q '2 EP groups of 2 ranks' "$dir/dispatch_ep2.mpi.json" || fail "dispatch_
 verify_both step_ep2 40 --scale auto --component step
 grep -q 'step: 4 ranks, FSDP with EP = 2' "$dir/step_ep2.mpi.json" || fail "step_ep2: the MPI report does not come from the 4-rank step at EP = 2"
 
+step "plan: gpt-oss-20b, --gpus 4 --cp 2 (sliding-window layers with a halo, full layers on the ring), flatpeak"
+limit 20 "$flatpeak" plan --model gpt-oss-20b --gpus 4 --cp 2 --context 64K --gpu H200 --schedule flatpeak --mtp off \
+  --format json >"$dir/plan_cp2.json" 2>"$dir/plan_cp2.err"
+rc=$?
+[ $rc = 0 ] || [ $rc = 3 ] || fail "plan (--cp 2) exited $rc: $(cat "$dir/plan_cp2.err")"
+plan=$dir/plan_cp2.json
+verify_both layer_cp2 30 --component layer
+grep -q 'a halo of the previous rank.s last 128 keys, on CP = 2 ranks' "$dir/layer_cp2.mpi.json" ||
+  fail "layer_cp2: the halo did not run on a ring of 2 MPI ranks: $(grep -A4 '"notes"' "$dir/layer_cp2.mpi.json")"
+verify_both step_cp2 30 --component step
+grep -q 'ring attention in CP groups of 2 ranks' "$dir/step_cp2.mpi.json" || fail "step_cp2: the MPI report's step has no CP groups"
+
 step "mpirun $np_flag 2 on the 4-rank plan"
 limit 20 "$mpirun" "$np_flag" 2 "$@" "$flatpeak" verify "$dir/plan.json" --component dispatch >"$dir/np2.out" 2>"$dir/np2.err"
 np2_rc=$?
@@ -100,4 +114,4 @@ limit 40 "$mpirun" "$np_flag" 4 "$@" "$flatpeak" verify "$dir/plan.json" --compo
 rc=$?
 [ $rc = 0 ] || fail "verify --trace under mpirun exited $rc (expected 0): $(cat "$dir/trace_good.err")"
 grep -q '"format": "flatpeak-timeline"' "$dir/trace.json" || fail "the trace was not written under mpirun"
-step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch and step at EP = 2 of N = 4); $np_flag 2 exits 2"
+step "threads and mpirun $np_flag 4 agree and pass (dispatch, default verify with the step at EP = 4, step at EP = 1, dispatch and step at EP = 2 of N = 4, layer and step at CP = 2); $np_flag 2 exits 2"

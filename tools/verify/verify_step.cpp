@@ -293,8 +293,10 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
                                   [&](int64_t run) { return window_of(card, run) == window_of(card, l); });
     if (!seen && card.layers[static_cast<size_t>(l)].ffn == FfnKind::Moe) run_layers.push_back(l);
   }
+  // One prediction for every run (each run marks its copy's dense attention phases).
+  const nlohmann::ordered_json prediction = predicted_timeline_for(ctx, layer_model(ctx), flags);
   for (int64_t l : run_layers) {
-    nlohmann::ordered_json predicted = predicted_timeline_for(ctx, layer_model(ctx), flags);
+    nlohmann::ordered_json predicted = prediction;
     if (cp_group->rank() == 0) {
       report.notes.push_back("layer: L" + std::to_string(l) + ", " + attention_text(window_of(card, l), s.tokens, ring) +
                              " on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) + "), each T = " +
