@@ -21,7 +21,7 @@
 // chunk on with its fp32 dK,dV accumulator, which a last shift brings home. The ring buffers are
 // released with the dQ accumulator and delta, after d norm-1 output is allocated.
 // A sliding-window (attention_window) or chunked (attention_chunk) layer masks its keys to the
-// window. At CP > 1 a window that stays within the previous rank (cp_key_reach) takes that rank's
+// window. At CP > 1 a window that stays within the previous rank (halo_from_mask) takes that rank's
 // last K,V rows it reaches as a halo in place of the ring, and in backward sends the halo's dK,dV
 // back while the next rank's arrive (two fp32 buffers of the halo's size); chunks that never
 // straddle a rank boundary need no halo, and a longer window runs the ring with the mask.
@@ -42,7 +42,6 @@
 #include "executor/ops/layernorm.h"
 #include "executor/ops/rmsnorm.h"
 #include "executor/schedules/decoder_layer_parts.h"
-#include "spec/model_spec.h"
 
 namespace flatpeak::exec {
 
@@ -86,10 +85,7 @@ class LayerCore final : public DecoderLayer::Engine {
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
         wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr),
-        cp_(c.cp > 1 ? cp_group : nullptr), mask_{c.attention_window, c.attention_chunk},
-        reach_(cp_key_reach(c.attention_window > 0 ? AttentionWindow::Sliding : c.attention_chunk > 0 ? AttentionWindow::Chunked
-                                                                                                      : AttentionWindow::Full,
-                            std::max(c.attention_window, c.attention_chunk), c.tokens, c.cp)) {
+        cp_(c.cp > 1 ? cp_group : nullptr), mask_{c.attention_window, c.attention_chunk}, halo_(halo_from_mask(c, mask_)) {
     if (c.expert_bias != (wb_ != nullptr))
       throw std::invalid_argument("decoder layer: the b_expert weight must be given exactly when expert_bias is set");
     if (c.ep > 1 && (ep_group == nullptr || ep_group->size() != c.ep))
@@ -116,6 +112,17 @@ class LayerCore final : public DecoderLayer::Engine {
 
  private:
   static const S* cast(const void* p) { return static_cast<const S*>(p); }
+
+  // At CP > 1, what a windowed layer's queries need from before their rank's first token: the
+  // most any rank's first query reaches back under the mask. Up to T rows come from the previous
+  // rank as a halo (0: nothing moves); more, or full attention, take the ring (−1).
+  static int64_t halo_from_mask(const LayerScheduleConfig& c, const layer_detail::KeyWindow& mask) {
+    if (c.cp <= 1) return 0;
+    if (c.attention_window <= 0 && c.attention_chunk <= 0) return -1;
+    int64_t reach = 0;
+    for (int64_t r = 1; r < c.cp; ++r) reach = std::max(reach, r * c.tokens - mask.first_key(r * c.tokens));
+    return reach <= c.tokens ? reach : -1;
+  }
 
   Tensor act(std::vector<int64_t> shape) { return Tensor(a_, c_.dtype, std::move(shape), kAct); }
   Tensor dsp(std::vector<int64_t> shape) { return Tensor(a_, c_.dtype, std::move(shape), kDsp); }
@@ -229,7 +236,7 @@ class LayerCore final : public DecoderLayer::Engine {
   // an earlier chunk of the sequence when that rank is below r, else a later one (skipped).
   int64_t chunk_source(int64_t step) const { return (cp_->rank() - step + c_.cp) % c_.cp; }
   // Ring attention: CP > 1 with full attention or a window that reaches past the previous rank.
-  bool rings() const { return cp_ != nullptr && reach_.ring; }
+  bool rings() const { return cp_ != nullptr && halo_ < 0; }
   // A sliding or chunked window, run by the windowed kernels (with a halo at CP > 1).
   bool windowed() const { return c_.attention_window > 0 || c_.attention_chunk > 0; }
   // This rank's first token's place in the sequence (where the mask counts from).
@@ -260,7 +267,7 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // The halo a windowed layer needs at CP > 1: the previous rank's last `halo` K rows then V rows,
   // sent on by every rank (the first rank's, from the last rank, is not attended to).
-  int64_t halo_rows() const { return cp_ != nullptr && !reach_.ring ? reach_.halo_rows : 0; }
+  int64_t halo_rows() const { return cp_ != nullptr ? std::max<int64_t>(0, halo_) : 0; }
   void receive_halo(Tensor& halo_kv) {
     const int64_t n = halo_rows() * G_ * D_, from = (T_ - halo_rows()) * G_ * D_;
     cp_->sendrecv_shift(k_.data<S>() + from, halo_kv.data<S>(), n, c_.dtype, 1);
@@ -1114,7 +1121,7 @@ class LayerCore final : public DecoderLayer::Engine {
   Communicator* comm_;                // the EP group (EP > 1), else null
   Communicator* cp_;                  // the CP ring (CP > 1), else null
   const layer_detail::KeyWindow mask_;  // the keys each query attends to (sliding or chunked window)
-  const CpKeyReach reach_;              // at CP > 1: the ring, or the halo the window needs
+  const int64_t halo_;                  // at CP > 1: the previous rank's rows the window needs; −1: the ring
   std::unique_ptr<EpRows> ep_rows_;   // EP > 1: where the current routing's rows go
   int64_t R_ = 0;                     // rows this rank's experts compute (T·k at one rank)
   std::vector<int64_t> local_begin_;  // [E/EP + 1] each local expert's first expert-input row

@@ -44,9 +44,9 @@ struct LayerScheduleConfig {
   // A sliding window (gpt-oss's local layers): each query attends to the `attention_window` latest
   // keys up to its own (0: full causal). Chunked attention (Llama 4's local layers): each query
   // attends to the keys of its own chunk of `attention_chunk` tokens (0: none); at most one of the
-  // two. At CP > 1 a window that stays within the previous rank (cp_key_reach,
-  // planner/spec/model_spec.h) receives that rank's last K,V rows it reaches (the halo) in place of
-  // the ring, and in backward sends their dK,dV back while receiving the next rank's for its own
+  // two. At CP > 1 a window whose reach (the most keys a rank's first query needs from before the
+  // rank: w − 1 for a window, r·T mod C for chunks) stays within the previous rank receives that
+  // rank's last K,V rows it reaches (the halo) in place of the ring, and in backward sends their dK,dV back while receiving the next rank's for its own
   // last rows; chunks that never straddle a rank boundary exchange nothing; a longer window runs
   // the ring, masked.
   int64_t attention_window = 0;

@@ -278,7 +278,7 @@ void ring_attention_backward_chunk(const S* q, const S* d_o, const float* lse, c
 }
 
 // Windowed attention (sliding or chunked) at CP > 1 when the window stays within the previous
-// rank (cp_key_reach in planner/spec/model_spec.h): the keys a rank's first queries need from the
+// rank (DecoderLayer's halo_from_mask): the keys a rank's first queries need from the
 // previous rank are among its last `halo` rows (the halo, packed K then V: [2, halo, g, d]),
 // placed before this rank's own T rows; halo = 0 without one (CP = 1, the sequence's first rank,
 // or chunks that never straddle a rank boundary).

@@ -94,8 +94,8 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   }
   l.layer_norm = m.norm_bias;
   l.cp = c.cp;
-  // Sliding windows (gpt-oss's local layers) and chunks (Llama 4's) run masked, at CP > 1 as the
-  // planner reaches the keys (cp_key_reach).
+  // Sliding windows (gpt-oss's local layers) and chunks (Llama 4's) run masked, at CP > 1 with a
+  // halo or the ring as their reach needs (DecoderLayer).
   const LayerSpec& spec = m.layers[static_cast<size_t>(layer)];
   if (spec.window == AttentionWindow::Sliding) l.attention_window = spec.attention_window_tokens;
   if (spec.window == AttentionWindow::Chunked) l.attention_chunk = spec.attention_window_tokens;

@@ -1,6 +1,7 @@
 #include "model_spec.h"
 
 #include <algorithm>
+#include <numeric>
 
 namespace flatpeak {
 
@@ -28,13 +29,23 @@ const char* to_string(AttentionWindow kind) {
 
 CpKeyReach cp_key_reach(AttentionWindow window, int64_t window_tokens, int64_t tokens_per_rank, int64_t cp) {
   const int64_t T = tokens_per_rank;
-  if (window == AttentionWindow::Full || window_tokens <= 0 || window_tokens > T) return {};
-  if (window == AttentionWindow::Sliding) return {false, window_tokens};
-  // Chunks of C <= T: rank r's first query starts r*T mod C tokens into its chunk. The remainders
-  // repeat with period C / gcd(T, C) <= C, so at most C ranks need looking at.
-  int64_t halo = 0;
-  for (int64_t r = 1; r < std::min(cp, window_tokens + 1); ++r) halo = std::max(halo, (r % window_tokens) * (T % window_tokens) % window_tokens);
-  return {false, halo};
+  if (window == AttentionWindow::Full || window_tokens <= 0 || T <= 0 || cp <= 1) return {};
+  int64_t reach = 0;
+  if (window == AttentionWindow::Sliding) {
+    reach = std::min(window_tokens - 1, (cp - 1) * T);
+  } else {
+    // r·T mod C over r = 1 .. cp − 1 runs through the multiples of g = gcd(T, C) below C with
+    // period C / g: all of them (the largest C − g) once cp − 1 reaches it.
+    const int64_t C = window_tokens;
+    const int64_t g = std::gcd(T, C);
+    if (cp - 1 >= C / g) {
+      reach = C - g;
+    } else {
+      for (int64_t r = 1; r < cp; ++r) reach = std::max(reach, (r % C) * (T % C) % C);
+    }
+  }
+  if (reach > T) return {};
+  return {false, reach};
 }
 
 }  // namespace flatpeak

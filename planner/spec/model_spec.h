@@ -96,12 +96,13 @@ const char* to_string(QkNorm kind);
 const char* to_string(AttentionWindow kind);
 
 // How a rank's queries reach the keys of earlier ranks under context parallelism (CP > 1 ranks,
-// each holding T consecutive tokens of one sequence). `ring`: every earlier rank's K,V chunk
-// passes by (full attention, and any window that can reach past the previous rank: a sliding
-// window longer than T, chunks longer than T). Otherwise a halo of the previous rank's last
-// `halo_rows` keys: a sliding window's `window_tokens`; for chunks of C <= T tokens, the most any
-// rank's first chunk starts before it (max over ranks r of r*T mod C; 0 when C divides T, and no
-// keys move at all). The planner's terms and the executor's decoder layer both follow it.
+// each holding T consecutive tokens of one sequence). The reach is the most keys any rank's first
+// query needs from before the rank's first token: w − 1 for a sliding window of w (its own key is
+// the w-th); for chunks of C, max over ranks r of r·T mod C (how far into its chunk a rank
+// starts; 0 when C divides T). A reach of at most T fits in the previous rank: a halo of its last
+// `halo_rows` = reach keys (none at 0: no keys move). A longer reach, or full attention, takes
+// `ring`: every earlier rank's K,V chunk passes by, masked to the window. The planner's terms
+// follow it; the executor's decoder layer derives the same from its own mask.
 struct CpKeyReach {
   bool ring = true;
   int64_t halo_rows = 0;

@@ -81,7 +81,7 @@ rc=$?
 [ $rc = 0 ] || [ $rc = 3 ] || fail "plan (--cp 2) exited $rc: $(cat "$dir/plan_cp2.err")"
 plan=$dir/plan_cp2.json
 verify_both layer_cp2 30 --component layer
-grep -q 'a halo of the previous rank.s last 128 keys, on CP = 2 ranks' "$dir/layer_cp2.mpi.json" ||
+grep -q 'a halo of the previous rank.s last 127 keys, on CP = 2 ranks' "$dir/layer_cp2.mpi.json" ||
   fail "layer_cp2: the halo did not run on a ring of 2 MPI ranks: $(grep -A4 '"notes"' "$dir/layer_cp2.mpi.json")"
 verify_both step_cp2 30 --component step
 grep -q 'ring attention in CP groups of 2 ranks' "$dir/step_cp2.mpi.json" || fail "step_cp2: the MPI report's step has no CP groups"

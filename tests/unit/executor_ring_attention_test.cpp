@@ -249,12 +249,13 @@ void expect_windowed_ranks_are_the_whole(int64_t cp, int64_t window, int64_t chu
 
 TEST(SlidingWindow, CpRanksExchangingAHaloAreTheOneRankRun) {
   for (int64_t cp : {2, 4})
-    for (int64_t window : {5, 24}) expect_windowed_ranks_are_the_whole(cp, window, 0);
+    for (int64_t window : {5, 24, 25}) expect_windowed_ranks_are_the_whole(cp, window, 0);  // 25: the whole previous rank
 }
 
-// T = 64, g = 2, d = 8, bf16, window 20 (the halo: 20 rows), alignment 512. Forward and recompute:
-// the halo K,V [2, 20, g·d] bf16 = 1280 → 1536 B; backward: it, and two dK,dV [2, 20, g·d] fp32 of
-// 2560 → 2560 B (the halo's, sent back, and the next rank's, received).
+// T = 64, g = 2, d = 8, bf16, window 20 (the halo: the 19 keys before a rank's first query),
+// alignment 512. Forward and recompute: the halo K,V [2, 19, g·d] bf16 = 1216 → 1536 B; backward:
+// it, and two dK,dV [2, 19, g·d] fp32 of 2432 → 2560 B (the halo's, sent back, and the next rank's,
+// received).
 TEST(SlidingWindow, AddsTheHalosBuffersToTheAttentionPhasesAlone) {
   LayerScheduleConfig c = small(DType::BF16, 64);
   c.attention_window = 20;
@@ -266,19 +267,20 @@ TEST(SlidingWindow, AddsTheHalosBuffersToTheAttentionPhasesAlone) {
   expect_added_activations(alone, records, {{"fwd/L0/attn", 1536}, {"bwd/L0/recompute/attn", 1536}, {"bwd/L0/attn", 1536 + 2 * 2560}});
 }
 
-// A sliding window longer than a rank's T reaches past the previous rank: it runs the ring,
-// masked (planner/spec/model_spec.h, cp_key_reach), and gives the one-rank windowed run.
+// A sliding window reaching more than a rank's T keys back (w − 1 > T) runs the ring, masked, and
+// gives the one-rank windowed run.
 TEST(SlidingWindow, LongerThanARankRunsTheMaskedRing) {
   for (int64_t cp : {2, 4})
-    for (int64_t window : {25, 30, 60, 200}) expect_windowed_ranks_are_the_whole(cp, window, 0);
+    for (int64_t window : {26, 30, 60, 200}) expect_windowed_ranks_are_the_whole(cp, window, 0);
 }
 
 // Chunked attention (Llama 4's local layers) on CP ranks against the one-rank chunked layer, for
-// chunks that divide T (no keys move), chunks that straddle rank boundaries (a halo) and chunks
-// longer than T (the masked ring).
+// chunks that divide T (no keys move), chunks that straddle rank boundaries (a halo: 5, 16; and 40
+// and 48, longer than T, at CP = 2) and chunks that start further into a rank than T (the masked
+// ring: 40, 96 at CP = 4).
 TEST(ChunkedAttention, CpRanksAreTheOneRankRun) {
   for (int64_t cp : {2, 4})
-    for (int64_t chunk : {8, 24, 5, 16, 40, 96}) expect_windowed_ranks_are_the_whole(cp, 0, chunk);
+    for (int64_t chunk : {8, 24, 5, 16, 40, 48, 96}) expect_windowed_ranks_are_the_whole(cp, 0, chunk);
   // Chunks are a real mask: the output differs from full causal attention.
   TrackingAllocator a({512}), b({512});
   LayerScheduleConfig chunked = small(DType::F32, 40);
@@ -296,15 +298,15 @@ TEST(ChunkedAttention, CpRanksAreTheOneRankRun) {
 // - chunks of 20: rank 1 starts 64 mod 20 = 4 tokens into its chunk, rank 2 128 mod 20 = 8, so a
 //   halo of 8 rows: K,V [2, 8, g·d] bf16 = 512 B forward and in the recompute; backward it and two
 //   dK,dV [2, 8, g·d] fp32 of 1024 B;
-// - chunks of 128 and a sliding window of 65 reach past the previous rank: the ring's buffers
-//   (RingAttention.AddsItsBuffersToTheAttentionPhasesAlone).
+// - chunks of 192 (ranks start 64 and 128 tokens in) and a sliding window of 66 (65 keys back)
+//   reach past the previous rank: the ring's buffers (RingAttention.AddsItsBuffersToTheAttentionPhasesAlone).
 TEST(ChunkedAttention, AddsWhatItsReachNeedsToTheAttentionPhasesAlone) {
   struct Case {
     int64_t window, chunk, forward, backward;
   };
   const int64_t ring_forward = 2 * 4096 + 8192 + 1024, ring_backward = 2 * 4096 + 2 * 8192;
-  for (const Case w : {Case{0, 16, 0, 0}, Case{0, 20, 512, 512 + 2 * 1024}, Case{0, 128, ring_forward, ring_backward},
-                       Case{65, 0, ring_forward, ring_backward}}) {
+  for (const Case w : {Case{0, 16, 0, 0}, Case{0, 20, 512, 512 + 2 * 1024}, Case{0, 192, ring_forward, ring_backward},
+                       Case{66, 0, ring_forward, ring_backward}}) {
     LayerScheduleConfig c = small(DType::BF16, 64);
     c.attention_window = w.window;
     c.attention_chunk = w.chunk;

@@ -578,15 +578,15 @@ TEST(PlannerTiny, ContextParallelRingAttentionBuffers) {
   EXPECT_EQ(term_bytes(phase(p, "fwd/L1/attn"), "ring output accumulator"), 256);
   // bwd ring: travelling dK,dV 2 * 8 * 8 * 4 = 512.
   EXPECT_EQ(term_bytes(phase(p, "bwd/L0/attn"), "ring dK,dV travelling with the chunk"), 512);
-  // Sliding-window layers only need a halo of min(window, T) tokens.
+  // A sliding window of 4 needs the previous rank's last 3 keys (its reach: the query's own key is the 4th).
   ModelSpec m = tiny_moe();
   m.layers[0].window = AttentionWindow::Sliding;
   m.layers[0].attention_window_tokens = 4;
   const Plan w = plan_of(m, tiny_gpu(), with({{"--cp", "2"}}));
-  EXPECT_EQ(term_bytes(phase(w, "fwd/L0/attn"), "ring halo K,V (sliding window)"), 4 * 8 * 2);
+  EXPECT_EQ(term_bytes(phase(w, "fwd/L0/attn"), "ring halo K,V (sliding window)"), 3 * 8 * 2);
   // Backward: the halo's dK,dV and the next rank's, received (fp32 each).
-  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV"), 4 * 8 * 4);
-  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV received (this rank's last keys)"), 4 * 8 * 4);
+  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV"), 3 * 8 * 4);
+  EXPECT_EQ(term_bytes(phase(w, "bwd/L0/attn"), "ring halo dK,dV received (this rank's last keys)"), 3 * 8 * 4);
 }
 
 // What a window reaches across CP ranks (cp_key_reach): T = 8 tokens a rank at CP = 2, g·(d+dv) = 8.
@@ -595,11 +595,14 @@ TEST(PlannerTiny, ContextParallelWindowsReachWhatTheyNeed) {
     ModelSpec m = tiny_moe();
     m.layers[0].window = kind;
     m.layers[0].attention_window_tokens = tokens;
-    return plan_of(m, tiny_gpu(), with({{"--cp", cp}}));
+    return plan_of(m, tiny_gpu(), with({{"--gpus", cp}, {"--cp", cp}}));
   };
-  // A sliding window longer than T reaches past the previous rank: the ring's buffers, no halo.
-  const Plan longer = plan_with(AttentionWindow::Sliding, 12, "2");
-  EXPECT_EQ(term_bytes(phase(longer, "fwd/L0/attn"), "ring K,V chunks in flight"), 256);
+  // A sliding window of 12 at CP = 4 (T = 4) reaches 11 keys back, past the previous rank: the
+  // ring's buffers (K,V chunks 2 * 4 * 8 * 2), no halo. At CP = 2 the previous rank is all there is
+  // before: a halo of its 8 rows.
+  const Plan longer = plan_with(AttentionWindow::Sliding, 12, "4");
+  EXPECT_EQ(term_bytes(phase(longer, "fwd/L0/attn"), "ring K,V chunks in flight"), 128);
+  EXPECT_EQ(term_bytes(phase(plan_with(AttentionWindow::Sliding, 12, "2"), "fwd/L0/attn"), "ring halo K,V (sliding window)"), 8 * 8 * 2);
   EXPECT_THROW(term_bytes(phase(longer, "fwd/L0/attn"), "ring halo K,V (sliding window)"), std::runtime_error);
   // Chunks of 4 divide T: no keys move, no ring or halo term.
   const Plan aligned = plan_with(AttentionWindow::Chunked, 4, "2");
@@ -609,20 +612,46 @@ TEST(PlannerTiny, ContextParallelWindowsReachWhatTheyNeed) {
   const Plan straddling = plan_with(AttentionWindow::Chunked, 3, "2");
   EXPECT_EQ(term_bytes(phase(straddling, "fwd/L0/attn"), "ring halo K,V (chunked window)"), 2 * 8 * 2);
   EXPECT_EQ(term_bytes(phase(straddling, "bwd/L0/attn"), "ring halo dK,dV"), 2 * 8 * 4);
-  // Chunks of 16 > T: the ring.
-  EXPECT_EQ(term_bytes(phase(plan_with(AttentionWindow::Chunked, 16, "2"), "bwd/L0/attn"), "ring dK,dV travelling with the chunk"), 512);
+  // Chunks of 16 > T at CP = 2: rank 1 starts 8 tokens in, the whole previous rank (a halo of T rows).
+  EXPECT_EQ(term_bytes(phase(plan_with(AttentionWindow::Chunked, 16, "2"), "fwd/L0/attn"), "ring halo K,V (chunked window)"), 8 * 8 * 2);
+  // Chunks of 24 at CP = 4 (T = 4): ranks start 4, 8 and 12 tokens in, past the previous rank: the
+  // ring, its travelling dK,dV 2 * 4 * 8 * 4.
+  EXPECT_EQ(term_bytes(phase(plan_with(AttentionWindow::Chunked, 24, "4"), "bwd/L0/attn"), "ring dK,dV travelling with the chunk"), 256);
 }
 
 TEST(CpKeyReach, FollowsWhereWindowsAndChunksFall) {
   EXPECT_TRUE(cp_key_reach(AttentionWindow::Full, 0, 64, 4).ring);
-  EXPECT_TRUE(cp_key_reach(AttentionWindow::Sliding, 65, 64, 4).ring);
-  EXPECT_TRUE(cp_key_reach(AttentionWindow::Chunked, 128, 64, 4).ring);
-  EXPECT_EQ(cp_key_reach(AttentionWindow::Sliding, 64, 64, 4).halo_rows, 64);
-  EXPECT_FALSE(cp_key_reach(AttentionWindow::Sliding, 64, 64, 4).ring);
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Sliding, 66, 64, 4).ring);   // reaches 65 keys back
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Sliding, 65, 64, 4).halo_rows, 64);
+  EXPECT_FALSE(cp_key_reach(AttentionWindow::Sliding, 65, 64, 4).ring);
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Sliding, 128, 64, 1).halo_rows, 0);  // one rank: nothing to reach
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Chunked, 192, 64, 3).ring);   // ranks start 64 and 128 in
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 128, 64, 3).halo_rows, 64);  // 64, then 0
+  EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 192, 64, 2).halo_rows, 64);
+  EXPECT_TRUE(cp_key_reach(AttentionWindow::Chunked, 131072, 512, 2048).ring);  // gcd 512: 130560 at most
   EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 16, 64, 4).halo_rows, 0);
   EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 2).halo_rows, 4);   // 64 mod 20
   EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 3).halo_rows, 8);   // 128 mod 20
   EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 20, 64, 64).halo_rows, 16);  // 64 r mod 20 for r = 1..4: 4, 8, 12, 16
+  // Against the reach counted query by query: the most keys a rank's first query needs from before it.
+  for (int64_t T = 1; T <= 12; ++T)
+    for (int64_t w = 1; w <= 40; ++w)
+      for (int64_t cp = 2; cp <= 9; ++cp) {
+        int64_t sliding = 0, chunked = 0;
+        for (int64_t r = 1; r < cp; ++r) {
+          sliding = std::max(sliding, r * T - std::max<int64_t>(0, r * T - w + 1));
+          chunked = std::max(chunked, r * T - r * T / w * w);
+        }
+        const CpKeyReach s = cp_key_reach(AttentionWindow::Sliding, w, T, cp), c = cp_key_reach(AttentionWindow::Chunked, w, T, cp);
+        EXPECT_EQ(s.ring, sliding > T) << T << " " << w << " " << cp;
+        EXPECT_EQ(c.ring, chunked > T) << T << " " << w << " " << cp;
+        if (!s.ring) {
+          EXPECT_EQ(s.halo_rows, sliding) << T << " " << w << " " << cp;
+        }
+        if (!c.ring) {
+          EXPECT_EQ(c.halo_rows, chunked) << T << " " << w << " " << cp;
+        }
+      }
   // Llama 4's chunks of 8192 at 1M tokens on 8 ranks (T = 131072): aligned, nothing moves.
   EXPECT_EQ(cp_key_reach(AttentionWindow::Chunked, 8192, 131072, 8).halo_rows, 0);
   EXPECT_FALSE(cp_key_reach(AttentionWindow::Chunked, 8192, 131072, 8).ring);

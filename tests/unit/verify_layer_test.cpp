@@ -192,22 +192,28 @@ TEST(VerifyLayerRing, SlidingWindowLayersRunWithAHalo) {
   EXPECT_GE(attention_rows, 6);  // fwd, recompute and bwd of each kind
   bool halo = false, ring = false;
   for (const auto& n : r.notes) {
-    halo = halo || n.find("L0, a sliding window of 128 tokens, a halo of the previous rank's last 128 keys") != std::string::npos;
+    halo = halo || n.find("L0, a sliding window of 128 tokens, a halo of the previous rank's last 127 keys,") != std::string::npos;
     ring = ring || n.find("L1, ring attention") != std::string::npos;
   }
   EXPECT_TRUE(halo);
   EXPECT_TRUE(ring);
 }
 
-// Windows that reach past the previous rank run the masked ring, as the planner counts them:
-// gpt-oss's 128-token window over a scaled T of 32 tokens, and Llama 4 Scout's chunks of 8192
-// tokens over T = 512. Every row exact, the loss and grads those of the naive run.
-TEST(VerifyLayerRing, WindowsLongerThanARankRunTheMaskedRing) {
-  const Flags cp2{{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}};
+// Windows longer than the scaled T run the reach the scaled T gives, as the planner counts it, and
+// the note says when the plan's own T reaches differently: gpt-oss's 128-token window over T = 32
+// at CP = 2 (the whole previous rank as a halo; the plan's T: 127 keys) and at CP = 4 over T = 16
+// (the masked ring); Llama 4 Scout's chunks of 8192 over T = 512 at CP = 2 (a halo of 512; the
+// plan's T = 32768: nothing moves) and at CP = 4 (the masked ring). Every row exact, the loss and
+// grads those of the naive run.
+TEST(VerifyLayerRing, WindowsLongerThanTheScaledTRunTheirReach) {
+  const Flags cp2{{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "2"}}, cp4{{"--gpus", "8"}, {"--context", "64K"}, {"--cp", "4"}};
   const VerifyInputs gpt_oss = read_plan_inputs(plan_json("gpt-oss-20b", cp2), "plan.json");
   const VerifyReport small_t = run_verification(gpt_oss, scale_config(gpt_oss, 1024.0, 2), {"layer"}, 0.01);
+  const VerifyInputs gpt_oss4 = read_plan_inputs(plan_json("gpt-oss-20b", cp4), "plan.json");
+  const VerifyReport small_t4 = run_verification(gpt_oss4, scale_config(gpt_oss4, 1024.0, 4), {"layer"}, 0.01);
   const VerifyReport scout = verify_ring_layer(FLATPEAK_TEST_DATA_DIR "/hf/Llama-4-Scout/config.json", cp2, 2);
-  for (const VerifyReport* r : {&small_t, &scout}) {
+  const VerifyReport scout4 = verify_ring_layer(FLATPEAK_TEST_DATA_DIR "/hf/Llama-4-Scout/config.json", cp4, 4);
+  for (const VerifyReport* r : {&small_t, &small_t4, &scout, &scout4}) {
     EXPECT_TRUE(r->pass);
     EXPECT_EQ(r->max_abs_dloss, 0.0);
     EXPECT_EQ(r->max_abs_dgrad, 0.0);
@@ -223,8 +229,14 @@ TEST(VerifyLayerRing, WindowsLongerThanARankRunTheMaskedRing) {
       if (n.find(text) != std::string::npos) return true;
     return false;
   };
-  EXPECT_TRUE(noted(small_t, "L0, a sliding window of 128 tokens, ring attention"));
-  EXPECT_TRUE(noted(scout, "chunks of 8192 tokens, ring attention"));
+  EXPECT_TRUE(noted(small_t, "L0, a sliding window of 128 tokens, a halo of the previous rank's last 32 keys (at the plan's T = "
+                             "32768 and CP = 2: a halo of the previous rank's last 127 keys, not run here)"));
+  EXPECT_TRUE(noted(small_t4, "L0, a sliding window of 128 tokens, the ring masked to the window (at the plan's T = 16384 and CP = "
+                              "4: a halo of the previous rank's last 127 keys, not run here)"));
+  EXPECT_TRUE(noted(scout, "chunks of 8192 tokens, a halo of the previous rank's last 512 keys (at the plan's T = 32768 and CP = 2: "
+                           "no keys from another rank, not run here)"));
+  EXPECT_TRUE(noted(scout4, "chunks of 8192 tokens, the ring masked to the window (at the plan's T = 16384 and CP = 4: no keys from "
+                            "another rank, not run here)"));
 }
 
 TEST(VerifyLayerRing, RefusesOneRankAndNoRing) {

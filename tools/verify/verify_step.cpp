@@ -52,15 +52,25 @@ LayerWindow window_of(const ModelSpec& card, int64_t layer) {
   return {spec.window, spec.attention_window_tokens};
 }
 
-// How the layer component runs a window on a ring of `ring` ranks of T tokens, for its note.
-std::string attention_text(const LayerWindow& w, int64_t T, int64_t ring) {
+// How a window reaches across `cp` ranks of T tokens, in words.
+std::string reach_text(const CpKeyReach& reach) {
+  if (reach.ring) return "the ring masked to the window";
+  if (reach.halo_rows == 0) return "no keys from another rank";
+  return "a halo of the previous rank's last " + std::to_string(reach.halo_rows) + " keys";
+}
+
+// How the layer component runs a window on a ring of `ring` ranks of the scaled T tokens, for its
+// note; and, when the plan's own T and CP reach differently (the window is not scaled), that too.
+std::string attention_text(const LayerWindow& w, const VerifyInputs& in, int64_t T, int64_t ring) {
   if (w.kind == AttentionWindow::Full) return "ring attention,";
-  const CpKeyReach reach = cp_key_reach(w.kind, w.tokens, T, ring);
-  const std::string what =
-      std::string(w.kind == AttentionWindow::Sliding ? "a sliding window of " : "chunks of ") + std::to_string(w.tokens) + " tokens";
-  if (reach.ring) return what + ", ring attention,";
-  if (reach.halo_rows == 0) return what + ", no keys from another rank,";
-  return what + ", a halo of the previous rank's last " + std::to_string(reach.halo_rows) + " keys,";
+  const CpKeyReach here = cp_key_reach(w.kind, w.tokens, T, ring);
+  const CpKeyReach plan = cp_key_reach(w.kind, w.tokens, in.tokens_per_gpu, in.cp);
+  std::string text = std::string(w.kind == AttentionWindow::Sliding ? "a sliding window of " : "chunks of ") + std::to_string(w.tokens) +
+                     " tokens, " + reach_text(here);
+  if (plan.ring != here.ring || plan.halo_rows != here.halo_rows)
+    text += " (at the plan's T = " + std::to_string(in.tokens_per_gpu) + " and CP = " + std::to_string(in.cp) + ": " + reach_text(plan) +
+            ", not run here)";
+  return text + ",";
 }
 
 // The MoE layer's phases; dense-FFN layers' FFN phases (fwd/Ll/ffn, ...) are not run.
@@ -283,7 +293,7 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
                  {"--context", std::to_string(ring * s.tokens)}};
   if (in.vocab_mode == "ring-dtp") flags.emplace_back("--ring-size", "1");
   // One run for each attention the scaled layers hold: full causal (the ring) and each window
-  // (sliding or chunked: a halo, nothing, or the ring, as cp_key_reach says), each the first MoE
+  // (sliding or chunked: a halo, nothing, or the masked ring, as its reach needs), each the first MoE
   // layer of its kind.
   const ModelSpec card = load_plan_model(in);
   const int64_t first = layer_schedule_config(in, s).layer_index;
@@ -298,7 +308,7 @@ void verify_layer_ranks(const VerifyContext& ctx, VerifyReport& report) {
   for (int64_t l : run_layers) {
     nlohmann::ordered_json predicted = prediction;
     if (cp_group->rank() == 0) {
-      report.notes.push_back("layer: L" + std::to_string(l) + ", " + attention_text(window_of(card, l), s.tokens, ring) +
+      report.notes.push_back("layer: L" + std::to_string(l) + ", " + attention_text(window_of(card, l), in, s.tokens, ring) +
                              " on CP = " + r + " ranks (the plan's CP = " + std::to_string(in.cp) + "), each T = " +
                              std::to_string(s.tokens) + " tokens of one sequence; the planner on CP = " + r);
     }
