@@ -16,6 +16,7 @@ void check(const AttentionArgs& a) {
           "tokens must be >= 0, heads and head_dim > 0");
   require(a.q_heads % a.kv_heads == 0, "attention", "q_heads must be a multiple of kv_heads");
   require(a.tile_rows > 0, "attention", "tile_rows must be > 0");
+  require(a.v_head_dim >= 0, "attention", "v_head_dim must be >= 0 (0: head_dim)");
   require(a.q && a.k && a.v && a.out && a.lse, "attention", "needs q, k, v, out and lse");
   require(a.workspace != nullptr, "attention", "needs a workspace");
 }
@@ -48,16 +49,17 @@ template <class T>
 void forward(const AttentionArgs& a) {
   const int64_t B = a.tile_rows;
   const int64_t d = a.head_dim;
+  const int64_t dv = attention_v_dim(a);
   const int64_t group = a.q_heads / a.kv_heads;
   const float scale = scale_of(a);
   float* ws = a.workspace;
   MatMap q_tile(ws, B, d);          // [B, d]
   MatMap k_tile(ws + B * d, B, d);  // [B, d]
-  MatMap v_tile(ws + 2 * B * d, B, d);
-  MatMap acc(ws + 3 * B * d, B, d);  // [B, d] unnormalised output
-  MatMap s(ws + 4 * B * d, B, B);    // [B, B] scores, then probabilities
-  float* row_max = ws + 4 * B * d + B * B;  // [B]
-  float* row_sum = row_max + B;             // [B]
+  MatMap v_tile(ws + 2 * B * d, B, dv);
+  MatMap acc(ws + 2 * B * d + B * dv, B, dv);  // [B, dv] unnormalised output
+  MatMap s(ws + 2 * B * d + 2 * B * dv, B, B);  // [B, B] scores, then probabilities
+  float* row_max = ws + 2 * B * d + 2 * B * dv + B * B;  // [B]
+  float* row_sum = row_max + B;                          // [B]
   const T* q = static_cast<const T*>(a.q);
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
@@ -74,7 +76,7 @@ void forward(const AttentionArgs& a) {
       for (int64_t j0 = 0; j0 < i0 + bq; j0 += B) {  // causal: keys up to the last query row
         const int64_t bk = std::min(B, a.tokens - j0);
         load_rows(k, a.kv_heads, kh, d, j0, bk, k_tile.data());
-        load_rows(v, a.kv_heads, kh, d, j0, bk, v_tile.data());
+        load_rows(v, a.kv_heads, kh, dv, j0, bk, v_tile.data());
         s.topLeftCorner(bq, bk).noalias() =
             scale * (q_tile.topRows(bq) * k_tile.topRows(bk).transpose());
         for (int64_t r = 0; r < bq; ++r) {
@@ -101,7 +103,7 @@ void forward(const AttentionArgs& a) {
         acc.row(r) /= row_sum[r];
         a.lse[h * a.tokens + i0 + r] = row_max[r] + std::log(row_sum[r]);
       }
-      store_rows(acc.data(), a.q_heads, h, d, i0, bq, out);
+      store_rows(acc.data(), a.q_heads, h, dv, i0, bq, out);
     }
   }
 }
@@ -131,12 +133,13 @@ template <class T>
 void load_query_side(const AttentionArgs& a, int64_t h, int64_t i0, int64_t bq,
                      BackwardTiles& t, float* o_scratch) {
   const int64_t d = a.head_dim;
+  const int64_t dv = attention_v_dim(a);
   load_rows(static_cast<const T*>(a.q), a.q_heads, h, d, i0, bq, t.q.data());
-  load_rows(static_cast<const T*>(a.d_out), a.q_heads, h, d, i0, bq, t.d_o.data());
-  load_rows(static_cast<const T*>(a.out), a.q_heads, h, d, i0, bq, o_scratch);
+  load_rows(static_cast<const T*>(a.d_out), a.q_heads, h, dv, i0, bq, t.d_o.data());
+  load_rows(static_cast<const T*>(a.out), a.q_heads, h, dv, i0, bq, o_scratch);
   for (int64_t r = 0; r < bq; ++r) {
     float dot = 0.0f;
-    for (int64_t i = 0; i < d; ++i) dot += o_scratch[r * d + i] * t.d_o(r, i);
+    for (int64_t i = 0; i < dv; ++i) dot += o_scratch[r * dv + i] * t.d_o(r, i);
     t.delta[r] = dot;
     t.lse[r] = a.lse[h * a.tokens + i0 + r];
   }
@@ -146,16 +149,30 @@ template <class T>
 void backward(const AttentionArgs& a) {
   const int64_t B = a.tile_rows;
   const int64_t d = a.head_dim;
+  const int64_t dv = attention_v_dim(a);
   const int64_t group = a.q_heads / a.kv_heads;
   const float scale = scale_of(a);
+  // Tiles in the workspace: q, k, dK/dQ accumulator [B, d]; v, dO, dV accumulator, O rows [B, dv];
+  // p, dS [B, B]; lse, D [B].
   float* ws = a.workspace;
-  BackwardTiles t{MatMap(ws, B, d),           MatMap(ws + B * d, B, d),
-                  MatMap(ws + 2 * B * d, B, d), MatMap(ws + 3 * B * d, B, d),
-                  MatMap(ws + 7 * B * d, B, B), MatMap(ws + 7 * B * d + B * B, B, B),
-                  ws + 7 * B * d + 2 * B * B,   ws + 7 * B * d + 2 * B * B + B};
-  MatMap acc1(ws + 4 * B * d, B, d);  // dK (pass A) or dQ (pass B)
-  MatMap acc2(ws + 5 * B * d, B, d);  // dV (pass A)
-  float* o_scratch = ws + 6 * B * d;  // [B, d] O rows, for D = Σ dO ⊙ O
+  float* at = ws;
+  const auto take = [&](int64_t cols) {
+    float* p = at;
+    at += B * cols;
+    return p;
+  };
+  float* q_tile = take(d);
+  float* k_tile = take(d);
+  float* v_tile = take(dv);
+  float* do_tile = take(dv);
+  MatMap acc1(take(d), B, d);          // dK (pass A) or dQ (pass B)
+  MatMap acc2(take(dv), B, dv);        // dV (pass A)
+  float* o_scratch = take(dv);         // [B, dv] O rows, for D = Σ dO ⊙ O
+  float* p_tile = take(B);
+  float* ds_tile = take(B);
+  float* lse_tile = take(1);
+  BackwardTiles t{MatMap(q_tile, B, d), MatMap(k_tile, B, d), MatMap(v_tile, B, dv), MatMap(do_tile, B, dv),
+                  MatMap(p_tile, B, B), MatMap(ds_tile, B, B), lse_tile, take(1)};
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
 
@@ -165,7 +182,7 @@ void backward(const AttentionArgs& a) {
     for (int64_t j0 = 0; j0 < a.tokens; j0 += B) {
       const int64_t bk = std::min(B, a.tokens - j0);
       load_rows(k, a.kv_heads, kh, d, j0, bk, t.k.data());
-      load_rows(v, a.kv_heads, kh, d, j0, bk, t.v.data());
+      load_rows(v, a.kv_heads, kh, dv, j0, bk, t.v.data());
       acc1.setZero();
       acc2.setZero();
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
@@ -179,7 +196,7 @@ void backward(const AttentionArgs& a) {
         }
       }
       store_rows(acc1.data(), a.kv_heads, kh, d, j0, bk, static_cast<T*>(a.d_k));
-      store_rows(acc2.data(), a.kv_heads, kh, d, j0, bk, static_cast<T*>(a.d_v));
+      store_rows(acc2.data(), a.kv_heads, kh, dv, j0, bk, static_cast<T*>(a.d_v));
     }
   }
   // Pass B: one query tile at a time over the key tiles it sees: dQ = scale · Σ dS·K.
@@ -192,7 +209,7 @@ void backward(const AttentionArgs& a) {
       for (int64_t j0 = 0; j0 < i0 + bq; j0 += B) {
         const int64_t bk = std::min(B, a.tokens - j0);
         load_rows(k, a.kv_heads, kh, d, j0, bk, t.k.data());
-        load_rows(v, a.kv_heads, kh, d, j0, bk, t.v.data());
+        load_rows(v, a.kv_heads, kh, dv, j0, bk, t.v.data());
         probs_and_dscores(t, i0, bq, j0, bk, scale);
         acc1.topRows(bq).noalias() += scale * (t.dp.topLeftCorner(bq, bk) * t.k.topRows(bk));
       }
@@ -205,8 +222,8 @@ void backward(const AttentionArgs& a) {
 
 int64_t attention_workspace_bytes(const AttentionArgs& a) {
   const int64_t B = a.tile_rows;
-  // Backward: q, k, v, dO, acc1, acc2, O scratch [B, d]; p, dS [B, B]; lse, D [B].
-  return (7 * B * a.head_dim + 2 * B * B + 2 * B) * 4;
+  // Backward (the larger): q, k, acc1 [B, d]; v, dO, acc2, O scratch [B, dv]; p, dS [B, B]; lse, D [B].
+  return (3 * B * a.head_dim + 4 * B * attention_v_dim(a) + 2 * B * B + 2 * B) * 4;
 }
 
 void attention_forward_cpu(const AttentionArgs& a) {

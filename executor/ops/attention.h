@@ -16,22 +16,25 @@ struct AttentionArgs {
   DType dtype = DType::F32;     // storage of q, k, v, out and their gradients
   const void* q = nullptr;      // [T, a, d]
   const void* k = nullptr;      // [T, g, d]
-  const void* v = nullptr;      // [T, g, d]
-  void* out = nullptr;          // [T, a, d]  forward output; read by backward
+  const void* v = nullptr;      // [T, g, dv]
+  void* out = nullptr;          // [T, a, dv]  forward output; read by backward
   float* lse = nullptr;         // [a, T] fp32 log-sum-exp of the scaled scores, per query row
-  const void* d_out = nullptr;  // [T, a, d]
+  const void* d_out = nullptr;  // [T, a, dv]
   void* d_q = nullptr;          // [T, a, d]  overwritten
   void* d_k = nullptr;          // [T, g, d]  overwritten
-  void* d_v = nullptr;          // [T, g, d]  overwritten
-  float* workspace = nullptr;   // attention_workspace_bytes(): fp32 tiles, O(tile · d)
+  void* d_v = nullptr;          // [T, g, dv]  overwritten
+  float* workspace = nullptr;   // attention_workspace_bytes(): fp32 tiles, O(tile · (d + dv))
   int64_t tokens = 0;           // T (one sequence; causal over it)
   int64_t q_heads = 0;          // a; a multiple of kv_heads
   int64_t kv_heads = 0;         // g; query head h reads kv head h / (a / g)
-  int64_t head_dim = 0;         // d
+  int64_t head_dim = 0;         // d, of q and k
+  int64_t v_head_dim = 0;       // dv, of v and the output; 0 means d (MLA: d = nope + rope, dv apart)
   int64_t tile_rows = 32;       // rows per query tile and per key tile
   float softmax_scale = 0.0f;   // 0 means 1 / sqrt(d)
 };
 
+// dv: v_head_dim, or head_dim when it is 0.
+inline int64_t attention_v_dim(const AttentionArgs& args) { return args.v_head_dim > 0 ? args.v_head_dim : args.head_dim; }
 int64_t attention_workspace_bytes(const AttentionArgs& args);
 void attention_forward_cpu(const AttentionArgs& args);
 // dK and dV come from a pass over key tiles, dQ from a pass over query tiles; each recomputes

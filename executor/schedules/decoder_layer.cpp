@@ -79,12 +79,14 @@ class LayerCore final : public DecoderLayer::Engine {
   LayerCore(TrackingAllocator& alloc, const LayerScheduleConfig& c, const LayerWeightPtrs& w, Communicator* ep_group,
             Communicator* cp_group)
       : a_(alloc), c_(c), T_(c.tokens), H_(c.hidden), A_(c.q_heads), G_(c.kv_heads),
-        D_(c.head_dim), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
+        D_(c.head_dim), Dv_(c.v_head_dim > 0 ? c.v_head_dim : c.head_dim), QL_(c.q_lora), KL_(c.kv_lora), RD_(c.rope_dim),
+        mla_(c.kv_lora > 0), E_(c.experts), EL_(c.experts / c.ep), K_(c.top_k), F_(c.expert_ffn),
         FS_(c.dense_ffn > 0 ? c.dense_ffn : c.shared_ffn), TK_(T_ * K_), dense_(c.dense_ffn > 0), gated_(c.shared_gate),
         ln_(c.layer_norm), norm1_bias_(cast(w.norm1_bias)), norm2_bias_(cast(w.norm2_bias)),
         norm1_(cast(w.norm1)), wq_(cast(w.wq)), wk_(cast(w.wk)), wv_(cast(w.wv)), wo_(cast(w.wo)), norm2_(cast(w.norm2)),
         wr_(cast(w.router)), wgu_(cast(w.w_gate_up)), wd_(cast(w.w_down)), wsgu_(cast(w.shared_gate_up)), wsd_(cast(w.shared_down)),
-        wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), comm_(c.ep > 1 ? ep_group : nullptr),
+        wsg_(cast(w.shared_gate)), wb_(cast(w.b_expert)), wq_a_(cast(w.wq_a)), q_norm_(cast(w.q_norm)), wq_b_(cast(w.wq_b)),
+        wkv_a_(cast(w.wkv_a)), kv_norm_(cast(w.kv_norm)), wkv_b_(cast(w.wkv_b)), comm_(c.ep > 1 ? ep_group : nullptr),
         cp_(c.cp > 1 ? cp_group : nullptr), mask_{c.attention_window, c.attention_chunk}, halo_(halo_from_mask(c, mask_)) {
     if (c.expert_bias != (wb_ != nullptr))
       throw std::invalid_argument("decoder layer: the b_expert weight must be given exactly when expert_bias is set");
@@ -194,6 +196,7 @@ class LayerCore final : public DecoderLayer::Engine {
     at.q_heads = A_;
     at.kv_heads = G_;
     at.head_dim = D_;
+    at.v_head_dim = Dv_;
     return at;
   }
 
@@ -202,15 +205,20 @@ class LayerCore final : public DecoderLayer::Engine {
     norm(1, *x_, n1_, stats, 0);
   }
 
-  // q, k, v, flash attention (o, lse). The op's tiles are on-chip memory on a GPU.
-  void attention_forward() {
-    q_ = act({T_, A_ * D_});
-    k_ = act({T_, G_ * D_});
-    v_ = act({T_, G_ * D_});
-    linear(n1_, wq_, q_, H_, A_ * D_);
-    linear(n1_, wk_, k_, H_, G_ * D_);
-    linear(n1_, wv_, v_, H_, G_ * D_);
-    o_ = act({T_, A_ * D_});
+  // q, k, v (MLA: from its latents; the latent norms' statistics in rows `latent_row`.. of
+  // `stats`), flash attention (o, lse). The op's tiles are on-chip memory on a GPU.
+  void attention_forward(NormStats& stats, int64_t latent_row) {
+    if (mla_) {
+      mla_projections(stats, latent_row);
+    } else {
+      q_ = act({T_, A_ * D_});
+      k_ = act({T_, G_ * D_});
+      v_ = act({T_, G_ * Dv_});
+      linear(n1_, wq_, q_, H_, A_ * D_);
+      linear(n1_, wk_, k_, H_, G_ * D_);
+      linear(n1_, wv_, v_, H_, G_ * Dv_);
+    }
+    o_ = act({T_, A_ * Dv_});
     lse_ = f32({A_, T_}, kAct);
     if (rings()) {
       ring_attention_forward();
@@ -226,11 +234,139 @@ class LayerCore final : public DecoderLayer::Engine {
     attention_forward_cpu(at);
   }
 
-  // This rank's K,V packed into a ring chunk (K then V).
+  // ---- MLA (multi-head latent attention; config kv_lora > 0)
+
+  // Rows of the saved statistics MLA's latent norms take (the q latent's, then the kv latent's).
+  int64_t latent_norm_rows() const { return mla_ ? (QL_ > 0 ? 2 : 1) : 0; }
+  int64_t NP() const { return D_ - RD_; }  // each head's k_nope (and q_nope) width
+
+  // RMSNorm of a latent [T, width] into out, its rstd in row `row` of `stats`.
+  void latent_norm(const Tensor& latent, const S* weight, int64_t width, Tensor& out, NormStats& stats, int64_t row) {
+    RmsNormArgs n;
+    n.dtype = c_.dtype;
+    n.x = latent.raw();
+    n.weight = weight;
+    n.out = out.raw();
+    n.rstd = stats.rstd.template data<float>() + row * T_;
+    n.tokens = T_;
+    n.hidden = width;
+    rmsnorm_forward_cpu(n);
+  }
+  void latent_norm_backward(const Tensor& latent, const S* weight, int64_t width, int64_t row, const Tensor& d_out, Tensor& d_x,
+                            void* d_weight) {
+    RmsNormArgs n;
+    n.dtype = c_.dtype;
+    n.x = latent.raw();
+    n.weight = weight;
+    n.rstd = stats_.rstd.template data<float>() + row * T_;
+    n.d_out = d_out.raw();
+    n.d_x = d_x.raw();
+    n.d_weight = d_weight;
+    n.tokens = T_;
+    n.hidden = width;
+    Tensor ws = f32({rmsnorm_workspace_bytes(n) / 4}, Category::Workspace);
+    n.workspace = ws.data<float>();
+    rmsnorm_backward_cpu(n);
+  }
+
+  // q, k, v from the latents. Peaks: the q side holds the q latent, its normed copy and q; the kv
+  // side the kv latent, k_rope [T, rope], the normed kv latent, k and v (the normed latents and
+  // k_rope freed before the attention's o and lse are made).
+  void mla_projections(NormStats& stats, int64_t row) {
+    q_ = act({T_, A_ * D_});
+    if (QL_ > 0) {
+      cq_ = act({T_, QL_});
+      linear(n1_, wq_a_, cq_, H_, QL_);
+      Tensor cqn = act({T_, QL_});
+      latent_norm(cq_, q_norm_, QL_, cqn, stats, row);
+      linear(cqn, wq_b_, q_, QL_, A_ * D_);
+    } else {
+      linear(n1_, wq_, q_, H_, A_ * D_);
+    }
+    ckv_ = act({T_, KL_});
+    linear(n1_, wkv_a_, ckv_, H_, KL_);  // the first kv_lora rows of W_kv_a
+    k_ = act({T_, A_ * D_});
+    v_ = act({T_, A_ * Dv_});
+    Tensor k_rope = act({T_, RD_});
+    linear(n1_, wkv_a_ + KL_ * H_, k_rope, H_, RD_);  // its last rope_dim rows
+    Tensor ckvn = act({T_, KL_});
+    latent_norm(ckv_, kv_norm_, KL_, ckvn, stats, row + (QL_ > 0 ? 1 : 0));
+    S* k = k_.data<S>();
+    for (int64_t h = 0; h < A_; ++h)  // head h's k_nope straight into its columns of k
+      gemm_cpu(false, true, T_, NP(), KL_, 1.0f, ckvn.data<S>(), KL_, wkv_b_ + h * NP() * KL_, KL_, false, k + h * D_, A_ * D_);
+    gemm_cpu(false, true, T_, A_ * Dv_, KL_, 1.0f, ckvn.data<S>(), KL_, wkv_b_ + A_ * NP() * KL_, KL_, false, v_.data<S>(), A_ * Dv_);
+    const S* kr = k_rope.data<S>();
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t h = 0; h < A_; ++h) std::copy(kr + t * RD_, kr + (t + 1) * RD_, k + (t * A_ + h) * D_ + NP());
+  }
+
+  // The projections' backward from dq, dk, dv into d norm-1 output (overwritten) and the grads of
+  // W_q_a, q_norm, W_q_b (or W_q), W_kv_a, kv_norm, W_kv_b. The normed latents are recomputed from
+  // the saved latents and statistics (the same arithmetic as the forward's). Peaks: the q side
+  // holds two [T, q_lora] buffers; the kv side d normed kv latent [T, kv_lora] with its fp32
+  // accumulator (the heads' k_nope parts summed in fp32), then with the normed kv latent, then
+  // d kv latent [T, kv_lora] with d k_rope [T, rope].
+  void mla_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, Tensor& dn1, const LayerWeightPtrs& gw) {
+    const S* n1 = n1_.data<S>();
+    S* out = dn1.data<S>();
+    const int64_t kv_row = 2 + (QL_ > 0 ? 1 : 0);
+    if (QL_ > 0) {
+      Tensor d_cqn = act({T_, QL_});
+      gemm_cpu(false, false, T_, QL_, A_ * D_, 1.0f, dq.data<S>(), A_ * D_, wq_b_, QL_, false, d_cqn.data<S>(), QL_);
+      {
+        Tensor cqn = act({T_, QL_});
+        latent_norm(cq_, q_norm_, QL_, cqn, stats_, 2);  // rewrites the saved rstd with the same values
+        gemm_cpu(true, false, A_ * D_, QL_, T_, 1.0f, dq.data<S>(), A_ * D_, cqn.data<S>(), QL_, true, static_cast<S*>(gw.wq_b), QL_);
+      }
+      Tensor d_cq = act({T_, QL_});
+      latent_norm_backward(cq_, q_norm_, QL_, 2, d_cqn, d_cq, gw.q_norm);
+      d_cqn.reset();
+      gemm_cpu(false, false, T_, H_, QL_, 1.0f, d_cq.data<S>(), QL_, wq_a_, H_, false, out, H_);
+      gemm_cpu(true, false, QL_, H_, T_, 1.0f, d_cq.data<S>(), QL_, n1, H_, true, static_cast<S*>(gw.wq_a), H_);
+    } else {
+      gemm_cpu(false, false, T_, H_, A_ * D_, 1.0f, dq.data<S>(), A_ * D_, wq_, H_, false, out, H_);
+      gemm_cpu(true, false, A_ * D_, H_, T_, 1.0f, dq.data<S>(), A_ * D_, n1, H_, true, static_cast<S*>(gw.wq), H_);
+    }
+    S* g_wkvb = static_cast<S*>(gw.wkv_b);
+    Tensor d_ckvn = act({T_, KL_});
+    {
+      Tensor acc = f32({T_, KL_}, kAct);  // d normed kv latent over every head, in fp32
+      for (int64_t h = 0; h < A_; ++h)
+        gemm_cpu(false, false, T_, KL_, NP(), 1.0f, dk.data<S>() + h * D_, A_ * D_, wkv_b_ + h * NP() * KL_, KL_, h > 0, acc.data<float>(),
+                 KL_);
+      gemm_cpu(false, false, T_, KL_, A_ * Dv_, 1.0f, dv.data<S>(), A_ * Dv_, wkv_b_ + A_ * NP() * KL_, KL_, true, acc.data<float>(), KL_);
+      for (int64_t i = 0; i < T_ * KL_; ++i) store_f32(d_ckvn.data<S>() + i, acc.data<float>()[i]);
+    }
+    {
+      Tensor ckvn = act({T_, KL_});
+      latent_norm(ckv_, kv_norm_, KL_, ckvn, stats_, kv_row);
+      for (int64_t h = 0; h < A_; ++h)
+        gemm_cpu(true, false, NP(), KL_, T_, 1.0f, dk.data<S>() + h * D_, A_ * D_, ckvn.data<S>(), KL_, true, g_wkvb + h * NP() * KL_, KL_);
+      gemm_cpu(true, false, A_ * Dv_, KL_, T_, 1.0f, dv.data<S>(), A_ * Dv_, ckvn.data<S>(), KL_, true, g_wkvb + A_ * NP() * KL_, KL_);
+    }
+    Tensor d_ckv = act({T_, KL_});
+    latent_norm_backward(ckv_, kv_norm_, KL_, kv_row, d_ckvn, d_ckv, gw.kv_norm);
+    d_ckvn.reset();
+    Tensor d_kr = act({T_, RD_});  // k_rope's gradient: every head's rope columns of dk, summed in fp32
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t x = 0; x < RD_; ++x) {
+        float sum = 0.0f;
+        for (int64_t h = 0; h < A_; ++h) sum += to_f32(dk.data<S>()[(t * A_ + h) * D_ + NP() + x]);
+        store_f32(d_kr.data<S>() + t * RD_ + x, sum);
+      }
+    S* g_wkva = static_cast<S*>(gw.wkv_a);
+    gemm_cpu(false, false, T_, H_, KL_, 1.0f, d_ckv.data<S>(), KL_, wkv_a_, H_, true, out, H_);
+    gemm_cpu(false, false, T_, H_, RD_, 1.0f, d_kr.data<S>(), RD_, wkv_a_ + KL_ * H_, H_, true, out, H_);
+    gemm_cpu(true, false, KL_, H_, T_, 1.0f, d_ckv.data<S>(), KL_, n1, H_, true, g_wkva, H_);
+    gemm_cpu(true, false, RD_, H_, T_, 1.0f, d_kr.data<S>(), RD_, n1, H_, true, g_wkva + KL_ * H_, H_);
+  }
+
+  // This rank's K,V packed into a ring chunk (K [T, g, d] then V [T, g, dv]).
+  int64_t kv_chunk_elems(int64_t rows) const { return rows * G_ * (D_ + Dv_); }
   void pack_kv(Tensor& chunk) {
-    const int64_t n = T_ * G_ * D_;
-    std::copy(k_.data<S>(), k_.data<S>() + n, chunk.data<S>());
-    std::copy(v_.data<S>(), v_.data<S>() + n, chunk.data<S>() + n);
+    const int64_t nk = T_ * G_ * D_, nv = T_ * G_ * Dv_;
+    std::copy(k_.data<S>(), k_.data<S>() + nk, chunk.data<S>());
+    std::copy(v_.data<S>(), v_.data<S>() + nv, chunk.data<S>() + nk);
   }
   // The chunk held at ring step s came from rank (r − s) mod CP: its own at s = 0 (causal),
   // an earlier chunk of the sequence when that rank is below r, else a later one (skipped).
@@ -243,12 +379,12 @@ class LayerCore final : public DecoderLayer::Engine {
   int64_t first_position() const { return cp_ != nullptr ? cp_->rank() * T_ : 0; }
 
   // Ring attention forward into o, lse: peak norm-1 output, q, k, v, o, lse, two K,V chunks in
-  // flight, the output accumulator [T, a·d] and lse accumulator [a, T] (fp32).
+  // flight, the output accumulator [T, a·dv] and lse accumulator [a, T] (fp32).
   void ring_attention_forward() {
-    const int64_t n = 2 * T_ * G_ * D_;
+    const int64_t n = kv_chunk_elems(T_);
     Tensor chunk[2] = {act({n}), act({n})};
-    Tensor acc = f32({T_, A_ * D_}, kAct), lse_acc = f32({A_, T_}, kAct);
-    std::fill(acc.data<float>(), acc.data<float>() + T_ * A_ * D_, 0.0f);
+    Tensor acc = f32({T_, A_ * Dv_}, kAct), lse_acc = f32({A_, T_}, kAct);
+    std::fill(acc.data<float>(), acc.data<float>() + T_ * A_ * Dv_, 0.0f);
     std::fill(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, -INFINITY);
     pack_kv(chunk[0]);
     int cur = 0;
@@ -259,9 +395,9 @@ class LayerCore final : public DecoderLayer::Engine {
       }
       if (chunk_source(step) <= cp_->rank())
         layer_detail::ring_attention_fold<S>(q_.data<S>(), chunk[cur].data<S>(), acc.data<float>(), lse_acc.data<float>(), T_, A_,
-                                             G_, D_, mask_, first_position(), chunk_source(step) * T_);
+                                             G_, dims(), mask_, first_position(), chunk_source(step) * T_);
     }
-    for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(o_.data<S>() + i, acc.data<float>()[i]);
+    for (int64_t i = 0; i < T_ * A_ * Dv_; ++i) store_f32(o_.data<S>() + i, acc.data<float>()[i]);
     std::copy(lse_acc.data<float>(), lse_acc.data<float>() + A_ * T_, lse_.data<float>());
   }
 
@@ -269,27 +405,28 @@ class LayerCore final : public DecoderLayer::Engine {
   // sent on by every rank (the first rank's, from the last rank, is not attended to).
   int64_t halo_rows() const { return cp_ != nullptr ? std::max<int64_t>(0, halo_) : 0; }
   void receive_halo(Tensor& halo_kv) {
-    const int64_t n = halo_rows() * G_ * D_, from = (T_ - halo_rows()) * G_ * D_;
-    cp_->sendrecv_shift(k_.data<S>() + from, halo_kv.data<S>(), n, c_.dtype, 1);
-    cp_->sendrecv_shift(v_.data<S>() + from, halo_kv.data<S>() + n, n, c_.dtype, 1);
+    const int64_t rows = halo_rows(), from = T_ - rows;
+    cp_->sendrecv_shift(k_.data<S>() + from * G_ * D_, halo_kv.data<S>(), rows * G_ * D_, c_.dtype, 1);
+    cp_->sendrecv_shift(v_.data<S>() + from * G_ * Dv_, halo_kv.data<S>() + rows * G_ * D_, rows * G_ * Dv_, c_.dtype, 1);
   }
+  layer_detail::HeadDims dims() const { return {D_, Dv_}; }
   // Whether this rank's queries attend to a halo (not the sequence's first rank), and whether its
   // own last keys are in the next rank's (not the last rank).
   bool attends_halo() const { return halo_rows() > 0 && cp_->rank() > 0; }
   bool feeds_halo() const { return halo_rows() > 0 && cp_->rank() + 1 < c_.cp; }
 
-  // Windowed attention into o, lse; at CP > 1 peak adds the halo K,V [2, halo, g·d].
+  // Windowed attention into o, lse; at CP > 1 peak adds the halo K,V [halo, g·(d + dv)].
   void windowed_attention_forward() {
     const int64_t halo = halo_rows();
     Tensor halo_kv;
     if (halo > 0) {
-      halo_kv = act({2 * halo * G_ * D_});
+      halo_kv = act({kv_chunk_elems(halo)});
       receive_halo(halo_kv);
     }
-    Tensor row = f32({D_}, Category::Workspace);
+    Tensor row = f32({Dv_}, Category::Workspace);
     layer_detail::windowed_attention_forward<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), halo > 0 ? halo_kv.data<S>() : nullptr,
                                                 attends_halo() ? halo : 0, o_.data<S>(), lse_.data<float>(), row.data<float>(), T_, A_,
-                                                G_, D_, mask_, first_position());
+                                                G_, dims(), mask_, first_position());
   }
 
   // Windowed attention backward into dq, dk, dv. At CP > 1: the halo K,V again (chunk[0]),
@@ -297,8 +434,8 @@ class LayerCore final : public DecoderLayer::Engine {
   // rows (dchunk[1]), left for the caller to release as the ring's buffers are.
   void windowed_attention_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta,
                                    Tensor (&chunk)[2], Tensor (&dchunk)[2]) {
-    const int64_t halo = halo_rows(), n = 2 * halo * G_ * D_;
-    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, D_);
+    const int64_t halo = halo_rows(), n = kv_chunk_elems(halo);
+    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, Dv_);
     std::fill(dq_acc.data<float>(), dq_acc.data<float>() + T_ * A_ * D_, 0.0f);
     if (halo > 0) {
       chunk[0] = act({n});
@@ -309,14 +446,14 @@ class LayerCore final : public DecoderLayer::Engine {
       if (attends_halo())
         layer_detail::windowed_attention_backward_halo<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
                                                           chunk[0].data<S>(), halo, dchunk[0].data<float>(), dq_acc.data<float>(), T_,
-                                                          A_, G_, D_, mask_, first_position());
+                                                          A_, G_, dims(), mask_, first_position());
       cp_->sendrecv_shift(dchunk[0].raw(), dchunk[1].raw(), n, DType::F32, -1);  // to the previous rank, from the next
     }
-    Tensor regs = f32({2 * D_}, Category::Workspace);
+    Tensor regs = f32({D_ + Dv_}, Category::Workspace);
     layer_detail::windowed_attention_backward_local<S>(q_.data<S>(), k_.data<S>(), v_.data<S>(), d_o.data<S>(), lse_.data<float>(),
                                                        delta.data<float>(), feeds_halo() ? dchunk[1].data<float>() : nullptr, halo,
                                                        regs.data<float>(), dq_acc.data<float>(), dk.data<S>(), dv.data<S>(), T_, A_,
-                                                       G_, D_, mask_, first_position());
+                                                       G_, dims(), mask_, first_position());
     for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, dq_acc.data<float>()[i]);
   }
 
@@ -324,10 +461,10 @@ class LayerCore final : public DecoderLayer::Engine {
   // `chunk` and `dchunk` for the caller to release (after d norm-1 output is allocated).
   void ring_attention_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta,
                                Tensor (&chunk)[2], Tensor (&dchunk)[2]) {
-    const int64_t n = 2 * T_ * G_ * D_;
+    const int64_t n = kv_chunk_elems(T_);
     for (int i = 0; i < 2; ++i) chunk[i] = act({n});
     for (int i = 0; i < 2; ++i) dchunk[i] = f32({n}, kAct);
-    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, D_);
+    layer_detail::attention_row_delta<S>(d_o.data<S>(), o_.data<S>(), delta.data<float>(), T_, A_, Dv_);
     std::fill(dq_acc.data<float>(), dq_acc.data<float>() + T_ * A_ * D_, 0.0f);
     std::fill(dchunk[0].data<float>(), dchunk[0].data<float>() + n, 0.0f);
     pack_kv(chunk[0]);
@@ -341,22 +478,20 @@ class LayerCore final : public DecoderLayer::Engine {
       if (chunk_source(step) <= cp_->rank())
         layer_detail::ring_attention_backward_chunk<S>(q_.data<S>(), d_o.data<S>(), lse_.data<float>(), delta.data<float>(),
                                                        chunk[cur].data<S>(), dq_acc.data<float>(), dchunk[cur].data<float>(), T_,
-                                                       A_, G_, D_, mask_, first_position(), chunk_source(step) * T_);
+                                                       A_, G_, dims(), mask_, first_position(), chunk_source(step) * T_);
     }
     // The chunk here is rank r + 1's: one more shift brings every dK,dV home.
     cp_->sendrecv_shift(dchunk[cur].raw(), dchunk[1 - cur].raw(), n, DType::F32, 1);
     const float* home = dchunk[1 - cur].data<float>();
-    for (int64_t i = 0; i < T_ * G_ * D_; ++i) {
-      store_f32(dk.data<S>() + i, home[i]);
-      store_f32(dv.data<S>() + i, home[T_ * G_ * D_ + i]);
-    }
+    for (int64_t i = 0; i < T_ * G_ * D_; ++i) store_f32(dk.data<S>() + i, home[i]);
+    for (int64_t i = 0; i < T_ * G_ * Dv_; ++i) store_f32(dv.data<S>() + i, home[T_ * G_ * D_ + i]);
     for (int64_t i = 0; i < T_ * A_ * D_; ++i) store_f32(dq.data<S>() + i, dq_acc.data<float>()[i]);
   }
 
   // h1 = x + o · Woᵀ (the attention residual).
   void attention_residual() {
     h1_ = act({T_, H_});
-    linear(o_, wo_, h1_, A_ * D_, H_);
+    linear(o_, wo_, h1_, A_ * Dv_, H_);
     S* h = h1_.data<S>();
     const S* x = x_->data<S>();
     for (int64_t i = 0; i < T_ * H_; ++i) store_f32(h + i, to_f32(h[i]) + to_f32(x[i]));
@@ -615,8 +750,11 @@ class LayerCore final : public DecoderLayer::Engine {
       NormStats stats1 = norm_stats(1);  // not saved without grad
       norm1(stats1);
     }
-    attention_forward();
-    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), lse_.reset();
+    {
+      NormStats latent_stats = norm_stats(latent_norm_rows());  // MLA's latent norms (not saved); none without MLA
+      attention_forward(latent_stats, 0);
+    }
+    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), lse_.reset(), cq_.reset(), ckv_.reset();
     attention_residual();
     o_.reset();
     if (dense_) return dense_forward_no_grad(p);
@@ -663,9 +801,9 @@ class LayerCore final : public DecoderLayer::Engine {
     a_.set_phase(p + "attn");  // peak: saved attention set, rstd [2, T], dy and the residual grad accumulator
     if (on_start) on_start();
     if (grad_stream) start_grad_stream(grad_stream());
-    stats_ = norm_stats(2);  // rstd (and the mean, LayerNorm) of norm-1 and norm-2, saved
+    stats_ = norm_stats(2 + latent_norm_rows());  // rstd (and the mean, LayerNorm) of norm-1, norm-2 and MLA's latents, saved
     norm1(stats_);
-    attention_forward();
+    attention_forward(stats_, 2);
     if (dense_) return dense_recompute(p, keep_output);
     a_.set_phase(p + "moe/dispatch");  // + h1, norm-2 output; routing, send, receive
     attention_residual();
@@ -1002,7 +1140,7 @@ class LayerCore final : public DecoderLayer::Engine {
 
     a_.set_phase(p + "attn");  // peak: saved attention set, grad stream, d o, dq, dk, dv, dq accumulator, delta, d norm-1 output
                                // (CP > 1: and the ring's K,V chunks and dK,dV accumulators)
-    Tensor d_o = act({T_, A_ * D_});
+    Tensor d_o = act({T_, A_ * Dv_});
     {
       LinearArgs l;
       l.dtype = c_.dtype;
@@ -1012,11 +1150,11 @@ class LayerCore final : public DecoderLayer::Engine {
       l.d_x = d_o.raw();
       l.d_w = g_wo;
       l.tokens = T_;
-      l.in_features = A_ * D_;
+      l.in_features = A_ * Dv_;
       l.out_features = H_;
       linear_backward_cpu(l);
     }
-    Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * D_});
+    Tensor dq = act({T_, A_ * D_}), dk = act({T_, G_ * D_}), dv = act({T_, G_ * Dv_});
     Tensor dq_acc = f32({T_, A_ * D_}, kAct), delta = f32({A_, T_}, kAct);
     Tensor chunk[2], dchunk[2];  // CP > 1: ring attention's K,V chunks and dK,dV accumulators, or a window's halo
     if (rings()) ring_attention_backward(d_o, dq, dk, dv, dq_acc, delta, chunk, dchunk);
@@ -1025,7 +1163,8 @@ class LayerCore final : public DecoderLayer::Engine {
     Tensor dn1 = act({T_, H_});
     dq_acc.reset(), delta.reset();
     for (int i = 0; i < 2; ++i) chunk[i].reset(), dchunk[i].reset();
-    qkv_backward(dq, dk, dv, dn1, g_wq, g_wk, g_wv);
+    if (mla_) mla_backward(dq, dk, dv, dn1, gw);
+    else qkv_backward(dq, dk, dv, dn1, g_wq, g_wk, g_wv);
     d_o.reset(), dq.reset(), dk.reset(), dv.reset();
     {
       Tensor dxn = act({T_, H_});
@@ -1033,7 +1172,7 @@ class LayerCore final : public DecoderLayer::Engine {
       dn1.reset();
       accumulate_residual(dxn);
     }
-    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), o_.reset(), lse_.reset(), stats_ = NormStats{};
+    n1_.reset(), q_.reset(), k_.reset(), v_.reset(), o_.reset(), lse_.reset(), cq_.reset(), ckv_.reset(), stats_ = NormStats{};
     // The layer input's gradient (the next layer's dy), in the storage dtype.
     Tensor dx = act({T_, H_});
     for (int64_t i = 0; i < T_ * H_; ++i) store_f32(dx.data<S>() + i, res_acc_.data<float>()[i]);
@@ -1091,8 +1230,8 @@ class LayerCore final : public DecoderLayer::Engine {
   // FlashAttention-2's backward (decoder_layer_parts.h) over the saved q, k, v, o, lse; its dK,
   // dV row registers are a [2, d] scratch.
   void flash2_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta) {
-    Tensor regs = f32({2 * D_}, Category::Workspace);
-    const SavedAttention<S> saved{q_.data<S>(), k_.data<S>(), v_.data<S>(), o_.data<S>(), lse_.data<float>(), T_, A_, G_, D_};
+    Tensor regs = f32({D_ + Dv_}, Category::Workspace);
+    const SavedAttention<S> saved{q_.data<S>(), k_.data<S>(), v_.data<S>(), o_.data<S>(), lse_.data<float>(), T_, A_, G_, dims()};
     flash2_attention_backward<S>(saved, d_o.data<S>(), dq_acc.data<float>(), delta.data<float>(), regs.data<float>(), dq.data<S>(),
                                  dk.data<S>(), dv.data<S>());
   }
@@ -1103,21 +1242,25 @@ class LayerCore final : public DecoderLayer::Engine {
     S* out = dn1.data<S>();
     gemm_cpu(false, false, T_, H_, A_ * D_, 1.0f, dq.data<S>(), A_ * D_, wq_, H_, false, out, H_);
     gemm_cpu(false, false, T_, H_, G_ * D_, 1.0f, dk.data<S>(), G_ * D_, wk_, H_, true, out, H_);
-    gemm_cpu(false, false, T_, H_, G_ * D_, 1.0f, dv.data<S>(), G_ * D_, wv_, H_, true, out, H_);
+    gemm_cpu(false, false, T_, H_, G_ * Dv_, 1.0f, dv.data<S>(), G_ * Dv_, wv_, H_, true, out, H_);
     gemm_cpu(true, false, A_ * D_, H_, T_, 1.0f, dq.data<S>(), A_ * D_, n1, H_, true, g_wq, H_);
     gemm_cpu(true, false, G_ * D_, H_, T_, 1.0f, dk.data<S>(), G_ * D_, n1, H_, true, g_wk, H_);
-    gemm_cpu(true, false, G_ * D_, H_, T_, 1.0f, dv.data<S>(), G_ * D_, n1, H_, true, g_wv, H_);
+    gemm_cpu(true, false, G_ * Dv_, H_, T_, 1.0f, dv.data<S>(), G_ * Dv_, n1, H_, true, g_wv, H_);
   }
 
   TrackingAllocator& a_;
   const LayerScheduleConfig c_;
-  const int64_t T_, H_, A_, G_, D_, E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here; FS_ shared or dense FFN width
+  const int64_t T_, H_, A_, G_, D_, Dv_;  // Dv_: the value width (v, o), D_ that of q and k
+  const int64_t QL_, KL_, RD_;            // MLA: q latent, kv latent, k_rope widths (0 without MLA; QL_ 0: no q latent)
+  const bool mla_;                        // multi-head latent attention (KL_ > 0)
+  const int64_t E_, EL_, K_, F_, FS_, TK_;  // E_ routed over, EL_ computed here; FS_ shared or dense FFN width
   const bool dense_;  // a dense FFN layer: the SwiGLU MLP (shared_forward) in place of the MoE block
   const bool gated_;  // the shared experts' output scaled by a per-token sigmoid gate
   const bool ln_;     // LayerNorm norms (with biases) in place of RMSNorm
   const S *norm1_bias_, *norm2_bias_;  // LayerNorm's biases (null without)
   const S *norm1_, *wq_, *wk_, *wv_, *wo_, *norm2_, *wr_, *wgu_, *wd_, *wsgu_, *wsd_, *wsg_;  // the caller's weights
   const S* wb_;                       // the experts' biases [E/EP, 2F + H] (null without)
+  const S *wq_a_, *q_norm_, *wq_b_, *wkv_a_, *kv_norm_, *wkv_b_;  // MLA's projections (null without)
   Communicator* comm_;                // the EP group (EP > 1), else null
   Communicator* cp_;                  // the CP ring (CP > 1), else null
   const layer_detail::KeyWindow mask_;  // the keys each query attends to (sliding or chunked window)
@@ -1128,7 +1271,9 @@ class LayerCore final : public DecoderLayer::Engine {
   const Tensor* x_ = nullptr;  // the layer's input (boundary) of the current call
   Tensor dy_, res_acc_;
   Tensor n1_, q_, k_, v_, o_, lse_, h1_, n2_, sgu_, sact_;
-  NormStats stats_;  // the saved statistics of norm-1 (row 0) and norm-2 (row 1)
+  Tensor cq_, ckv_;  // MLA: the q latent [T, q_lora] and kv latent [T, kv_lora], saved for the latent norms' backward
+  // The saved statistics of norm-1 (row 0) and norm-2 (row 1), then MLA's latent norms (q latent, kv latent).
+  NormStats stats_;
   Tensor sout_, sgate_;  // gated shared experts: their ungated output [T, H] and the gate [T] (then d gate logit), saved
   Tensor logits_, scores_, scattered_, topw_, topid_;
   std::unique_ptr<ByteBuffer> map_;

@@ -32,7 +32,19 @@ struct LayerScheduleConfig {
   int64_t hidden = 0;      // H
   int64_t q_heads = 0;     // a
   int64_t kv_heads = 0;    // g (a multiple of it is a)
-  int64_t head_dim = 0;    // d (q, k and v)
+  int64_t head_dim = 0;    // d (q and k; v too unless v_head_dim)
+  int64_t v_head_dim = 0;  // dv, of v and the attention output (0: d)
+  // Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) when kv_lora > 0, in place of the q, k, v
+  // projections: q = RMSNorm(norm-1 output · W_q_aᵀ) · W_q_bᵀ (q_lora > 0; else norm-1 output ·
+  // W_qᵀ); the kv latent = norm-1 output · W_kv_aᵀ, its first kv_lora columns RMS-normed and
+  // projected by W_kv_b into each head's k_nope [d − rope_dim] and v [dv], its last rope_dim
+  // columns (k_rope) the rest of every head's k. kv_heads = q_heads. The latents q latent
+  // [T, q_lora] and kv latent [T, kv_lora] are saved (their norms' statistics beside norm-1's and
+  // norm-2's); the normed latents and k_rope are transients, recomputed in backward. RoPE itself
+  // is not applied (as for every layer here): it changes no buffer.
+  int64_t q_lora = 0;
+  int64_t kv_lora = 0;
+  int64_t rope_dim = 0;
   int64_t experts = 0;     // E, the experts the router chooses among
   int64_t ep = 1;          // EP ranks the experts are split over: this rank computes E/ep of them
                            // (its EP rank's, [r·E/ep, (r+1)·E/ep)); ep > 1 needs a Communicator of ep ranks
@@ -89,13 +101,17 @@ struct LayerWeightPtrs {
   void* shared_gate = nullptr;  // [1, H] with LayerScheduleConfig::shared_gate
   void *norm1_bias = nullptr, *norm2_bias = nullptr;  // [H] each with LayerScheduleConfig::layer_norm
   void* b_expert = nullptr;                           // [E/ep, 2F + H] with LayerScheduleConfig::expert_bias
+  // MLA (LayerScheduleConfig::kv_lora > 0; wk and wv null, wq only without q_lora).
+  void *wq_a = nullptr, *q_norm = nullptr, *wq_b = nullptr, *wkv_a = nullptr, *kv_norm = nullptr, *wkv_b = nullptr;
 };
 
-// Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·d, H], wo [H, a·d],
+// Weights in storage order: norm1 [H], wq [a·d, H], wk [g·d, H], wv [g·dv, H], wo [H, a·dv],
 // norm2 [H], router [E, H], w_gate_up [E/ep, 2F, H], w_down [E/ep, H, F]; with shared experts
 // shared_gate_up [2F_s, H], shared_down [H, F_s], and with their gate shared_gate [1, H]; with
 // LayerNorm, norm1_bias [H] after norm1 and norm2_bias [H] after norm2; with expert biases,
-// b_expert [E/ep, 2F + H] after w_down.
+// b_expert [E/ep, 2F + H] after w_down. MLA in place of wq, wk, wv: wq_a [q_lora, H], q_norm
+// [q_lora], wq_b [a·d, q_lora] (or wq [a·d, H] without q_lora), wkv_a [kv_lora + rope, H], kv_norm
+// [kv_lora], wkv_b [a·(d − rope) + a·dv, kv_lora] (every head's k_nope rows, then every head's v rows).
 struct LayerWeightShape {
   std::string name;
   std::vector<int64_t> shape;

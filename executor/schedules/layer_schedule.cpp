@@ -40,11 +40,25 @@ std::vector<DrawnInput> drawn_inputs(const LayerScheduleConfig& c, int64_t first
   add("x", T * H, 1.0f, 0.0f);
   add("r", T * H, 1.0f, 0.0f);
   out[0].first = out[1].first = first_token * H;
+  const int64_t Dv = c.v_head_dim > 0 ? c.v_head_dim : D;
   add("norm1", H, 0.1f, 1.0f);
-  add("wq", A * D * H, inv_h, 0.0f);
-  add("wk", G * D * H, inv_h, 0.0f);
-  add("wv", G * D * H, inv_h, 0.0f);
-  add("wo", H * A * D, 1.0f / std::sqrt(static_cast<float>(A * D)), 0.0f);
+  if (c.kv_lora > 0) {  // MLA: each projection scaled by 1/sqrt of its input width
+    if (c.q_lora > 0) {
+      add("wq_a", c.q_lora * H, inv_h, 0.0f);
+      add("q_norm", c.q_lora, 0.1f, 1.0f);
+      add("wq_b", A * D * c.q_lora, 1.0f / std::sqrt(static_cast<float>(c.q_lora)), 0.0f);
+    } else {
+      add("wq", A * D * H, inv_h, 0.0f);
+    }
+    add("wkv_a", (c.kv_lora + c.rope_dim) * H, inv_h, 0.0f);
+    add("kv_norm", c.kv_lora, 0.1f, 1.0f);
+    add("wkv_b", A * (D - c.rope_dim + Dv) * c.kv_lora, 1.0f / std::sqrt(static_cast<float>(c.kv_lora)), 0.0f);
+  } else {
+    add("wq", A * D * H, inv_h, 0.0f);
+    add("wk", G * D * H, inv_h, 0.0f);
+    add("wv", G * Dv * H, inv_h, 0.0f);
+  }
+  add("wo", H * A * Dv, 1.0f / std::sqrt(static_cast<float>(A * Dv)), 0.0f);
   add("norm2", H, 0.1f, 1.0f);
   add("router", E * H, inv_h, 0.0f);
   add("w_gate_up", E * 2 * F * H, inv_h, 0.0f);

@@ -33,6 +33,19 @@ void check_layer_config(const LayerScheduleConfig& c) {
     throw std::invalid_argument("layer schedule: attention_window and attention_chunk must be >= 0");
   if (c.attention_window > 0 && c.attention_chunk > 0)
     throw std::invalid_argument("layer schedule: a layer has a sliding window or chunks, not both");
+  if (c.v_head_dim < 0 || c.q_lora < 0 || c.kv_lora < 0 || c.rope_dim < 0)
+    throw std::invalid_argument("layer schedule: v_head_dim, q_lora, kv_lora and rope_dim must be >= 0");
+  if (c.kv_lora == 0 && (c.q_lora > 0 || c.rope_dim > 0))
+    throw std::invalid_argument("layer schedule: q_lora and rope_dim are MLA's: they need kv_lora > 0");
+  if (c.kv_lora > 0) {
+    if (c.kv_heads != c.q_heads)
+      throw std::invalid_argument("layer schedule: MLA projects per-head K and V: kv_heads must equal q_heads (got " +
+                                  std::to_string(c.kv_heads) + " and " + std::to_string(c.q_heads) + ")");
+    if (c.rope_dim <= 0 || c.rope_dim >= c.head_dim)
+      throw std::invalid_argument("layer schedule: MLA needs 0 < rope_dim < head_dim (got rope_dim " + std::to_string(c.rope_dim) +
+                                  ", head_dim " + std::to_string(c.head_dim) + ")");
+    if (c.layer_norm) throw std::invalid_argument("layer schedule: MLA runs with RMSNorm norms (layer_norm is not supported)");
+  }
   if (c.dtype != DType::BF16 && c.dtype != DType::F32)
     throw std::invalid_argument("layer schedule: storage must be bf16 or f32");
 }
@@ -45,10 +58,20 @@ int64_t LayerWeightShape::numel() const {
 
 std::vector<LayerWeightShape> layer_weight_shapes(const LayerScheduleConfig& c) {
   const int64_t H = c.hidden, A = c.q_heads, G = c.kv_heads, D = c.head_dim, E = c.experts, F = c.expert_ffn;
+  const int64_t Dv = c.v_head_dim > 0 ? c.v_head_dim : D;
   const int64_t EL = E / std::max<int64_t>(1, c.ep);
   std::vector<LayerWeightShape> w = {{"norm1", {H}}};
   if (c.layer_norm) w.push_back({"norm1_bias", {H}});
-  w.insert(w.end(), {{"wq", {A * D, H}}, {"wk", {G * D, H}}, {"wv", {G * D, H}}, {"wo", {H, A * D}}, {"norm2", {H}}});
+  if (c.kv_lora > 0) {
+    if (c.q_lora > 0) w.insert(w.end(), {{"wq_a", {c.q_lora, H}}, {"q_norm", {c.q_lora}}, {"wq_b", {A * D, c.q_lora}}});
+    else w.push_back({"wq", {A * D, H}});
+    w.insert(w.end(), {{"wkv_a", {c.kv_lora + c.rope_dim, H}},
+                       {"kv_norm", {c.kv_lora}},
+                       {"wkv_b", {A * (D - c.rope_dim) + A * Dv, c.kv_lora}}});
+  } else {
+    w.insert(w.end(), {{"wq", {A * D, H}}, {"wk", {G * D, H}}, {"wv", {G * Dv, H}}});
+  }
+  w.insert(w.end(), {{"wo", {H, A * Dv}}, {"norm2", {H}}});
   if (c.layer_norm) w.push_back({"norm2_bias", {H}});
   if (c.dense_ffn > 0) {
     w.push_back({"ffn_gate_up", {2 * c.dense_ffn, H}});
@@ -90,6 +113,12 @@ void*& layer_weight_ptr(LayerWeightPtrs& w, const std::string& name) {
   if (name == "shared_gate_up" || name == "ffn_gate_up") return w.shared_gate_up;
   if (name == "shared_down" || name == "ffn_down") return w.shared_down;
   if (name == "shared_gate") return w.shared_gate;
+  if (name == "wq_a") return w.wq_a;
+  if (name == "q_norm") return w.q_norm;
+  if (name == "wq_b") return w.wq_b;
+  if (name == "wkv_a") return w.wkv_a;
+  if (name == "kv_norm") return w.kv_norm;
+  if (name == "wkv_b") return w.wkv_b;
   throw std::invalid_argument("decoder layer: no weight named '" + name + "'");
 }
 

@@ -191,14 +191,16 @@ TEST(ExecutorLayerNorm, MatchesFp64AndFiniteDifferences) {
 // ---------------------------------------------------------------------------------- attention
 struct AttnShape {
   int64_t T, a, g, d, tile;
+  int64_t dv = 0;  // the value width (0: d)
+  int64_t vd() const { return dv > 0 ? dv : d; }
 };
 void PrintTo(const AttnShape& s, std::ostream* os) {
-  *os << "T=" << s.T << " a=" << s.a << " g=" << s.g << " d=" << s.d << " tile=" << s.tile;
+  *os << "T=" << s.T << " a=" << s.a << " g=" << s.g << " d=" << s.d << " tile=" << s.tile << " dv=" << s.vd();
 }
 
 // Naive causal GQA with the full [T, T] score matrix, in fp64.
 Vec attention_ref(const Vec& q, const Vec& k, const Vec& v, const AttnShape& s, Vec* lse = nullptr) {
-  Vec out(s.T * s.a * s.d, 0.0);
+  Vec out(s.T * s.a * s.vd(), 0.0);
   if (lse) *lse = Vec(s.a * s.T, 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.d));
   for (int64_t h = 0; h < s.a; ++h) {
@@ -217,7 +219,7 @@ Vec attention_ref(const Vec& q, const Vec& k, const Vec& v, const AttnShape& s, 
       if (lse) (*lse)[h * s.T + i] = mx + std::log(z);
       for (int64_t j = 0; j <= i; ++j) {
         const double p = std::exp(sc[j] - mx) / z;
-        for (int64_t e = 0; e < s.d; ++e) out[(i * s.a + h) * s.d + e] += p * v[(j * s.g + kh) * s.d + e];
+        for (int64_t e = 0; e < s.vd(); ++e) out[(i * s.a + h) * s.vd() + e] += p * v[(j * s.g + kh) * s.vd() + e];
       }
     }
   }
@@ -229,13 +231,13 @@ class ExecutorAttention : public ::testing::TestWithParam<AttnShape> {};
 TEST_P(ExecutorAttention, MatchesFp64AndFiniteDifferences) {
   const AttnShape s = GetParam();
   const Vec q = random_buf(s.T * s.a * s.d, 11, 1.5), k = random_buf(s.T * s.g * s.d, 12, 1.5),
-            v = random_buf(s.T * s.g * s.d, 13), r = random_buf(s.T * s.a * s.d, 14);
+            v = random_buf(s.T * s.g * s.vd(), 13), r = random_buf(s.T * s.a * s.vd(), 14);
   Buf<float> qf = to_f32_buf(q), kf = to_f32_buf(k), vf = to_f32_buf(v), rf = to_f32_buf(r);
-  Buf<float> out(q.n()), lse(s.a * s.T), dq(q.n()), dk(k.n()), dv(v.n());
+  Buf<float> out(r.n()), lse(s.a * s.T), dq(q.n()), dk(k.n()), dv(v.n());
   AttentionArgs a;
   a.q = qf.data(); a.k = kf.data(); a.v = vf.data(); a.out = out.data(); a.lse = lse.data();
   a.d_out = rf.data(); a.d_q = dq.data(); a.d_k = dk.data(); a.d_v = dv.data();
-  a.tokens = s.T; a.q_heads = s.a; a.kv_heads = s.g; a.head_dim = s.d; a.tile_rows = s.tile;
+  a.tokens = s.T; a.q_heads = s.a; a.kv_heads = s.g; a.head_dim = s.d; a.tile_rows = s.tile; a.v_head_dim = s.dv;
   Buf<float> ws(attention_workspace_bytes(a) / 4);
   a.workspace = ws.data();
   attention_forward_cpu(a);
@@ -251,10 +253,12 @@ TEST_P(ExecutorAttention, MatchesFp64AndFiniteDifferences) {
   expect_close(to_f64(dv), dv_fd, 1e-4, "dv");
 }
 
-// T not a multiple of the tile, one tile, tile of 1, MHA (g = a) and MQA (g = 1).
+// T not a multiple of the tile, one tile, tile of 1, MHA (g = a) and MQA (g = 1); value widths
+// narrower and wider than d (MLA: d = nope + rope over dv).
 INSTANTIATE_TEST_SUITE_P(Shapes, ExecutorAttention,
                          ::testing::Values(AttnShape{13, 4, 2, 8, 4}, AttnShape{9, 2, 2, 4, 16},
-                                           AttnShape{6, 3, 1, 5, 1}, AttnShape{17, 4, 4, 6, 8}));
+                                           AttnShape{6, 3, 1, 5, 1}, AttnShape{17, 4, 4, 6, 8},
+                                           AttnShape{13, 3, 3, 6, 4, 4}, AttnShape{10, 2, 1, 3, 4, 7}));
 
 TEST(ExecutorAttentionBf16, WithinBf16Rounding) {
   const AttnShape s{20, 4, 2, 16, 8};

@@ -85,6 +85,34 @@ TEST(RingAttention, CpRanksAreTheOneRankRunOnTheWholeSequence) {
   }
 }
 
+// MLA (per-head K of d = 8 over V of dv = 6): the ring's chunks carry K and V of their own widths,
+// and the halo of a sliding window too.
+LayerScheduleConfig small_mla(int64_t tokens) {
+  LayerScheduleConfig c = small(DType::F32, tokens);
+  c.kv_heads = c.q_heads;
+  c.v_head_dim = 6;
+  c.q_lora = 16;
+  c.kv_lora = 12;
+  c.rope_dim = 2;
+  return c;
+}
+
+TEST(RingAttention, MlaCpRanksAreTheOneRankRunOnTheWholeSequence) {
+  for (int64_t cp : {2, 3}) {
+    for (int64_t window : {0, 10}) {
+      const int64_t T = 24;
+      TrackingAllocator alloc({512});
+      LayerScheduleConfig whole = small_mla(cp * T);
+      whole.attention_window = window;
+      const LayerScheduleResult ref = run_layer_schedule(alloc, whole, {});
+      LayerScheduleConfig c = small_mla(T);
+      c.attention_window = window;
+      c.cp = cp;
+      expect_ranks_are_the_whole(run_on_ring(c), ref, T, c.hidden, "cp " + std::to_string(cp) + " window " + std::to_string(window));
+    }
+  }
+}
+
 TEST(RingAttention, RecomputeIsBitwiseTheNaiveRunOnTheRanks) {
   for (DType dtype : {DType::BF16, DType::F32}) {
     LayerScheduleConfig c = small(dtype, 32);
@@ -158,13 +186,13 @@ TEST(SlidingWindow, AsLongAsTheSequenceIsFullCausalAttention) {
 // dP = dO·Vᵀ, dS = P ⊙ (dP − Σ dO ⊙ O)), on one rank: an off-by-one shared by the forward and
 // backward kernels would pass the CP tests, not this.
 TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
-  const int64_t T = 13, A = 2, G = 1, D = 4;
+  const int64_t T = 13, A = 2, G = 1, D = 4, Dv = 3;  // a value width apart from d, as MLA's
   struct Case {
     int64_t window, chunk;
   };
   for (const Case mask : {Case{1, 0}, Case{5, 0}, Case{13, 0}, Case{0, 1}, Case{0, 4}, Case{0, 13}}) {
     const std::string what = "window " + std::to_string(mask.window) + " chunk " + std::to_string(mask.chunk);
-    std::vector<float> q(T * A * D), k(T * G * D), v(T * G * D), d_o(T * A * D);
+    std::vector<float> q(T * A * D), k(T * G * D), v(T * G * Dv), d_o(T * A * Dv);
     uint64_t state = 17;
     auto draw = [&]() {
       state = state * 6364136223846793005ULL + 1442695040888963407ULL;
@@ -172,15 +200,16 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
     };
     for (auto* vec : {&q, &k, &v, &d_o})
       for (float& x : *vec) x = draw();
-    std::vector<float> o(T * A * D), lse(A * T), row(D), delta(A * T), dq_acc(T * A * D, 0.0f), regs(2 * D), dq(T * A * D),
-        dk(T * G * D), dv(T * G * D);
+    std::vector<float> o(T * A * Dv), lse(A * T), row(Dv), delta(A * T), dq_acc(T * A * D, 0.0f), regs(D + Dv), dq(T * A * D),
+        dk(T * G * D), dv(T * G * Dv);
+    const layer_detail::HeadDims dims{D, Dv};
     const layer_detail::KeyWindow key_window{mask.window, mask.chunk};
     layer_detail::windowed_attention_forward<float>(q.data(), k.data(), v.data(), nullptr, 0, o.data(), lse.data(), row.data(), T, A, G,
-                                                    D, key_window, 0);
-    layer_detail::attention_row_delta<float>(d_o.data(), o.data(), delta.data(), T, A, D);
+                                                    dims, key_window, 0);
+    layer_detail::attention_row_delta<float>(d_o.data(), o.data(), delta.data(), T, A, Dv);
     layer_detail::windowed_attention_backward_local<float>(q.data(), k.data(), v.data(), d_o.data(), lse.data(), delta.data(), nullptr,
-                                                           0, regs.data(), dq_acc.data(), dk.data(), dv.data(), T, A, G, D, key_window, 0);
-    std::vector<double> want_dk(T * G * D, 0.0), want_dv(T * G * D, 0.0);
+                                                           0, regs.data(), dq_acc.data(), dk.data(), dv.data(), T, A, G, dims, key_window, 0);
+    std::vector<double> want_dk(T * G * D, 0.0), want_dv(T * G * Dv, 0.0);
     double *WANT_DK_ = want_dk.data(), *WANT_DV_ = want_dv.data();
     // Plain pointers: the reference indexes with int64 products.
     const float *Q_ = q.data(), *K_ = k.data(), *V_ = v.data(), *D_O_ = d_o.data(), *O_ = o.data(), *LSE_ = lse.data();
@@ -200,33 +229,31 @@ TEST(SlidingWindow, KernelsAreTheMaskedSoftmax) {
         for (int64_t j = lo; j <= i; ++j) sum += std::exp(p[static_cast<size_t>(j)] - mx);
         EXPECT_NEAR(LSE_[h * T + i], mx + std::log(sum), 1e-5) << what;
         double dsum = 0.0;  // Σ dO ⊙ O of the fp64 output
-        std::vector<double> out(static_cast<size_t>(D), 0.0), dp(static_cast<size_t>(i + 1), 0.0);
+        std::vector<double> out(static_cast<size_t>(Dv), 0.0), dp(static_cast<size_t>(i + 1), 0.0);
         double* OUT_ = out.data();
         for (int64_t j = lo; j <= i; ++j) {
           p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx) / sum;
-          for (int64_t x = 0; x < D; ++x) OUT_[x] += p[static_cast<size_t>(j)] * V_[j * D + x];
+          for (int64_t x = 0; x < Dv; ++x) OUT_[x] += p[static_cast<size_t>(j)] * V_[j * Dv + x];
         }
-        for (int64_t x = 0; x < D; ++x) {
-          EXPECT_NEAR(O_[(i * A + h) * D + x], OUT_[x], 1e-5) << what;
-          dsum += double(D_O_[(i * A + h) * D + x]) * OUT_[x];
+        for (int64_t x = 0; x < Dv; ++x) {
+          EXPECT_NEAR(O_[(i * A + h) * Dv + x], OUT_[x], 1e-5) << what;
+          dsum += double(D_O_[(i * A + h) * Dv + x]) * OUT_[x];
         }
         std::vector<double> dqi(static_cast<size_t>(D), 0.0);
         double* DQI_ = dqi.data();
         for (int64_t j = lo; j <= i; ++j) {
-          for (int64_t x = 0; x < D; ++x) dp[static_cast<size_t>(j)] += double(D_O_[(i * A + h) * D + x]) * V_[j * D + x];
+          for (int64_t x = 0; x < Dv; ++x) dp[static_cast<size_t>(j)] += double(D_O_[(i * A + h) * Dv + x]) * V_[j * Dv + x];
           const double ds = p[static_cast<size_t>(j)] * (dp[static_cast<size_t>(j)] - dsum);
           for (int64_t x = 0; x < D; ++x) {
             DQI_[x] += ds * scale * K_[j * D + x];
             WANT_DK_[j * D + x] += ds * scale * Q_[(i * A + h) * D + x];
-            WANT_DV_[j * D + x] += p[static_cast<size_t>(j)] * D_O_[(i * A + h) * D + x];
           }
+          for (int64_t x = 0; x < Dv; ++x) WANT_DV_[j * Dv + x] += p[static_cast<size_t>(j)] * D_O_[(i * A + h) * Dv + x];
         }
         for (int64_t x = 0; x < D; ++x) EXPECT_NEAR(DQ_ACC_[(i * A + h) * D + x], DQI_[x], 1e-5) << what;
       }
-    for (int64_t e = 0; e < T * G * D; ++e) {
-      EXPECT_NEAR(DK_[e], WANT_DK_[e], 1e-5) << what;
-      EXPECT_NEAR(DV_[e], WANT_DV_[e], 1e-5) << what;
-    }
+    for (int64_t e = 0; e < T * G * D; ++e) EXPECT_NEAR(DK_[e], WANT_DK_[e], 1e-5) << what;
+    for (int64_t e = 0; e < T * G * Dv; ++e) EXPECT_NEAR(DV_[e], WANT_DV_[e], 1e-5) << what;
   }
 }
 
