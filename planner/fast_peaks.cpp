@@ -302,9 +302,7 @@ class Builder {
     // Backward: recompute (base 1) and backward (base 2).
     Acc attn_rec = c_.acc();
     if (mtp) attn_rec.add(kAct, mul(c_.T, 2 * c_.H), kB16);
-    attention_saved(c_, attn_rec);
-    ring_attention(c_, l, false, attn_rec);
-    layer_grad_stream(c_, attn_rec);
+    attention_recompute(c_, l, attn_rec);
     add(layer_home(false), attn_rec, FP::Disp::None, 1);
     out.back().or_landing = true;
     // Its alternative, the landing of the unit in flight (base 4): dy [T, H] the only activation.

@@ -6,19 +6,56 @@
 
 namespace flatpeak::planner::fast_terms {
 
-void qkvo(const Ctx& c, Acc& t) {
+namespace {
+
+bool is_mla(const ModelSpec& m) { return m.attention == AttentionKind::Mla; }
+int64_t latent_norms(const ModelSpec& m) { return is_mla(m) ? (m.q_lora_rank > 0 ? 2 : 1) : 0; }
+
+enum class Moment { Kernel, QProjection, KvProjection };
+
+void qkvo_at(const Ctx& c, Acc& t, Moment moment) {
   const ModelSpec& m = c.m;
   const int64_t T = c.T;
-  if (m.attention == AttentionKind::Mla) {
-    if (m.q_lora_rank > 0) t.add(kAct, mul(T, m.q_lora_rank), kB16);
-    t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
+  if (is_mla(m) && m.q_lora_rank > 0) {
+    t.add(kAct, mul(T, m.q_lora_rank), kB16);
+    if (moment == Moment::QProjection) t.add(kAct, mul(T, m.q_lora_rank), kB16);  // normed q latent
   }
   t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
+  if (moment == Moment::QProjection) return;
+  if (is_mla(m)) t.add(kAct, mul(T, m.kv_lora_rank), kB16);
   t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
   t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
+  if (moment == Moment::KvProjection) {
+    t.add(kAct, mul(T, m.qk_rope_head_dim), kB16);  // k rope
+    t.add(kAct, mul(T, m.kv_lora_rank), kB16);      // normed kv latent
+    return;
+  }
   t.add(kAct, mul(T, m.num_heads * m.v_head_dim), kB16);
   t.add(kAct, mul(m.num_heads, T), kF32);
 }
+
+// `kernel`, or the larger of MLA's projection moments (a tie keeps the kernel's).
+template <class Build>
+Acc largest_moment(const Ctx& c, Acc kernel, const Build& build) {
+  if (!is_mla(c.m)) return kernel;
+  for (Moment moment : {Moment::QProjection, Moment::KvProjection}) {
+    Acc at = c.acc();
+    build(moment, at);
+    if (at.total() > kernel.total()) kernel = at;
+  }
+  return kernel;
+}
+
+void saved_at(const Ctx& c, Acc& t, Moment moment) {
+  t.add(kAct, mul(c.T, c.H), kB16);
+  t.add(kAct, mul(2 + latent_norms(c.m), c.T), kF32);  // norm rstd [2 + latent norms, T]
+  if (c.m.norm_bias) t.add(kAct, mul(2, c.T), kF32);  // LayerNorm mean [2, T]
+  qkvo_at(c, t, moment);
+}
+
+}  // namespace
+
+void qkvo(const Ctx& c, Acc& t) { qkvo_at(c, t, Moment::Kernel); }
 
 void ring_attention(const Ctx& c, int64_t layer, bool backward, Acc& t) {
   if (c.r.cp <= 1) return;
@@ -50,15 +87,21 @@ void layer_grad_stream(const Ctx& c, Acc& t) {
 
 void attention_forward(const Ctx& c, int64_t layer, Acc& t) {
   t.add(kAct, mul(c.T, c.H), kB16);
-  qkvo(c, t);
-  ring_attention(c, layer, false, t);
+  if (is_mla(c.m)) t.add(kAct, mul(latent_norms(c.m), c.T), kF32);  // latent norms rstd
+  Acc kernel = c.acc();
+  qkvo(c, kernel);
+  ring_attention(c, layer, false, kernel);
+  t.append(largest_moment(c, kernel, [&](Moment moment, Acc& at) { qkvo_at(c, at, moment); }));
 }
 
-void attention_saved(const Ctx& c, Acc& t) {
-  t.add(kAct, mul(c.T, c.H), kB16);
-  t.add(kAct, mul(2, c.T), kF32);  // norm rstd [2, T]
-  if (c.m.norm_bias) t.add(kAct, mul(2, c.T), kF32);  // LayerNorm mean [2, T]
-  qkvo(c, t);
+void attention_saved(const Ctx& c, Acc& t) { saved_at(c, t, Moment::Kernel); }
+
+void attention_recompute(const Ctx& c, int64_t layer, Acc& t) {
+  Acc kernel = c.acc();
+  saved_at(c, kernel, Moment::Kernel);
+  ring_attention(c, layer, false, kernel);
+  t.append(largest_moment(c, kernel, [&](Moment moment, Acc& at) { saved_at(c, at, moment); }));
+  layer_grad_stream(c, t);
 }
 
 void attention_backward(const Ctx& c, int64_t layer, Acc& t) {
@@ -70,11 +113,23 @@ void attention_backward(const Ctx& c, int64_t layer, Acc& t) {
   t.add(kAct, mul(T, m.num_heads * m.head_dim), kB16);
   t.add(kAct, mul(T, m.num_kv_heads * m.head_dim), kB16);
   t.add(kAct, mul(T, m.num_kv_heads * m.v_head_dim), kB16);
-  t.add(kAct, mul(T, m.num_heads * m.head_dim), kF32);
-  t.add(kAct, mul(m.num_heads, T), kF32);
-  if (m.attention == AttentionKind::Mla) t.add(kAct, mul(T, m.kv_lora_rank + m.qk_rope_head_dim), kB16);
-  t.add(kAct, mul(T, c.H), kB16);
-  ring_attention(c, layer, true, t);
+  Acc kernel = c.acc();
+  kernel.add(kAct, mul(T, m.num_heads * m.head_dim), kF32);
+  kernel.add(kAct, mul(m.num_heads, T), kF32);
+  kernel.add(kAct, mul(T, c.H), kB16);
+  ring_attention(c, layer, true, kernel);
+  if (is_mla(m)) {  // the projections' backward (memory_terms_layer.cpp)
+    Acc q_side = c.acc(), kv_sum = c.acc(), kv_latent = c.acc();
+    for (Acc* at : {&q_side, &kv_sum, &kv_latent}) at->add(kAct, mul(T, c.H), kB16);
+    if (m.q_lora_rank > 0) q_side.add(kAct, mul(T, m.q_lora_rank), kB16, 2);
+    kv_sum.add(kAct, mul(T, m.kv_lora_rank), kB16);
+    kv_sum.add(kAct, mul(T, m.kv_lora_rank), kF32);
+    kv_latent.add(kAct, mul(T, m.kv_lora_rank), kB16);
+    kv_latent.add(kAct, mul(T, m.qk_rope_head_dim), kB16);
+    for (Acc* at : {&q_side, &kv_sum, &kv_latent})
+      if (at->total() > kernel.total()) kernel = *at;
+  }
+  t.append(kernel);
 }
 
 void ffn_block_inputs(const Ctx& c, Acc& t) {

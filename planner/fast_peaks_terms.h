@@ -71,6 +71,8 @@ void layer_grad_stream(const Ctx& c, Acc& t);
 void attention_forward(const Ctx& c, int64_t layer, Acc& t);
 
 void attention_saved(const Ctx& c, Acc& t);
+// The recompute's attention phase (add_attention_recompute): saved set, ring, gradient stream.
+void attention_recompute(const Ctx& c, int64_t layer, Acc& t);
 
 void attention_backward(const Ctx& c, int64_t layer, Acc& t);
 

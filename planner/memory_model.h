@@ -32,11 +32,17 @@ struct PhaseTerms {
 };
 
 // ---- layer working set (memory_terms_layer.cpp): attention, norms, dense FFN, residual grads.
-// No-grad forward of attention (checkpointed forward): the transients at the flash kernel.
+// No-grad forward of attention (checkpointed forward): the transients at the flash kernel (MLA:
+// or at its projections, whichever holds more).
 void add_attention_forward(const Context& c, int64_t layer, TermList& t);
-// What the recomputed attention keeps for its backward (norm-1 output, Q/K/V/O, lse, residual).
+// What the recomputed attention keeps for its backward (norm-1 output, Q/K/V/O, lse, residual;
+// MLA: its latents).
 void add_attention_saved(const Context& c, int64_t layer, TermList& t, bool with_residual);
-// Attention backward: the saved set plus the gradients and the flash fp32 accumulators.
+// The recompute's attention phase: the saved set as it is made, the ring's buffers and the
+// gradient stream (MLA: at the flash kernel or at its projections, whichever holds more).
+void add_attention_recompute(const Context& c, int64_t layer, TermList& t);
+// Attention backward: the saved set plus the gradients and the flash fp32 accumulators (MLA: or
+// the projections' backward after them, whichever holds more).
 void add_attention_backward(const Context& c, int64_t layer, TermList& t);
 // Ring attention (CP > 1): received KV chunks (and travelling dK/dV in backward); sliding-window
 // layers need only a halo of window tokens from the previous rank.

@@ -354,9 +354,7 @@ class Builder {
     const TermList bwd = base_of(true);
     TermList attn_rec = c_.list();
     if (mtp) attn_rec.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
-    add_attention_saved(c_, l, attn_rec, false);
-    add_ring_attention(c_, l, false, attn_rec);
-    add_layer_grad_stream(c_, attn_rec);
+    add_attention_recompute(c_, l, attn_rec);
     // The phase's first moment: the unit in flight lands its grad shard as the recompute starts,
     // before the previous unit is prefetched and this layer's input fetched. With a staged
     // reduce-scatter output (memory_model.h) its fp32 [S] is live beside the gathered layer, the

@@ -923,12 +923,10 @@ class LayerCore final : public DecoderLayer::Engine {
       drecv.reset();
     }
 
+    // One rank: the received rows are in expert order already, so they are d fc2 out (a copy
+    // would hold both [R, H] at once, a moment the planner's moe/experts does not have).
+    if (!comm_) dfc2 = std::move(drecv);
     a_.set_phase(p + "moe/experts");  // peak: saved experts, d fc2 out, d act·prob, d fc1 out
-    if (!comm_) {
-      dfc2 = dsp({R_, H_});
-      std::copy(drecv.data<S>(), drecv.data<S>() + R_ * H_, dfc2.data<S>());
-      drecv.reset();
-    }
     Tensor dactp = dsp({R_, F_});
     for (int64_t l = 0; l < EL_; ++l) {
       const int64_t r0 = expert_row0(l), n = expert_rows(l);

@@ -58,13 +58,13 @@ void check(const StepScheduleConfig& c) {
   require(c.tokens > 0, "tokens must be positive");
   require(m.hidden_size > 0 && m.vocab_size > 0 && m.num_layers > 0, "hidden, vocab and layers must be positive");
   require(static_cast<int64_t>(m.layers.size()) == m.num_layers, "the model must list every layer");
-  require(m.attention == AttentionKind::Gqa, "GQA attention only (MLA is not in the executor)");
   require(m.num_experts > 0 && m.top_k > 0 && m.top_k <= m.num_experts, "MoE layers with top_k <= the experts");
   require(c.ep >= 1 && m.num_experts % c.ep == 0, "ep must be >= 1 and divide the experts (got " + std::to_string(c.ep) + ")");
   for (const LayerSpec& l : m.layers)
     require(l.ffn == FfnKind::Moe || m.dense_ffn_width > 0, "a dense FFN layer needs dense_ffn_width > 0");
   require(!m.tie_word_embeddings, "an untied LM head only");
-  require(m.v_head_dim == 0 || m.v_head_dim == m.head_dim, "v_head_dim must equal head_dim");
+  require(m.attention == AttentionKind::Mla || m.v_head_dim == 0 || m.v_head_dim == m.head_dim,
+          "v_head_dim must equal head_dim (GQA)");
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
   require(c.cp >= 1, "cp must be >= 1");
@@ -81,6 +81,12 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   l.q_heads = m.num_heads;
   l.kv_heads = m.num_kv_heads;
   l.head_dim = m.head_dim;
+  if (m.attention == AttentionKind::Mla) {
+    l.v_head_dim = m.v_head_dim;
+    l.q_lora = m.q_lora_rank;
+    l.kv_lora = m.kv_lora_rank;
+    l.rope_dim = m.qk_rope_head_dim;
+  }
   if (is_dense_layer(c, layer)) {
     l.dense_ffn = m.dense_ffn_width;
   } else {

@@ -30,6 +30,15 @@ ModelSpec scaled_model(const VerifyInputs& in, const ScaledConfig& s) {
     model.head_dim = s.head_dim;
     model.v_head_dim = s.head_dim;
   }
+  if (model.attention == AttentionKind::Mla && s.q_heads > 0) {
+    model.num_heads = model.num_kv_heads = s.q_heads;
+    model.head_dim = s.head_dim;
+    model.v_head_dim = s.v_head_dim;
+    model.qk_rope_head_dim = s.rope_dim;
+    model.qk_nope_head_dim = s.head_dim - s.rope_dim;
+    model.q_lora_rank = s.q_lora;
+    model.kv_lora_rank = s.kv_lora;
+  }
   return model;
 }
 

@@ -97,8 +97,11 @@ struct ScaledConfig {
   // E/EP, k and N/EP, so the experts become ep · E/EP.
   int64_t ranks = 1, ep = 1, num_experts = 0;
   int64_t tokens = 0, hidden = 0, vocab = 0, layers = 0, token_block = 0, vocab_block = 0;
-  // Layer (scale_layer_dims): a, g and d shrunk with H, keeping the query heads per kv head.
+  // Layer (scale_layer_dims): a, g and d shrunk with H, keeping the query heads per kv head;
+  // MLA: a (= g), d and dv shrunk with H, d split into nope and rope in the card's ratio, and the
+  // q and kv latents shrunk with H (q_lora 0 stays 0).
   int64_t q_heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t v_head_dim = 0, q_lora = 0, kv_lora = 0, rope_dim = 0;  // MLA only (0 for GQA)
   // Optimizer (scale_optimizer_knobs): the plan's placement gpu | serial | stream; for stream,
   // parameters per bucket scaled with the rank's parameters (the number of buckets is kept)
   // and buckets in flight.

@@ -116,9 +116,6 @@ void check_layer_supported(const VerifyInputs& in, const ScaledConfig& s, const 
 void layer_support_errors(const VerifyInputs& in, const ScaledConfig& s, const std::string& component, InputErrors& errs,
                           bool routes_over_every_expert) {
   const std::string the = "the " + component + " component";
-  if (in.attention != "gqa")
-    errs.add(Diagnostic{in.file, "/inputs/model/attention",
-                        the + " runs GQA attention only (got '" + in.attention + "'; MLA is not in the executor)", ""});
   if (in.num_experts <= 0 || in.top_k <= 0)
     errs.add(Diagnostic{in.file, "/inputs/model/num_experts", the + " runs a MoE layer (got a dense model)", ""});
   const int64_t local_experts = s.num_experts / std::max<int64_t>(1, s.ep);
@@ -146,9 +143,44 @@ ModelSpec layer_model(const VerifyContext& ctx) {
   return model;
 }
 
+namespace {
+
+// MLA: a = g heads shrunk with H (at least 2), d and dv so that a·d and a·dv shrink with H, d split
+// into nope and rope in the card's ratio (each at least 1), and the latents shrunk with H (at
+// least 1; no q latent stays none).
+void scale_mla_dims(const VerifyInputs& in, double f, ScaledConfig& s) {
+  const ModelSpec card = load_plan_model(in);
+  const auto per_head = [&](int64_t width, int64_t heads) {
+    return std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(width) / f / static_cast<double>(heads) - 1e-9)));
+  };
+  // At least two heads where the card has them: the per-head k_nope and v projections and the
+  // k_rope every head shares then run as they do at scale.
+  s.q_heads = s.kv_heads = std::max<int64_t>(std::min<int64_t>(2, in.num_heads),
+                                             static_cast<int64_t>(std::floor(static_cast<double>(in.num_heads) / f)));
+  s.head_dim = std::max<int64_t>(2, per_head(in.num_heads * in.head_dim, s.q_heads));
+  const double rope_share = static_cast<double>(card.qk_rope_head_dim) / static_cast<double>(card.head_dim);
+  s.rope_dim = std::clamp<int64_t>(std::llround(rope_share * static_cast<double>(s.head_dim)), 1, s.head_dim - 1);
+  s.v_head_dim = per_head(in.num_heads * card.v_head_dim, s.q_heads);
+  s.q_lora = card.q_lora_rank > 0 ? per_head(card.q_lora_rank, 1) : 0;
+  s.kv_lora = per_head(card.kv_lora_rank, 1);
+  s.values.push_back({"a = g (heads, MLA)", in.num_heads, s.q_heads});
+  s.values.push_back({"d (q/k head dim, nope + rope)", in.head_dim, s.head_dim});
+  s.values.push_back({"rope (of d)", card.qk_rope_head_dim, s.rope_dim});
+  s.values.push_back({"dv (value head dim)", card.v_head_dim, s.v_head_dim});
+  if (card.q_lora_rank > 0) s.values.push_back({"q_lora (q latent)", card.q_lora_rank, s.q_lora});
+  s.values.push_back({"kv_lora (kv latent)", card.kv_lora_rank, s.kv_lora});
+  if (in.shared_expert_ffn > 0) s.values.push_back({"F_s (shared expert width)", in.shared_expert_ffn, scaled_with_h(in, s, in.shared_expert_ffn)});
+}
+
+}  // namespace
+
 void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
   if (in.num_heads <= 0 || in.num_kv_heads <= 0 || in.head_dim <= 0 || in.num_heads % in.num_kv_heads != 0) return;
   const double f = static_cast<double>(in.hidden) / static_cast<double>(s.hidden);
+  if (in.attention == "mla") {
+    scale_mla_dims(in, f, s);
+    return;
+  }
   const int64_t group = in.num_heads / in.num_kv_heads;
   s.kv_heads = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(in.num_kv_heads) / f)));
   s.q_heads = s.kv_heads * group;
@@ -161,6 +193,7 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
 }
 
 exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s) {
+  // (MLA's widths: s.v_head_dim, q_lora, kv_lora and rope_dim, 0 for GQA, as the config's defaults.)
   // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
   // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
   const ModelSpec card = load_plan_model(in);
@@ -176,6 +209,10 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   c.q_heads = s.q_heads;
   c.kv_heads = s.kv_heads;
   c.head_dim = s.head_dim;
+  c.v_head_dim = s.v_head_dim;
+  c.q_lora = s.q_lora;
+  c.kv_lora = s.kv_lora;
+  c.rope_dim = s.rope_dim;
   c.experts = s.num_experts / std::max<int64_t>(1, s.ep);  // this rank's E/EP
   c.top_k = in.top_k;
   c.expert_ffn = s.expert_ffn > 0 ? s.expert_ffn : scaled_with_h(in, s, in.expert_ffn_width);
