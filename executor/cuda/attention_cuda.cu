@@ -74,9 +74,9 @@ void attention_forward_cuda(const AttentionArgs& a, cudaStream_t stream, Attenti
   require(a.q && a.k && a.v && a.out && a.lse, "attention", "needs q, k, v, out and lse");
   require(a.head_dim <= kAttentionThreads * kDimsPerThread, "attention",
           "head_dim must be <= 512 on CUDA");
-  require(attention_v_dim(a) == a.head_dim, "attention",
-          "v_head_dim must equal head_dim on CUDA (got " + std::to_string(a.v_head_dim) + " and " +
-              std::to_string(a.head_dim) + "; MLA's distinct value width runs on the CPU only)");
+  if (attention_v_dim(a) != a.head_dim)
+    fail("attention", "v_head_dim must equal head_dim on CUDA (got " + std::to_string(a.v_head_dim) + " and " +
+                          std::to_string(a.head_dim) + "; MLA's distinct value width runs on the CPU only)");
   require(a.tokens <= 0x7fffffff && a.q_heads <= 65535, "attention",
           "tokens must be < 2^31 and q_heads <= 65535 on CUDA");
   const bool tensor_cores = use_tensor_cores(a, kernel);
@@ -108,9 +108,9 @@ void attention_backward_cuda(const AttentionArgs& a, cudaStream_t stream, Attent
           "backward needs a workspace of attention_backward_workspace_bytes_cuda()");
   require(a.head_dim <= kAttentionThreads * kDimsPerThread, "attention",
           "head_dim must be <= 512 on CUDA");
-  require(attention_v_dim(a) == a.head_dim, "attention",
-          "v_head_dim must equal head_dim on CUDA (got " + std::to_string(a.v_head_dim) + " and " +
-              std::to_string(a.head_dim) + "; MLA's distinct value width runs on the CPU only)");
+  if (attention_v_dim(a) != a.head_dim)
+    fail("attention", "v_head_dim must equal head_dim on CUDA (got " + std::to_string(a.v_head_dim) + " and " +
+                          std::to_string(a.head_dim) + "; MLA's distinct value width runs on the CPU only)");
   require(a.tokens <= 0x7fffffff && a.q_heads <= 65535, "attention",
           "tokens must be < 2^31 and q_heads <= 65535 on CUDA");
   const bool tensor_cores = use_tensor_cores(a, kernel);

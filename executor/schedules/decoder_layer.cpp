@@ -744,7 +744,8 @@ class LayerCore final : public DecoderLayer::Engine {
 
   // ---- forward without grad: each buffer freed as soon as nothing later needs it.
   Tensor forward_no_grad(const std::string& p, const Hook& on_start) {
-    a_.set_phase(p + "attn");  // peak: norm-1 output, q, k, v, o, lse
+    a_.set_phase(p + "attn");  // peak: norm-1 output, q, k, v, o, lse (MLA: and its latents and their rstd,
+                               // or the q or kv projection's moment: mla_projections)
     if (on_start) on_start();
     {
       NormStats stats1 = norm_stats(1);  // not saved without grad
@@ -1226,7 +1227,7 @@ class LayerCore final : public DecoderLayer::Engine {
   }
 
   // FlashAttention-2's backward (decoder_layer_parts.h) over the saved q, k, v, o, lse; its dK,
-  // dV row registers are a [2, d] scratch.
+  // dV row registers are a [d + dv] scratch.
   void flash2_backward(const Tensor& d_o, Tensor& dq, Tensor& dk, Tensor& dv, Tensor& dq_acc, Tensor& delta) {
     Tensor regs = f32({D_ + Dv_}, Category::Workspace);
     const SavedAttention<S> saved{q_.data<S>(), k_.data<S>(), v_.data<S>(), o_.data<S>(), lse_.data<float>(), T_, A_, G_, dims()};

@@ -40,8 +40,9 @@ struct LayerScheduleConfig {
   // projected by W_kv_b into each head's k_nope [d − rope_dim] and v [dv], its last rope_dim
   // columns (k_rope) the rest of every head's k. kv_heads = q_heads. The latents q latent
   // [T, q_lora] and kv latent [T, kv_lora] are saved (their norms' statistics beside norm-1's and
-  // norm-2's); the normed latents and k_rope are transients, recomputed in backward. RoPE itself
-  // is not applied (as for every layer here): it changes no buffer.
+  // norm-2's); the normed latents and k_rope are transients (the normed latents recomputed in
+  // backward; k_rope's gradient is the sum of dk's rope columns over the heads). RoPE itself is not
+  // applied (as for every layer here): it changes no buffer.
   int64_t q_lora = 0;
   int64_t kv_lora = 0;
   int64_t rope_dim = 0;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "executor/memory/tracking_allocator.h"
 #include "executor/schedules/layer_schedule.h"
@@ -180,8 +181,11 @@ TEST(ExecutorScheduleLayer, GradientsMatchFiniteDifferences) {
   int checked = 0;
   for (const auto& [name, g] : got.grads) {
     const size_t n = static_cast<size_t>(g.size());
-    const size_t stride = std::max<size_t>(1, n / 3);  // 3 or 4 entries of every tensor
-    for (size_t i = 0; i < n; i += stride) {
+    const size_t stride = std::max<size_t>(1, n / 3);  // 3 or 4 entries of every tensor, and its last
+    std::vector<size_t> at;
+    for (size_t i = 0; i < n; i += stride) at.push_back(i);
+    if (at.back() != n - 1) at.push_back(n - 1);  // MLA: wkv_a's k_rope row, wq_b's last rope column
+    for (size_t i : at) {
       LayerInputs plus = in, minus = in;
       plus.values[name][i] += static_cast<float>(eps);
       minus.values[name][i] -= static_cast<float>(eps);
