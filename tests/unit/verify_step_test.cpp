@@ -242,44 +242,32 @@ TEST(VerifyStep, RefusesMtp) {
   for (const auto& row : all.rows) EXPECT_EQ(row.component, "vocab");
 }
 
-// DeepSeek-V3 without MTP: MLA in its dense first layers and its MoE layers; every row exact
-// (the materialised loss aside, within 0.05 % as for the other cards), loss and grads bitwise the
-// naive step.
-TEST(VerifyStep, MlaRuns) {
-  const VerifyInputs v3 = read_plan_inputs(plan_json("DeepSeek-V3", {{"--mtp", "off"}, {"--schedule", "baseline"}}), "plan.json");
-  const VerifyReport r = verify_step_of(v3);
+// `model`'s baseline plan without MTP on one rank: every row within 0.05 % (the materialised
+// loss's alignment at this V, as for the other cards), the rows of phases containing `exact_part`
+// exact (at least one), loss and grads bitwise the naive step.
+void expect_baseline_step_without_mtp(const std::string& model, const std::string& exact_part) {
+  const VerifyInputs in = read_plan_inputs(plan_json(model, {{"--mtp", "off"}, {"--schedule", "baseline"}}), "plan.json");
+  const VerifyReport r = verify_step_of(in);
   EXPECT_TRUE(r.pass);
-  int64_t attention_rows = 0;
+  int64_t exact_rows = 0;
   for (const auto& row : r.rows) {
     EXPECT_LE(std::fabs(row.relative_error), 0.0005) << row.component << " " << row.phase;
-    if (row.phase.find("/attn") == std::string::npos) continue;
-    ++attention_rows;
+    if (row.phase.find(exact_part) == std::string::npos) continue;
+    ++exact_rows;
     EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
   }
-  EXPECT_GT(attention_rows, 0);
+  EXPECT_GT(exact_rows, 0);
   EXPECT_EQ(r.max_abs_dloss, 0.0);
   EXPECT_EQ(r.max_abs_dgrad, 0.0);
 }
 
+// DeepSeek-V3 without MTP: MLA in its dense first layers and its MoE layers; the attention rows
+// exact.
+TEST(VerifyStep, MlaRuns) { expect_baseline_step_without_mtp("DeepSeek-V3", "/attn"); }
+
 // GLM-4.5 without MTP: its dense first layers (scaled: L0-L2, SwiGLU FFN of the dense width) run
-// beside the MoE layer with its shared expert; every row of the baseline plan within 0.05 % (the
-// materialised loss's alignment at this V, as for the other cards) and the dense layers' ffn rows
-// exact, loss and grads bitwise the naive step.
-TEST(VerifyStep, DenseLayersRun) {
-  const VerifyInputs glm = read_plan_inputs(plan_json("GLM-4.5", {{"--mtp", "off"}, {"--schedule", "baseline"}}), "plan.json");
-  const VerifyReport r = verify_step_of(glm);
-  EXPECT_TRUE(r.pass);
-  int64_t ffn_rows = 0;
-  for (const auto& row : r.rows) {
-    EXPECT_LE(std::fabs(row.relative_error), 0.0005) << row.component << " " << row.phase;
-    if (row.phase.find("/ffn") == std::string::npos) continue;
-    ++ffn_rows;
-    EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << row.component << " " << row.phase;
-  }
-  EXPECT_GT(ffn_rows, 0);
-  EXPECT_EQ(r.max_abs_dloss, 0.0);
-  EXPECT_EQ(r.max_abs_dgrad, 0.0);
-}
+// beside the MoE layer with its shared expert; the dense layers' ffn rows exact.
+TEST(VerifyStep, DenseLayersRun) { expect_baseline_step_without_mtp("GLM-4.5", "/ffn"); }
 
 }  // namespace
 }  // namespace flatpeak::cli

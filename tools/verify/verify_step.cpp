@@ -169,7 +169,6 @@ void scale_mla_dims(const VerifyInputs& in, double f, ScaledConfig& s) {
   s.values.push_back({"dv (value head dim)", card.v_head_dim, s.v_head_dim});
   if (card.q_lora_rank > 0) s.values.push_back({"q_lora (q latent)", card.q_lora_rank, s.q_lora});
   s.values.push_back({"kv_lora (kv latent)", card.kv_lora_rank, s.kv_lora});
-  if (in.shared_expert_ffn > 0) s.values.push_back({"F_s (shared expert width)", in.shared_expert_ffn, scaled_with_h(in, s, in.shared_expert_ffn)});
 }
 
 }  // namespace
@@ -179,21 +178,20 @@ void scale_layer_dims(const VerifyInputs& in, ScaledConfig& s) {
   const double f = static_cast<double>(in.hidden) / static_cast<double>(s.hidden);
   if (in.attention == "mla") {
     scale_mla_dims(in, f, s);
-    return;
+  } else {
+    const int64_t group = in.num_heads / in.num_kv_heads;
+    s.kv_heads = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(in.num_kv_heads) / f)));
+    s.q_heads = s.kv_heads * group;
+    const double width = static_cast<double>(in.num_heads * in.head_dim) / f;
+    s.head_dim = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(width / static_cast<double>(s.q_heads) - 1e-9)));
+    s.values.push_back({"a (query heads)", in.num_heads, s.q_heads});
+    s.values.push_back({"g (kv heads)", in.num_kv_heads, s.kv_heads});
+    s.values.push_back({"d (head dim)", in.head_dim, s.head_dim});
   }
-  const int64_t group = in.num_heads / in.num_kv_heads;
-  s.kv_heads = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(in.num_kv_heads) / f)));
-  s.q_heads = s.kv_heads * group;
-  const double width = static_cast<double>(in.num_heads * in.head_dim) / f;
-  s.head_dim = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(width / static_cast<double>(s.q_heads) - 1e-9)));
-  s.values.push_back({"a (query heads)", in.num_heads, s.q_heads});
-  s.values.push_back({"g (kv heads)", in.num_kv_heads, s.kv_heads});
-  s.values.push_back({"d (head dim)", in.head_dim, s.head_dim});
   if (in.shared_expert_ffn > 0) s.values.push_back({"F_s (shared expert width)", in.shared_expert_ffn, scaled_with_h(in, s, in.shared_expert_ffn)});
 }
 
 exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const ScaledConfig& s) {
-  // (MLA's widths: s.v_head_dim, q_lora, kv_lora and rope_dim, 0 for GQA, as the config's defaults.)
   // The measured layer takes the index of the scaled model's first MoE layer, so that an unfolded
   // prediction (a single MoE layer after dense ones, GLM-4.5) names the same phases.
   const ModelSpec card = load_plan_model(in);
@@ -209,7 +207,7 @@ exec::LayerScheduleConfig layer_schedule_config(const VerifyInputs& in, const Sc
   c.q_heads = s.q_heads;
   c.kv_heads = s.kv_heads;
   c.head_dim = s.head_dim;
-  c.v_head_dim = s.v_head_dim;
+  c.v_head_dim = s.v_head_dim;  // MLA's widths (0 for GQA: the config's defaults)
   c.q_lora = s.q_lora;
   c.kv_lora = s.kv_lora;
   c.rope_dim = s.rope_dim;
