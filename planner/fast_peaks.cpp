@@ -189,8 +189,10 @@ class Builder {
   // add_mtp_pending and add_mtp_embedding_grad (timeline.cpp).
   void mtp_pending(int64_t mtp_losses, int64_t hiddens, Acc& t) const {
     for (int64_t j = 0; j <= mtp_losses; ++j) loss_saved(c_, t);
+    if (grads_in_forward()) t.add(Category::Fsdp, c_.H, kB16);  // the main loss's final-norm weight
     t.add(Category::Boundaries, mul(c_.T, c_.H), kB16, hiddens);
   }
+  bool grads_in_forward() const { return c_.r.vocab != VocabMode::Materialized && c_.r.vocab_backward == VocabBackward::InForward; }
   void mtp_embedding_grad(Acc& t) const { t.add(kAct, mul(c_.T, c_.H), kB16); }
 
   Acc state(int64_t grad_params) const {
@@ -282,8 +284,12 @@ class Builder {
     const std::vector<MoeShape> shapes = moe ? moe_shapes(c_, c_.w.load_of(c_.w.moe_index[static_cast<size_t>(l)])) : std::vector<MoeShape>{};
     // Forward (base 0).
     Acc attn = c_.acc();
-    if (mtp) attn.add(kAct, mul(c_.T, 2 * c_.H), kB16);
     attention_forward(c_, l, attn);
+    if (mtp) {  // or eh_proj's moment before it, whichever holds more (a tie: the attention's)
+      Acc eh_proj = c_.acc();
+      eh_proj.add(kAct, mul(c_.T, 2 * c_.H), kB16);
+      if (eh_proj.total() > attn.total()) attn = eh_proj;
+    }
     add(layer_home(false), attn, FP::Disp::None, 0);
     if (moe) {
       for (auto& p : worst_rank(shapes, [&](const MoeShape& s) { return pipelined(c_) ? pipelined_forward(c_, s, false) : ep_phases(c_, s, false); })) {
@@ -352,7 +358,6 @@ class Builder {
       eh_proj.add(kAct, mul(c_.T, c_.H), kB16);
       eh_proj.add(kAct, mul(c_.T, 2 * c_.H), kB16);
       if (eh_proj.total() > bwd_attn.total()) bwd_attn = eh_proj;
-      if (l == L_ + M_ - 1) mtp_embedding_grad(bwd_attn);
     }
     add(layer_home(false), bwd_attn, FP::Disp::None, 2);
     out.back().or_copy_in = true;
@@ -386,7 +391,7 @@ class Builder {
   void backward_layer(int64_t l) {
     FP::Layer& e = layers_[static_cast<size_t>(l)];
     const bool mtp = l >= L_, last_module = mtp && l == L_ + M_ - 1;
-    const int64_t prev = mtp ? head_ : (l > 0 ? unit(l - 1) : 0);
+    const int64_t prev = mtp ? (grads_in_forward() ? -1 : head_) : (l > 0 ? unit(l - 1) : 0);
     auto pending = [&](Acc& base) {
       if (mtp) mtp_pending(l - L_, l - L_, base);
       if (M_ > 0 && !last_module) mtp_embedding_grad(base);
@@ -395,6 +400,7 @@ class Builder {
       Acc base = state(grads(reduced_before(l)));
       const FP::HeadRoles head = fsdp(base, unit(l), prev, b == 2 ? unit(l) : -1, in_flight_before(l));
       pending(base);
+      if (mtp && b == 1) base.add(Category::Fsdp, c_.H, kB16);  // its loss's head-norm grad, held
       set_base(e, b, base, head);
     }
     {  // 3: the grads' copy-in (timeline.cpp): the layer released, its grads and fp32 input live
@@ -414,6 +420,7 @@ class Builder {
       const FP::HeadRoles head = fsdp(base, unit(l), -1, -1, landing);
       base.add(Category::Fsdp, reduced_shard(landing), kF32);
       pending(base);
+      if (mtp) base.add(Category::Fsdp, c_.H, kB16);
       set_base(e, 4, base, head);
     }
     order_.push_back(FP::Step{FP::Step::Type::Backward, static_cast<int32_t>(l)});
@@ -465,7 +472,7 @@ class Builder {
     } else if (c_.r.vocab_backward == VocabBackward::InForward) {
       Acc t = c_.acc();
       loss_saved(c_, t);
-      t.add(Category::Fsdp, c_.H, kB16);  // the final norm's backward (timeline.cpp)
+      t.add(Category::Fsdp, c_.H, kB16);  // the final norm's weight, or an MTP loss's held head-norm grad (timeline.cpp)
       t.add(kAct, c_.T, kF32, c_.m.norm_bias ? 2 : 1);
       t.add(kAct, mul(c_.T, c_.H), kB16);
       phase(home, base, t, FP::Bnd::Loss, index, head);

@@ -220,8 +220,15 @@ class Builder {
     const std::string prefix = "fwd/" + layer_name(l) + "/";
     const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
     TermList attn = c_.list();
-    if (mtp) attn.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
     add_attention_forward(c_, l, attn);
+    if (mtp) {
+      // Before the attention, eh_proj: its input [T, 2H] (the norms' outputs) beside its output,
+      // the module's input (a boundary); freed before the attention runs. The phase holds the
+      // larger (a tie keeps the attention).
+      TermList eh_proj = c_.list();
+      eh_proj.add("MTP eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
+      if (eh_proj.bytes(Space::Device) > attn.bytes(Space::Device)) attn = eh_proj;
+    }
     emit(prefix + "attn", folds, base, attn);
     if (c_.layer_spec(l).ffn == FfnKind::Moe && c_.model.num_experts > 0) {
       for (auto& p : moe_forward_phases(c_, l)) {
@@ -252,6 +259,10 @@ class Builder {
   // loss's final-norm backward need them).
   void add_mtp_pending(int64_t mtp_losses, int64_t hiddens, TermList& t) const {
     add_loss_saved(c_, "main loss ", t);
+    // With gradients in forward the main loss's final-norm weight, kept from its forward (the head
+    // is not gathered again); an MTP loss's head norm is read from its module, prefetched then.
+    if (loss_grads_in_forward())
+      t.add("main loss final norm weight (kept for its backward)", {{"H", c_.model.hidden_size}}, kBf16, Category::Fsdp);
     for (int64_t j = 0; j < mtp_losses; ++j) add_loss_saved(c_, "MTP" + std::to_string(j) + " loss ", t);
     t.add("MTP module outputs h^j (for later modules and their losses)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}},
           kBf16, Category::Boundaries, hiddens);
@@ -261,6 +272,12 @@ class Builder {
   void add_mtp_embedding_grad(TermList& t) const {
     t.add("MTP d shifted embedding (for bwd/embed)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
           Category::Activations);
+  }
+  // MTP loss k's head-norm gradient [H]: made by the loss's final-norm backward, held until module
+  // k's unsharded grads exist (its backward's first phase), through the module's recompute.
+  void add_mtp_head_norm_grad(int64_t l, TermList& t) const {
+    t.add("MTP" + std::to_string(l - L_) + " head norm grad (held for the module's grads)", {{"H", c_.model.hidden_size}}, kBf16,
+          Category::Fsdp);
   }
   // An MTP module's embedding input is x_0 shifted: with x_0 offloaded, a copy is fetched for the
   // module's forward and again for its backward.
@@ -302,13 +319,20 @@ class Builder {
       // was released, its rstd recomputed from h_L, and d h_L, the layers' gradient stream.
       TermList t = c_.list();
       add_loss_saved(c_, "", t);
-      t.add("final norm weight (kept for its backward)", {{"H", c_.model.hidden_size}}, kBf16, Category::Fsdp);
+      // An MTP loss's head norm is read from its module, prefetched by now; the norm's gradient
+      // is held for the module's grads (add_mtp_head_norm_grad).
+      if (index == 0) t.add("final norm weight (kept for its backward)", {{"H", c_.model.hidden_size}}, kBf16, Category::Fsdp);
+      else add_mtp_head_norm_grad(L_ + index - 1, t);
       t.add("final norm rstd (recomputed)", {{"T", c_.work.tokens}}, kFp32, Category::Activations);
       if (c_.model.norm_bias) t.add("final norm mean (recomputed, LayerNorm)", {{"T", c_.work.tokens}}, kFp32, Category::Activations);
       t.add("d final hidden h_L", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
       emit(name + "/bwd", "", base, t);
     }
     for (auto& p : phases) emit(name + "/" + p.suffix, p.folds, base, p.terms);
+  }
+
+  bool loss_grads_in_forward() const {
+    return c_.run.vocab != VocabMode::Materialized && c_.run.vocab_backward == VocabBackward::InForward;
   }
 
   int64_t head_shard() const { return c_.work.units[static_cast<size_t>(c_.work.head_unit)].shard_params; }
@@ -325,8 +349,8 @@ class Builder {
     const std::string prefix = "bwd/" + layer_name(l) + "/";
     const std::string folds = folds_override.empty() ? folds_[l] : folds_override;
     // Next unit in backward order: the previous layer; after an MTP module, the head (a loss's
-    // backward follows); after L0, the embedding.
-    const int64_t prev = mtp ? c_.work.head_unit : (l > 0 ? unit(l - 1) : 0);
+    // backward follows; with gradients in forward it reads no W: nothing); after L0, the embedding.
+    const int64_t prev = mtp ? (loss_grads_in_forward() ? -1 : c_.work.head_unit) : (l > 0 ? unit(l - 1) : 0);
     // Boundaries: inputs 0..l not offloaded, plus this layer's fetched input and the prefetch (an
     // MTP module: x_0 fetched for its embedding input, and h_L).
     int64_t in_flight = 0;
@@ -348,6 +372,7 @@ class Builder {
       add_fsdp(c_, FsdpLive{unit(l), prev, with_grad ? unit(l) : -1, in_flight_before(l)}, base);
       add_boundaries(c_, resident_upto(l), in_flight, mtp, base);
       add_pending(base);
+      if (mtp && !with_grad) add_mtp_head_norm_grad(l, base);
       return base;
     };
     const TermList rec = base_of(false);
@@ -378,6 +403,7 @@ class Builder {
       if (head_again) add_head_accumulate_output(c_, landing);
       add_boundaries(c_, resident_upto(l), fetched, mtp, landing);
       add_pending(landing);
+      if (mtp) add_mtp_head_norm_grad(l, landing);
       landing.add("dy (layer output grad)", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16,
                   Category::Activations);
       TermList recompute = rec;
@@ -434,7 +460,8 @@ class Builder {
       eh_proj.add("d eh_proj output", {{"T", c_.work.tokens}, {"H", c_.model.hidden_size}}, kBf16, Category::Activations);
       eh_proj.add("d eh_proj input", {{"T", c_.work.tokens}, {"2H", 2 * c_.model.hidden_size}}, kBf16, Category::Activations);
       if (eh_proj.bytes(Space::Device) > attn.bytes(Space::Device)) attn = eh_proj;
-      if (last_module) add_mtp_embedding_grad(attn);
+      // The last module's backward makes the shifted embedding's gradient at the norms' backward,
+      // after eh_proj's input and d output are freed: held from the copy-in below.
     }
     // The layer's last moment: once its backward is done, the gathered layer released and the
     // previous unit's reduce-scatter input freed, its unsharded grads are copied into its fp32

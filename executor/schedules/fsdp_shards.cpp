@@ -173,15 +173,20 @@ void FsdpShards::reduce_scatter(size_t i, const Tensor& unsharded_grad) {
   accumulate(mine, local_length(i, local_rank_), local);
 }
 
-void FsdpShards::reduce_scatter_into(size_t i, const Tensor& input, Tensor& shard) {
+DType FsdpShards::check_reduce_scatter(const char* what, size_t i, const Tensor& input, const Tensor& shard) const {
   const FsdpUnitShape& u = units_.at(i);
   const DType want = precision_ == ShardPrecision::Fp32Master ? DType::F32 : DType::BF16;
   if (input.dtype() != DType::F32 || input.numel() != reduce_scatter_input_params(i) || shard.dtype() != want ||
       shard.numel() < shard_length(i))
-    throw std::invalid_argument("FsdpShards::reduce_scatter_into: unit '" + u.name + "' needs an fp32 input of " +
+    throw std::invalid_argument(std::string("FsdpShards::") + what + ": unit '" + u.name + "' needs an fp32 input of " +
                                 std::to_string(reduce_scatter_input_params(i)) + " elements (got " +
                                 std::to_string(input.numel()) + ") and a " + dtype_name(want) + " shard of at least " +
                                 std::to_string(shard_length(i)) + " (got " + std::to_string(shard.numel()) + ")");
+  return want;
+}
+
+void FsdpShards::reduce_scatter_into(size_t i, const Tensor& input, Tensor& shard) {
+  const DType want = check_reduce_scatter("reduce_scatter_into", i, input, shard);
   const int64_t mine = slice_length(i, rank_), local_mine = local_length(i, local_rank_);
   const int64_t summed = summed_params(i);
   // The sums land in the shard itself when it is fp32 and holds them (full slices, or padded);
@@ -210,6 +215,27 @@ void FsdpShards::reduce_scatter_into(size_t i, const Tensor& input, Tensor& shar
   // where it goes (a short slice), and moving it only overwrites the dense part's padding.
   store(mine, local_mine, local);
   store(0, mine, dense);
+}
+
+void FsdpShards::reduce_scatter_add(size_t i, const Tensor& input, Tensor& shard) {
+  const DType want = check_reduce_scatter("reduce_scatter_add", i, input, shard);
+  const int64_t mine = slice_length(i, rank_), local_mine = local_length(i, local_rank_);
+  const int64_t summed = summed_params(i);
+  Tensor output;  // the reduce-scatter output [S (+ S_l)] fp32
+  float* sums = nullptr;
+  if (summed > 0) {
+    output = Tensor(alloc_, DType::F32, {summed}, Category::Fsdp);
+    sums = output.data<float>();
+  }
+  const auto [dense, local] = part_sums(i, input, sum_parts(i, input, sums));
+  auto add = [&](int64_t at, int64_t count, const float* sum) {
+    for (int64_t e = 0; e < count; ++e) {
+      if (want == DType::F32) shard.data<float>()[at + e] += sum[e];
+      else shard.data<Bf16>()[at + e] = f32_to_bf16(to_f32(shard.data<Bf16>()[at + e]) + sum[e]);
+    }
+  };
+  add(0, mine, dense);
+  add(mine, local_mine, local);
 }
 
 }  // namespace flatpeak::exec

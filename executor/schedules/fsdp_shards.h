@@ -112,6 +112,11 @@ class FsdpShards {
   // loss's fp32 dW accumulator) must have the same layout.
   Tensor reduce_scatter_input(size_t i, const Tensor& unsharded_grad);
   void reduce_scatter_into(size_t i, const Tensor& input, Tensor& shard);
+  // The same sums added into `shard`, which holds the unit's earlier ones (a unit reduced more
+  // than once in a step: the LM head under MTP, once per loss): always through this rank's fp32
+  // [S (+ S_l)] reduce-scatter output (category fsdp), freed here; a bf16 shard is rounded once
+  // per addition. A step on one rank adds its input itself (no output: planner/memory_model.h).
+  void reduce_scatter_add(size_t i, const Tensor& input, Tensor& shard);
 
  private:
   TrackingAllocator& alloc_;
@@ -128,6 +133,8 @@ class FsdpShards {
   // part_sums: where each part's sums then are (a part not reduced: the input itself).
   const float* sum_parts(size_t i, const Tensor& input, float* sums);
   int64_t summed_params(size_t i) const;
+  // The shard's dtype; throws for an input or shard reduce_scatter_into and _add cannot take.
+  DType check_reduce_scatter(const char* what, size_t i, const Tensor& input, const Tensor& shard) const;
   std::pair<const float*, const float*> part_sums(size_t i, const Tensor& input, const float* sums) const;
 
   std::vector<int64_t> offsets_;  // [units] start of each unit in the shard vectors

@@ -23,8 +23,17 @@
 //                  embedding) is prefetched, x_l is fetched and SCO's prefetch issued; the layer's
 //                  unsharded grads from its backward's first phase; at its end L l is released,
 //                  the previous reduce-scatter completes and this unit's starts, x_l is freed.
+//   fwd/MTPj, loss/mtpj, bwd/MTPj (with MTP: between the main loss's passes, run_module): module
+//                  j gathered and the head prefetched; eh_proj's input [2, T, H] (its norms'
+//                  outputs; x_0 fetched when offloaded) into the module's input (boundary) and
+//                  freed; the layer's no-grad forward gives h^j; its loss (the next module
+//                  between its passes); the loss's backward gathers the head (not with gradients
+//                  in forward), lands the next module's shard, prefetches module j, holds its
+//                  head-norm grad [H]; bwd/MTPj as a layer, then eh_proj's and the norms'
+//                  backward: d h^(j-1) for the loss before, d x_0 into one [T, H] buffer.
 //   bwd/embed      L0's shard lands; the embedding's unsharded grads, its backward (token ids
-//                  re-read as input data: workspace), its reduce-scatter, started and completed.
+//                  re-read as input data: workspace; the MTP modules' d x_0 after the layers'),
+//                  its reduce-scatter, started and completed.
 //   opt/...        the optimizer step on the shards (params, m, v from init; host state too).
 #include "executor/schedules/step_schedule.h"
 
@@ -37,6 +46,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "executor/cpu/gemm_cpu.h"
 #include "executor/memory/tensor.h"
 #include "executor/ops/adamw.h"
 #include "executor/ops/embedding.h"
@@ -68,9 +78,32 @@ void check(const StepScheduleConfig& c) {
   require(c.offloaded.empty() || static_cast<int64_t>(c.offloaded.size()) == m.num_layers, "offloaded must list every layer");
   require(c.prefetch >= 0, "prefetch must be >= 0");
   require(c.cp >= 1, "cp must be >= 1");
+  if (c.mtp) {
+    require(m.mtp_layers > 0, "mtp needs a model with MTP modules (mtp_layers = 0)");
+    require(!m.norm_bias, "MTP modules with LayerNorm norms are not built (RMSNorm only)");
+  }
 }
 
-bool is_dense_layer(const StepScheduleConfig& c, int64_t layer) { return c.model.layers[static_cast<size_t>(layer)].ffn != FfnKind::Moe; }
+int64_t mtp_modules(const StepScheduleConfig& c) { return c.mtp ? c.model.mtp_layers : 0; }
+
+// Decoder layer `layer` of the step: the model's, or at L + j MTP module j's (full attention; MoE
+// when the model has experts).
+LayerSpec step_layer_spec(const StepScheduleConfig& c, int64_t layer) {
+  if (layer < c.model.num_layers) return c.model.layers[static_cast<size_t>(layer)];
+  LayerSpec s;
+  s.ffn = c.model.num_experts > 0 ? FfnKind::Moe : FfnKind::Dense;
+  return s;
+}
+
+bool is_dense_layer(const StepScheduleConfig& c, int64_t layer) { return step_layer_spec(c, layer).ffn != FfnKind::Moe; }
+
+// An MTP module's parameters before its decoder layer: enorm [H], hnorm [H], eh_proj [H, 2H]
+// (columns [0, H) read hnorm's output, [H, 2H) enorm's), its head norm [H].
+int64_t module_extra_params(int64_t H) { return 3 * H + 2 * H * H; }
+int64_t module_enorm_at(int64_t) { return 0; }
+int64_t module_hnorm_at(int64_t H) { return H; }
+int64_t module_eh_proj_at(int64_t H) { return 2 * H; }
+int64_t module_head_norm_at(int64_t H) { return 2 * H + 2 * H * H; }
 
 // Layer `layer`'s config: its MoE block, or a dense layer's FFN.
 LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
@@ -102,7 +135,7 @@ LayerScheduleConfig layer_config(const StepScheduleConfig& c, int64_t layer) {
   l.cp = c.cp;
   // Sliding windows (gpt-oss's local layers) and chunks (Llama 4's) run masked, at CP > 1 with a
   // halo or the ring as their reach needs (DecoderLayer).
-  const LayerSpec& spec = m.layers[static_cast<size_t>(layer)];
+  const LayerSpec spec = step_layer_spec(c, layer);
   if (spec.window == AttentionWindow::Sliding) l.attention_window = spec.attention_window_tokens;
   if (spec.window == AttentionWindow::Chunked) l.attention_chunk = spec.attention_window_tokens;
   l.dtype = DType::BF16;
@@ -114,7 +147,11 @@ void zero(Tensor& t) {
   if (!t.empty()) std::memset(t.raw(), 0, static_cast<size_t>(t.bytes()));
 }
 
-bool is_layer_unit(const StepScheduleConfig& c, int64_t unit) { return unit >= 1 && unit <= c.model.num_layers; }
+bool is_layer_unit(const StepScheduleConfig& c, int64_t unit) { return unit >= 1 && unit <= c.model.num_layers + mtp_modules(c); }
+// The parameters an MTP module's unit holds before its decoder layer (0 for every other unit).
+int64_t unit_extra_params(const StepScheduleConfig& c, int64_t unit) {
+  return is_layer_unit(c, unit) && unit > c.model.num_layers ? module_extra_params(c.model.hidden_size) : 0;
+}
 
 // A run of a rank's gathered unit and where it lies in the whole model's unit (the EP = 1 layout:
 // the weights in storage order, then every part not applied).
@@ -126,7 +163,7 @@ struct UnitSegment {
 // the head) the identity; at EP > 1 a layer is [dense weights | dense parts not applied | its
 // experts' w_gate_up | w_down | b_expert (with biases) | their parts not applied] (step_unit_shapes).
 std::vector<UnitSegment> unit_segments(const StepScheduleConfig& c, int64_t unit, int64_t ep_rank) {
-  const std::vector<int64_t> whole = step_unit_params(c.model);
+  const std::vector<int64_t> whole = step_unit_params(c.model, c.mtp);
   const int64_t U = whole[static_cast<size_t>(unit)];
   if (c.ep == 1 || !is_layer_unit(c, unit) || is_dense_layer(c, unit - 1)) return {{0, U, 0}};
   const FsdpUnitShape shape = step_unit_shapes(c)[static_cast<size_t>(unit)];
@@ -135,7 +172,9 @@ std::vector<UnitSegment> unit_segments(const StepScheduleConfig& c, int64_t unit
   const LayerScheduleConfig ref_layer = layer_config(reference, unit - 1);
   const int64_t EL = c.model.num_experts / c.ep;
   std::vector<UnitSegment> out;
-  int64_t ref_at = 0, dense_at = 0, expert_at = shape.sharded_params, expert_weights = 0;
+  const int64_t extra = unit_extra_params(c, unit);  // an MTP module's own weights, sharded first
+  if (extra > 0) out.push_back({0, extra, 0});
+  int64_t ref_at = extra, dense_at = extra, expert_at = shape.sharded_params, expert_weights = 0;
   for (const LayerWeightShape& w : layer_weight_shapes(ref_layer)) {
     const int64_t n = w.numel();
     if (is_expert_weight(w.name)) {
@@ -173,13 +212,14 @@ class StepRun {
   // ring is split from it (CP groups of cp consecutive ranks).
   StepRun(Communicator* comm, TrackingAllocator& alloc, const StepScheduleConfig& c, Communicator* cp_group = nullptr)
       : a_(alloc), comm_(comm), c_(c), T_(c.tokens), H_(c.model.hidden_size), V_(c.model.vocab_size), L_(c.model.num_layers),
-        lcs_(layer_configs(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
+        M_(mtp_modules(c)), lcs_(layer_configs(c)), unit_shapes_(step_unit_shapes(c)), unit_params_(gathered_sizes(unit_shapes_)),
         data_seed_(step_data_seed(c, comm != nullptr ? comm->rank() : 0)), ep_rank_(c.ep > 1 ? comm->rank() % c.ep : 0) {
-    head_ = L_ + 1;
+    head_ = L_ + M_ + 1;
     cp_group_ = cp_group;
     offload_ = !c.naive && c.optimizer.placement != OptimizerPlacement::Device;
-    for (int64_t l = 0; l < L_; ++l)
-      require(layer_weight_elems(lcs_[static_cast<size_t>(l)]) <= unit_params_[static_cast<size_t>(l + 1)], "the layer's weights exceed its unit");
+    for (int64_t l = 0; l < L_ + M_; ++l)
+      require(unit_extra_params(c, l + 1) + layer_weight_elems(lcs_[static_cast<size_t>(l)]) <= unit_params_[static_cast<size_t>(l + 1)],
+              "the layer's weights exceed its unit");
     loss_ = c.loss;
     loss_.tokens = T_;
     loss_.hidden = H_;
@@ -194,6 +234,9 @@ class StepRun {
     gathered_.resize(unit_params_.size());
     grad_shards_.resize(unit_params_.size());
     device_.resize(static_cast<size_t>(L_ + 1));
+    module_in_.resize(static_cast<size_t>(M_));
+    module_out_.resize(static_cast<size_t>(M_));
+    module_norm_grad_.resize(static_cast<size_t>(M_));
   }
 
   static std::vector<int64_t> gathered_sizes(const std::vector<FsdpUnitShape>& shapes) {
@@ -213,8 +256,9 @@ class StepRun {
       r.shard_params.push_back(shards_->shard_length(u));
     }
     forward();
+    result_ = &r;
+    run_loss(0);  // with MTP the modules and their losses run inside it (between its passes)
     r.expert_counts = std::move(expert_counts_);
-    loss(r);
     backward();
     const bool keep = c_.keep_results || c_.result_sink;
     if (keep) {
@@ -251,8 +295,10 @@ class StepRun {
 
  private:
   int64_t U(int64_t unit) const { return unit_params_[static_cast<size_t>(unit)]; }
-  static int64_t layer_unit(int64_t l) { return l + 1; }
-  std::string layer_prefix(const char* pass, int64_t l) const { return std::string(pass) + "/L" + std::to_string(l) + "/"; }
+  static int64_t layer_unit(int64_t l) { return l + 1; }  // MTP module j: l = L + j
+  std::string layer_prefix(const char* pass, int64_t l) const {
+    return std::string(pass) + (l < L_ ? "/L" + std::to_string(l) : "/MTP" + std::to_string(l - L_)) + "/";
+  }
 
   // Values [offset, offset + count) of the grads or params: to the sink, or appended to `kept`.
   void emit(StepResultPart part, std::vector<float>& kept, int64_t offset, const float* values, int64_t count) const {
@@ -334,18 +380,32 @@ class StepRun {
   void start_reduce_scatter(int64_t u, Tensor input) {
     rs_input_ = std::move(input);
     rs_unit_ = u;
+    rs_landed_ = false;
   }
   // The shard of the unit in flight lands (fp32, or bf16 with offload): the reduce-scatter runs
   // here (every rank reaches this point in the same order); its input stays in flight.
   void land_reduce_scatter() {
-    if (rs_unit_ < 0 || !grad_shards_[static_cast<size_t>(rs_unit_)].empty()) return;
+    if (rs_unit_ < 0 || rs_landed_) return;
+    rs_landed_ = true;
     const size_t u = static_cast<size_t>(rs_unit_);
     // fp32 shards padded to S (+ S_l), as FSDP2 pads its shards: the sum lands in place on every
     // rank (bf16 shards land through the reduce-scatter output: FsdpShards::reduce_scatter_into).
     const int64_t n = offload_ ? shards_->shard_length(u) : std::max(shards_->shard_length(u), shards_->shard_capacity(u));
-    Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {n}, Category::Grads);
-    shards_->reduce_scatter_into(u, rs_input_, s);
-    grad_shards_[u] = std::move(s);
+    Tensor& shard = grad_shards_[u];
+    if (shard.empty()) {
+      Tensor s(a_, offload_ ? DType::BF16 : DType::F32, {n}, Category::Grads);
+      shards_->reduce_scatter_into(u, rs_input_, s);
+      shard = std::move(s);
+      return;
+    }
+    // The head again (MTP: every loss reduces it): the sum is added into the shard, on N ranks
+    // through an fp32 [S] output; one rank's reduce-scatter is its input [U], added in place.
+    if (shards_->ranks() > 1) return shards_->reduce_scatter_add(u, rs_input_, shard);
+    const float* sum = rs_input_.data<float>();
+    for (int64_t i = 0; i < shards_->shard_length(u); ++i) {
+      if (offload_) shard.data<Bf16>()[i] = f32_to_bf16(to_f32(shard.data<Bf16>()[i]) + sum[i]);
+      else shard.data<float>()[i] += sum[i];
+    }
   }
   void finish_reduce_scatter() {
     land_reduce_scatter();
@@ -358,7 +418,8 @@ class StepRun {
   LayerWeightPtrs layer_views(int64_t l, Tensor& unit) const {
     Bf16* base = unit.data<Bf16>();
     const bool experts_apart = c_.ep > 1 && !is_dense_layer(c_, l);
-    return layer_weights_in(base, lc(l), experts_apart ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
+    return layer_weights_in(base + unit_extra_params(c_, layer_unit(l)), lc(l),
+                            experts_apart ? base + unit_shapes_[static_cast<size_t>(layer_unit(l))].sharded_params : nullptr);
   }
   LayerWeightPtrs weights_of(int64_t l) { return layer_views(l, gathered_[static_cast<size_t>(layer_unit(l))]); }
   Communicator* ep_group() const {
@@ -443,30 +504,54 @@ class StepRun {
 
   // ---- loss: final norm, vocabulary projection and cross-entropy, final norm backward
 
-  void loss(StepScheduleResult& r) {
-    const Tensor& h_last = device_[static_cast<size_t>(L_)];  // the final hidden h_L (boundary)
-    Tensor targets(a_, DType::I32, {T_}, Category::Workspace);  // input labels: the next token
+  // Loss `index`: 0 the main loss on h_L (the head unit's final norm), j + 1 MTP module j's on h^j
+  // (the module's head norm), its targets the tokens index + 1 ahead. With a module after it
+  // (index < M) that module and the rest run between the loss's passes (LossInputs::between). On
+  // return dy_ is the gradient of the loss's input (with the next module's hnorm gradient added).
+  void run_loss(int64_t index) {
+    const bool main_loss = index == 0;
+    const int64_t module = index - 1;  // MTP loss: its module
+    const Tensor& input = main_loss ? device_[static_cast<size_t>(L_)] : module_out_[static_cast<size_t>(module)];
+    const int64_t shift = index + 1;
+    Tensor targets(a_, DType::I32, {T_}, Category::Workspace);  // input labels: the token `shift` ahead
     for (int64_t t = 0; t < T_; ++t)
-      targets.data<int32_t>()[t] = t + 1 < T_ ? token_id(t + 1) : static_cast<int32_t>(mix64(data_seed_ * 7 + 13, 0) % static_cast<uint64_t>(V_));
+      targets.data<int32_t>()[t] = t + shift < T_ ? token_id(t + shift)
+                                                  : static_cast<int32_t>(mix64(data_seed_ * 7 + 13, static_cast<uint64_t>(t + shift - T_)) %
+                                                                         static_cast<uint64_t>(V_));
     const bool layer_norm = c_.model.norm_bias;
     const int64_t norm_params = layer_norm ? 2 * H_ : H_;  // the final norm's weight (and LayerNorm's bias)
-    Tensor& head = gathered_[static_cast<size_t>(head_)];
-    head.set_category(Category::Vocab);  // the gathered head: [final norm | W | head bias]
-    Tensor head_grads;                   // [U] the head's grads, laid out as the unit
-    Tensor norm_weight;                  // [H] the final norm's weight, kept when W goes
+    const bool deferred = index < M_;
+    const bool in_forward = in_forward_loss();
+    VocabScheduleConfig config = loss_;
+    Tensor head_grads;   // [U] the head's grads, laid out as the unit
+    Tensor norm_weight;  // [H] the main loss's final norm weight, kept when W goes
     LossInputs io;
-    io.w = head.data<Bf16>() + norm_params;
-    if (c_.model.lm_head_bias) io.bias = io.w + V_ * H_;
-    io.w_storage = std::move(head);
+    io.phase_prefix = main_loss ? "loss" : "loss/mtp" + std::to_string(module);
     io.targets = targets.data<int32_t>();
+    // W from the gathered head (the last layer's or the module's prefetch, or gathered now).
+    const auto take_head = [&] {
+      gather(head_);
+      Tensor& head = gathered_[static_cast<size_t>(head_)];
+      head.set_category(Category::Vocab);  // the gathered head: [final norm | W | head bias]
+      io.w = head.data<Bf16>() + norm_params;
+      io.bias = c_.model.lm_head_bias ? io.w + V_ * H_ : nullptr;
+      io.w_storage = std::move(head);
+    };
+    take_head();
+    // The norm before the loss: the main loss's is the head unit's first H elements (copied out
+    // when W goes: norm_weight); an MTP loss's is in its module's unit, copied out when the module
+    // was resharded (module_head_norm_) and read again from the module's prefetch in backward.
+    const auto module_norm = [&]() -> const Bf16* {
+      return gathered_[static_cast<size_t>(layer_unit(L_ + module))].data<Bf16>() + module_head_norm_at(H_);
+    };
     io.on_forward = [&] {
-      io.x = Tensor(a_, DType::BF16, {T_, H_}, Category::Vocab);  // X = final_norm(h_L)
+      io.x = Tensor(a_, DType::BF16, {T_, H_}, Category::Vocab);  // X = final_norm(input)
       Tensor rstd(a_, DType::F32, {T_}, Category::Activations);   // recomputed in backward
       if (layer_norm) {
         Tensor mean(a_, DType::F32, {T_}, Category::Activations);  // recomputed in backward
         LayerNormArgs n;
         n.dtype = DType::BF16;
-        n.x = h_last.raw();
+        n.x = input.raw();
         n.weight = io.w_storage.raw();
         n.bias = io.w_storage.data<Bf16>() + H_;
         n.out = io.x.raw();
@@ -479,13 +564,14 @@ class StepRun {
       }
       RmsNormArgs n;
       n.dtype = DType::BF16;
-      n.x = h_last.raw();
-      n.weight = io.w_storage.raw();
+      n.x = input.raw();
+      n.weight = main_loss ? io.w_storage.raw() : module_head_norm_.raw();
       n.out = io.x.raw();
       n.rstd = rstd.data<float>();
       n.tokens = T_;
       n.hidden = H_;
       rmsnorm_forward_cpu(n);
+      module_head_norm_.reset();
     };
     io.make_dw = [&](DType dtype) {
       // fp32 (the blocked loss's accumulator, reduced in place): laid out as the reduce-scatter
@@ -497,42 +583,54 @@ class StepRun {
       if (c_.model.lm_head_bias) io.d_bias = dw + V_ * H_ * dtype_bytes(dtype);
       return static_cast<void*>(dw);
     };
-    io.on_backward = [&] { gather(layer_unit(L_ - 1)); };  // prefetch
-    io.before_release = [&] {
-      // The norm's backward reads its weight, not LayerNorm's bias (whose gradient is Σ dy).
-      norm_weight = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);  // gathered, kept for the norm's backward
-      std::memcpy(norm_weight.raw(), io.w_storage.raw(), static_cast<size_t>(H_) * 2);
+    if (deferred) io.between = [&, index] { run_module(index); };
+    io.on_backward = [&] {
+      if (deferred) {
+        land_reduce_scatter();  // the module after it: its shard lands, its input stays in flight
+        if (!in_forward) take_head();  // gradients in forward read no W again
+      }
+      gather(layer_unit(main_loss ? L_ - 1 : L_ + module));  // prefetch: the layer (or module) before
     };
-    LossOutputs out = run_vocab_loss(a_, loss_, io);
-    r.loss = out.mean_loss;
-    // The final norm's backward: dy = d h_L (the layers' gradient stream), the norm's weight grad.
+    io.before_release = [&] {
+      // The norm's backward reads its weight, not LayerNorm's bias (whose gradient is Σ dy): with
+      // gradients in forward kept from the forward, through any MTP modules.
+      if (main_loss) keep_norm_weight(norm_weight, io.w_storage);
+    };
+    LossOutputs out = run_vocab_loss(a_, config, io);
+    if (main_loss) result_->loss = out.mean_loss;
+    else result_->mtp_losses.push_back(out.mean_loss);
+    // The norm's backward: dy = d input (the gradient stream), the norm's weight grad: into the
+    // head's grads, or an MTP loss's into a [H] buffer its module's unsharded grads take.
     Tensor rstd(a_, DType::F32, {T_}, Category::Activations);
     Tensor mean;  // LayerNorm's, recomputed as layernorm_forward_cpu computes it
     if (layer_norm) mean = Tensor(a_, DType::F32, {T_}, Category::Activations);
     {
-      const Bf16* x = h_last.data<Bf16>();
+      const Bf16* x = input.data<Bf16>();
       for (int64_t t = 0; t < T_; ++t) {
         if (layer_norm) {  // as layernorm_forward_cpu computes them
           layernorm_row_stats(x + t * H_, H_, LayerNormArgs{}.eps, mean.data<float>()[t], rstd.data<float>()[t]);
           continue;
         }
-        float sum_squares = 0.0f;  // as rmsnorm_forward_cpu computes it
-        for (int64_t h = 0; h < H_; ++h) sum_squares += to_f32(x[t * H_ + h]) * to_f32(x[t * H_ + h]);
-        rstd.data<float>()[t] = rmsnorm_rstd(sum_squares, H_, RmsNormArgs{}.eps);
+        rstd.data<float>()[t] = row_rstd(x + t * H_);
       }
     }
     dy_ = Tensor(a_, DType::BF16, {T_, H_}, Category::Activations);
     {
       Tensor d_norm;  // the blocked loss's head grads are fp32: the norm's bf16 grads go here first
-      if (head_grads.dtype() == DType::F32) {
+      if (!main_loss) {
+        Tensor& held = module_norm_grad_[static_cast<size_t>(module)];
+        held = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);  // taken by the module's unsharded grads
+        zero(held);
+      } else if (head_grads.dtype() == DType::F32) {
         d_norm = Tensor(a_, DType::BF16, {norm_params}, Category::Workspace);
         zero(d_norm);
       }
-      void* d_norm_params = d_norm.empty() ? head_grads.raw() : d_norm.raw();  // [weight | LayerNorm bias]
+      void* d_norm_params = !main_loss ? module_norm_grad_[static_cast<size_t>(module)].raw()
+                                       : d_norm.empty() ? head_grads.raw() : d_norm.raw();  // [weight | LayerNorm bias]
       if (layer_norm) {
         LayerNormArgs n;
         n.dtype = DType::BF16;
-        n.x = h_last.raw();
+        n.x = input.raw();
         n.weight = norm_weight.raw();
         n.mean = mean.data<float>();
         n.rstd = rstd.data<float>();
@@ -548,8 +646,8 @@ class StepRun {
       } else {
         RmsNormArgs n;
         n.dtype = DType::BF16;
-        n.x = h_last.raw();
-        n.weight = norm_weight.raw();
+        n.x = input.raw();
+        n.weight = main_loss ? norm_weight.raw() : module_norm();
         n.rstd = rstd.data<float>();
         n.d_out = out.d_x.raw();
         n.d_x = dy_.raw();
@@ -563,8 +661,16 @@ class StepRun {
       if (!d_norm.empty())
         for (int64_t h = 0; h < norm_params; ++h) head_grads.data<float>()[h] += to_f32(d_norm.data<Bf16>()[h]);
     }
+    // The next module's hnorm gradient of the same input joins the stream.
+    if (!d_input_from_module_.empty()) {
+      add_into(dy_, d_input_from_module_);
+      d_input_from_module_.reset();
+    }
     rstd.reset(), mean.reset(), norm_weight.reset(), out.d_x.reset(), out.loss.reset(), targets.reset();
-    device_[static_cast<size_t>(L_)].reset();  // h_L: the final norm's backward is done
+    // The loss's input: its norm's backward is done.
+    if (main_loss) device_[static_cast<size_t>(L_)].reset();
+    else module_out_[static_cast<size_t>(module)].reset();
+    finish_reduce_scatter();  // the module after it (MTP): its input was in flight through the loss
     // The head's reduce-scatter input: the fp32 accumulator itself, or the bf16 grads widened.
     if (head_grads.dtype() == DType::F32) {
       head_grads.set_category(Category::Fsdp);
@@ -572,6 +678,195 @@ class StepRun {
     } else {
       start_reduce_scatter(head_, reduce_scatter_input(head_, head_grads));
     }
+  }
+
+  bool in_forward_loss() const { return loss_.gradients_in_forward && loss_.mode == VocabScheduleMode::Blocked; }
+
+  // The final norm's weight [H] (fsdp) copied from a gathered head, for the norm's backward
+  // after W is released.
+  void keep_norm_weight(Tensor& norm_weight, const Tensor& head) {
+    norm_weight = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);
+    std::memcpy(norm_weight.raw(), head.raw(), static_cast<size_t>(H_) * 2);
+  }
+
+  // rstd of one bf16 row as rmsnorm_forward_cpu computes it.
+  float row_rstd(const Bf16* x) const {
+    float sum_squares = 0.0f;
+    for (int64_t h = 0; h < H_; ++h) sum_squares += to_f32(x[h]) * to_f32(x[h]);
+    return rmsnorm_rstd(sum_squares, H_, RmsNormArgs{}.eps);
+  }
+
+  // dst += src, [T, H] bf16 each (one rounding per element).
+  static void add_into(Tensor& dst, const Tensor& src) {
+    for (int64_t i = 0; i < dst.numel(); ++i) dst.data<Bf16>()[i] = f32_to_bf16(to_f32(dst.data<Bf16>()[i]) + to_f32(src.data<Bf16>()[i]));
+  }
+
+  // ---- MTP modules (planner/README.md "Multi-token prediction")
+
+  // Module j, then its loss (which runs the modules after it between its passes), then module j's
+  // backward: runs between the passes of the loss before it.
+  void run_module(int64_t j) {
+    forward_module(j);
+    run_loss(j + 1);
+    backward_module(j);
+  }
+
+  const Tensor& module_hidden_input(int64_t j) const {  // h^(j-1): h_L for module 0
+    return j == 0 ? device_[static_cast<size_t>(L_)] : module_out_[static_cast<size_t>(j - 1)];
+  }
+
+  // eh_proj's input [2, T, H] bf16 (activations): hnorm(h^(j-1)) in rows [0, T), enorm(x_0
+  // shifted by j + 1 rows) in rows [T, 2T) (the last j + 1 rows zero: no token there). The
+  // norms' statistics are op scratch (workspace), recomputed in backward.
+  Tensor eh_input(int64_t j) {
+    const Bf16* unit = gathered_[static_cast<size_t>(layer_unit(L_ + j))].data<Bf16>();
+    const int64_t shift = std::min(j + 1, T_);
+    Tensor in(a_, DType::BF16, {2, T_, H_}, Category::Activations);
+    Tensor rstd(a_, DType::F32, {T_}, Category::Workspace);
+    RmsNormArgs n;
+    n.dtype = DType::BF16;
+    n.x = module_hidden_input(j).raw();
+    n.weight = unit + module_hnorm_at(H_);
+    n.out = in.raw();
+    n.rstd = rstd.data<float>();
+    n.tokens = T_;
+    n.hidden = H_;
+    rmsnorm_forward_cpu(n);
+    Bf16* embedded = in.data<Bf16>() + T_ * H_;
+    n.x = device_[0].data<Bf16>() + shift * H_;
+    n.weight = unit + module_enorm_at(H_);
+    n.out = embedded;
+    n.tokens = T_ - shift;
+    if (n.tokens > 0) rmsnorm_forward_cpu(n);
+    std::fill(embedded + (T_ - shift) * H_, embedded + T_ * H_, Bf16{});
+    return in;
+  }
+
+  // eh_proj: [T, 2H] · W_eh[H, 2H]ᵀ as two GEMMs over the halves (the second accumulating).
+  void eh_proj_forward(int64_t j, const Tensor& in, Tensor& out) {
+    const Bf16* w = gathered_[static_cast<size_t>(layer_unit(L_ + j))].data<Bf16>() + module_eh_proj_at(H_);
+    const Bf16* a = in.data<Bf16>();
+    gemm_cpu(false, true, T_, H_, H_, 1.0f, a, H_, w, 2 * H_, false, out.data<Bf16>(), H_);
+    gemm_cpu(false, true, T_, H_, H_, 1.0f, a + T_ * H_, H_, w + H_, 2 * H_, true, out.data<Bf16>(), H_);
+  }
+
+  void forward_module(int64_t j) {
+    const int64_t l = L_ + j;
+    const std::string prefix = layer_prefix("fwd", l);
+    a_.set_phase(prefix + "attn");
+    gather(layer_unit(l));  // gathered as its forward starts
+    gather(head_);          // prefetch: its loss follows
+    fetch(0);               // x_0 offloaded: a copy for the shifted embedding input
+    {
+      Tensor in = eh_input(j);
+      Tensor& u = module_in_[static_cast<size_t>(j)];
+      u = Tensor(a_, DType::BF16, {T_, H_}, Category::Boundaries);  // the decoder layer's input, kept to its backward
+      eh_proj_forward(j, in, u);
+    }
+    Tensor y;
+    if (c_.naive) {
+      naive_layers_.emplace_back(a_, lc(l), weights_of(l), ep_group(), cp_group());
+      y = naive_layers_.back().forward_saving(module_in_[static_cast<size_t>(j)], prefix, true, nullptr, nullptr);
+      if (!is_dense_layer(c_, l)) expert_counts_.push_back(naive_layers_.back().expert_counts());
+    } else {
+      DecoderLayer layer(a_, lc(l), weights_of(l), ep_group(), cp_group());
+      y = layer.forward_no_grad(module_in_[static_cast<size_t>(j)], prefix, nullptr);
+      if (!is_dense_layer(c_, l)) expert_counts_.push_back(layer.expert_counts());
+    }
+    // The module's head norm, for its loss's X (the unit is released before the loss).
+    module_head_norm_ = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);
+    std::memcpy(module_head_norm_.raw(), gathered_[static_cast<size_t>(layer_unit(l))].data<Bf16>() + module_head_norm_at(H_),
+                static_cast<size_t>(H_) * 2);
+    if (!c_.naive) reshard(layer_unit(l));
+    if (offloaded_[0]) device_[0].reset();
+    y.set_category(Category::Boundaries);
+    module_out_[static_cast<size_t>(j)] = std::move(y);
+  }
+
+  void backward_module(int64_t j) {
+    const int64_t l = L_ + j;
+    const std::string prefix = layer_prefix("bwd", l);
+    Tensor& u = module_in_[static_cast<size_t>(j)];
+    Tensor grads, in;
+    const GradSource make_grads = [&] {
+      grads = unsharded_grads(layer_unit(l));
+      Tensor& held = module_norm_grad_[static_cast<size_t>(j)];  // its loss's head-norm gradient
+      std::memcpy(grads.data<Bf16>() + module_head_norm_at(H_), held.raw(), static_cast<size_t>(H_) * 2);
+      held.reset();
+      return layer_views(l, grads);
+    };
+    Tensor du;
+    if (c_.naive) {
+      land_reduce_scatter();
+      in = eh_input(j);
+      du = naive_layers_[static_cast<size_t>(l)].backward(u, prefix, [&] { return std::move(dy_); }, make_grads);
+    } else {
+      const Hook start = [&] {
+        land_reduce_scatter();
+        if (!in_forward_loss()) gather(head_);  // prefetch: the loss before it (it reads W)
+        fetch(0);
+        in = eh_input(j);  // recomputed: eh_proj's weight gradient reads it
+      };
+      DecoderLayer layer(a_, lc(l), weights_of(l), ep_group(), cp_group());
+      layer.forward_saving(u, prefix + "recompute/", false, [&] { return std::move(dy_); }, start);
+      du = layer.backward(u, prefix, nullptr, make_grads);
+    }
+    // eh_proj's backward (in the layer's last phase, bwd/MTPj/attn): d of its input [2, T, H]
+    // and its weight gradient, then the norms': d h^(j-1) and d x_0 (shifted back, into the
+    // modules' shared buffer).
+    Bf16* g = grads.data<Bf16>();
+    const Bf16* unit = gathered_[static_cast<size_t>(layer_unit(l))].data<Bf16>();
+    const Bf16* w = unit + module_eh_proj_at(H_);
+    Tensor d_in(a_, DType::BF16, {2, T_, H_}, Category::Activations);
+    Bf16* da = d_in.data<Bf16>();
+    Bf16* db = da + T_ * H_;
+    gemm_cpu(false, false, T_, H_, H_, 1.0f, du.data<Bf16>(), H_, w, 2 * H_, false, da, H_);
+    gemm_cpu(false, false, T_, H_, H_, 1.0f, du.data<Bf16>(), H_, w + H_, 2 * H_, false, db, H_);
+    Bf16* g_eh = g + module_eh_proj_at(H_);
+    gemm_cpu(true, false, H_, H_, T_, 1.0f, du.data<Bf16>(), H_, in.data<Bf16>(), H_, true, g_eh, 2 * H_);
+    gemm_cpu(true, false, H_, H_, T_, 1.0f, du.data<Bf16>(), H_, in.data<Bf16>() + T_ * H_, H_, true, g_eh + H_, 2 * H_);
+    in.reset(), du.reset();
+    {
+      Tensor rstd(a_, DType::F32, {T_}, Category::Workspace);
+      Tensor ws(a_, DType::F32, {H_}, Category::Workspace);
+      const Tensor& h = module_hidden_input(j);
+      for (int64_t t = 0; t < T_; ++t) rstd.data<float>()[t] = row_rstd(h.data<Bf16>() + t * H_);
+      d_input_from_module_ = Tensor(a_, DType::BF16, {T_, H_}, Category::Activations);  // d h^(j-1)
+      RmsNormArgs n;
+      n.dtype = DType::BF16;
+      n.x = h.raw();
+      n.weight = unit + module_hnorm_at(H_);
+      n.rstd = rstd.data<float>();
+      n.d_out = da;
+      n.d_x = d_input_from_module_.raw();
+      n.d_weight = g + module_hnorm_at(H_);
+      n.workspace = ws.data<float>();
+      n.tokens = T_;
+      n.hidden = H_;
+      rmsnorm_backward_cpu(n);
+      if (mtp_embedding_grad_.empty()) {  // the last module's backward (the first) makes it
+        mtp_embedding_grad_ = Tensor(a_, DType::BF16, {T_, H_}, Category::Activations);
+        zero(mtp_embedding_grad_);
+      }
+      const int64_t shift = std::min(j + 1, T_);
+      const Bf16* x = device_[0].data<Bf16>() + shift * H_;
+      for (int64_t t = 0; t + shift < T_; ++t) rstd.data<float>()[t] = row_rstd(x + t * H_);
+      n.x = x;
+      n.weight = unit + module_enorm_at(H_);
+      n.d_out = db;
+      n.d_x = db;  // in place: the op reads each gradient element before writing the same one
+      n.d_weight = g + module_enorm_at(H_);
+      n.tokens = T_ - shift;
+      if (n.tokens > 0) rmsnorm_backward_cpu(n);
+      Bf16* e = mtp_embedding_grad_.data<Bf16>() + shift * H_;
+      for (int64_t i = 0; i < n.tokens * H_; ++i) e[i] = f32_to_bf16(to_f32(e[i]) + to_f32(db[i]));
+    }
+    d_in.reset();
+    if (!c_.naive) reshard(layer_unit(l));
+    finish_reduce_scatter();
+    start_reduce_scatter(layer_unit(l), reduce_scatter_input(layer_unit(l), grads));
+    u.reset();  // its backward is done
+    if (offloaded_[0]) device_[0].reset();
   }
 
   // ---- backward
@@ -624,8 +919,13 @@ class StepRun {
       e.vocab = V_;
       e.hidden = H_;
       embedding_backward_cpu(e);
+      if (!mtp_embedding_grad_.empty()) {  // the MTP modules' gradient of x_0, in row order
+        e.d_out = mtp_embedding_grad_.raw();
+        embedding_backward_cpu(e);
+      }
     }
     dy_.reset();
+    mtp_embedding_grad_.reset();
     reshard(0);
     finish_reduce_scatter();
     start_reduce_scatter(0, reduce_scatter_input(0, grads));
@@ -636,9 +936,10 @@ class StepRun {
   Communicator* comm_;
   const StepScheduleConfig& c_;
   const int64_t T_, H_, V_, L_;
+  const int64_t M_;  // MTP modules run (decoder layers L .. L+M-1)
   static std::vector<LayerScheduleConfig> layer_configs(const StepScheduleConfig& c) {
     std::vector<LayerScheduleConfig> out;
-    for (int64_t l = 0; l < c.model.num_layers; ++l) out.push_back(layer_config(c, l));
+    for (int64_t l = 0; l < c.model.num_layers + mtp_modules(c); ++l) out.push_back(layer_config(c, l));
     return out;
   }
   const LayerScheduleConfig& lc(int64_t l) const { return lcs_[static_cast<size_t>(l)]; }
@@ -665,16 +966,23 @@ class StepRun {
   std::vector<Tensor> gathered_, grad_shards_, device_;
   Tensor rs_input_;
   int64_t rs_unit_ = -1;
+  bool rs_landed_ = false;
   Tensor dy_;
+  StepScheduleResult* result_ = nullptr;
+  // MTP: per module its input (eh_proj's output) and output h^j, its loss's head-norm gradient
+  // [H] until the module's grads exist; the head norm copied for the next loss's X; the gradient
+  // of a module's hidden input waiting for the loss before it; the modules' gradient of x_0.
+  std::vector<Tensor> module_in_, module_out_, module_norm_grad_;
+  Tensor module_head_norm_, d_input_from_module_, mtp_embedding_grad_;
   std::vector<DecoderLayer> naive_layers_;
 };
 
 }  // namespace
 
-std::vector<int64_t> step_unit_params(const ModelSpec& model) { return rank_shard_units(model, 1, 1, false); }
+std::vector<int64_t> step_unit_params(const ModelSpec& model, bool mtp) { return rank_shard_units(model, 1, 1, mtp); }
 
 std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
-  const std::vector<int64_t> whole = step_unit_params(config.model);
+  const std::vector<int64_t> whole = step_unit_params(config.model, config.mtp);
   const ParamCounts pc = count_params(config.model);
   const int64_t ep = std::max<int64_t>(1, config.ep);
   std::vector<FsdpUnitShape> out;
@@ -684,7 +992,8 @@ std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
       out.push_back({name, whole[u], 0});
       continue;
     }
-    const int64_t dense = pc.attention_per_layer + pc.layer_norms_per_layer + pc.router_per_layer + pc.shared_experts_per_layer;
+    const int64_t dense = pc.attention_per_layer + pc.layer_norms_per_layer + pc.router_per_layer + pc.shared_experts_per_layer +
+                          unit_extra_params(config, static_cast<int64_t>(u));
     out.push_back({name, dense, config.model.num_experts / ep * pc.expert_params});
   }
   return out;
@@ -693,7 +1002,7 @@ std::vector<FsdpUnitShape> step_unit_shapes(const StepScheduleConfig& config) {
 std::vector<ParamPiece> step_rank_pieces(const StepScheduleConfig& config, int ranks, int rank) {
   if (ranks < 1 || rank < 0 || rank >= ranks) throw std::invalid_argument("step schedule: rank out of range");
   if (config.ep < 1 || ranks % config.ep != 0) throw std::invalid_argument("step schedule: ep must divide the number of ranks");
-  const std::vector<int64_t> whole = step_unit_params(config.model);
+  const std::vector<int64_t> whole = step_unit_params(config.model, config.mtp);
   const std::vector<FsdpUnitShape> shapes = step_unit_shapes(config);
   const int64_t ep_rank = rank % config.ep, replicas = ranks / config.ep, replica = rank / config.ep;
   std::vector<ParamPiece> out;
@@ -724,7 +1033,7 @@ namespace {
 // step_initial_params in the EP = 1 layout (config.ep is 1).
 void reference_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t begin, int64_t count, float* dst) {
   const ModelSpec& m = config.model;
-  const int64_t H = m.hidden_size, V = m.vocab_size, L = m.num_layers;
+  const int64_t H = m.hidden_size, V = m.vocab_size, L = m.num_layers + mtp_modules(config);
   std::fill(dst, dst + count, 0.0f);  // parts the executor does not apply stay zero
   const uint64_t seed = mix64(config.seed, static_cast<uint64_t>(unit) * 64);
   // One tensor at `at` of the unit: its elements that fall in [begin, begin + count).
@@ -745,8 +1054,14 @@ void reference_initial_params(const StepScheduleConfig& config, int64_t unit, in
     tensor(norm, V * H, seed + 1, weight(H, false));
     if (m.lm_head_bias) tensor(norm + V * H, V, seed + 3, [](float u) { return 0.1f * u; });
   } else {
-    int64_t at = 0;
+    int64_t at = unit_extra_params(config, unit);
     uint64_t j = 0;
+    if (at > 0) {  // an MTP module: enorm, hnorm, eh_proj [H, 2H], its head norm
+      tensor(module_enorm_at(H), H, seed + 1001, weight(H, true));
+      tensor(module_hnorm_at(H), H, seed + 1002, weight(H, true));
+      tensor(module_eh_proj_at(H), 2 * H * H, seed + 1003, weight(2 * H, false));
+      tensor(module_head_norm_at(H), H, seed + 1004, weight(H, true));
+    }
     for (const auto& w : layer_weight_shapes(layer_config(config, unit - 1))) {
       tensor(at, w.numel(), seed + ++j, weight(w.shape.back(), w.shape.size() == 1));
       at += w.numel();
@@ -826,7 +1141,7 @@ std::vector<float> step_reference_update(const StepScheduleConfig& config, const
                                          const std::vector<ParamPiece>& pieces) {
   StepScheduleConfig reference = config;
   reference.ep = 1;
-  const std::vector<int64_t> units = step_unit_params(config.model);
+  const std::vector<int64_t> units = step_unit_params(config.model, config.mtp);
   std::vector<ParamPiece> wanted = pieces;
   if (wanted.empty()) {
     int64_t P = 0;

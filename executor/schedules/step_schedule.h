@@ -38,10 +38,17 @@ using StepResultSink = std::function<void(StepResultPart part, int64_t offset, c
 
 struct StepScheduleConfig {
   // The model: GQA attention, MoE layers (num_experts = E, all of them; at ep = 1 the rank computes
-  // every one; top_k ≤ num_experts) and dense FFN layers (dense_ffn_width), an untied LM head, no MTP. Its parameters are counted by
+  // every one; top_k ≤ num_experts) and dense FFN layers (dense_ffn_width), an untied LM head, MTP modules with `mtp`. Its parameters are counted by
   // the spec library (count_params): parts the executor does not apply (QK norms, attention sinks
   // and biases, router and expert biases) are held, reduced and updated with zero gradient.
   ModelSpec model;
+  // Run the model's MTP modules (model.mtp_layers, DeepSeek-V3's sequential multi-token
+  // prediction; RMSNorm models): module j reads the previous module's output (h_L for j = 0) and
+  // x_0 shifted by j + 1 rows (the rank's own rows at CP > 1; the last j + 1 rows zero), each
+  // through its norm, both halves through eh_proj [H, 2H] into one decoder layer (MoE), whose
+  // output goes through the module's head norm to the shared LM head and a loss of its own
+  // (targets shifted by j + 2, weight 1). Every loss's backward waits for the modules after it.
+  bool mtp = false;
   int64_t tokens = 0;  // T, one sequence
   // EP ranks each layer's experts are split over: 1, or the size of the Communicator (EP = N: rank
   // r computes and holds whole experts [r·E/N, (r+1)·E/N); the dense weights are sharded over the
@@ -74,10 +81,12 @@ struct StepScheduleConfig {
   StepResultSink result_sink;
 };
 
-// Parameters of this rank's FSDP units in execution order: the embedding [V·H], each layer, the
-// head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, false). These are
-// the gathered units at any N (EP = 1); rank r holds [r·S, min((r+1)·S, U)) of each, S = ceil(U/N).
-std::vector<int64_t> step_unit_params(const ModelSpec& model);
+// Parameters of this rank's FSDP units in execution order: the embedding [V·H], each layer, with
+// `mtp` each MTP module (enorm [H], hnorm [H], eh_proj [H, 2H], its head norm [H], then its decoder
+// layer), the head (final norm [H] then the LM head [V, H]): rank_shard_units(model, 1, 1, mtp).
+// These are the gathered units at any N (EP = 1); rank r holds [r·S, min((r+1)·S, U)) of each,
+// S = ceil(U/N).
+std::vector<int64_t> step_unit_params(const ModelSpec& model, bool mtp = false);
 // The units as FsdpShards holds them at config.ep: at EP = 1 every unit sharded whole; at EP > 1 a
 // layer's dense part (attention, norms, router, shared experts: sharded over the ranks) and its
 // E/EP experts (local), laid out [dense weights | dense parts not applied | w_gate_up [E/EP, 2F, H]
@@ -105,6 +114,7 @@ void step_initial_params(const StepScheduleConfig& config, int64_t unit, int64_t
 
 struct StepScheduleResult {
   double loss = 0.0;                  // mean cross-entropy over the T tokens (fp64 sum)
+  std::vector<double> mtp_losses;     // per MTP module, the same
   std::vector<int64_t> unit_params;   // step_unit_params (gathered)
   std::vector<int64_t> shard_begin;   // per unit: the first element of the unit this rank holds (0 at N = 1)
   std::vector<int64_t> shard_params;  // per unit: how many (unit_params at N = 1; at EP > 1 with the local part)
@@ -120,6 +130,14 @@ struct StepScheduleResult {
 //   loss/fwd[/blkI], loss/bwd[/blkI], bwd/Ll/recompute/{attn, moe/dispatch, moe/experts,
 //   moe/combine}, bwd/Ll/moe/{combine, experts, dispatch}, bwd/Ll/attn, bwd/embed, then
 //   opt/step | opt/d2h, opt/cpu_step, opt/h2d | opt/bucketI.
+// With MTP (M modules) between loss/fwd and loss/bwd: fwd/MTPj/... and loss/mtpj/fwd... for j =
+// 0 .. M-1, then loss/mtpj/bwd... and bwd/MTPj/... for j = M-1 .. 0 (planner/README.md
+// "Multi-token prediction"): module j is gathered as its forward starts (the head prefetched),
+// its input (eh_proj's output) stays on the device until its backward ends, h^j until its loss's
+// backward; a loss's backward gathers the head (or takes the module's prefetch) and prefetches
+// the module before it; each loss's backward reduce-scatters the head, every landing after the
+// first added into its shard (N > 1 with fp32 shards: through an fp32 [S] output); the modules'
+// gradient of x_0 waits in one [T, H] buffer for bwd/embed.
 // FSDP (category fsdp; FsdpShards): a unit is all-gathered into one bf16 [U] buffer before it runs (the
 // next unit prefetched while one runs: the embedding and L0 in fwd/embed, L(l+1) or the head in
 // fwd/Ll, L(L-1) from the loss's backward, L(l-1) or the embedding in bwd/Ll) and freed after its

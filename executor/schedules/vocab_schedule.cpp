@@ -61,7 +61,8 @@ std::vector<float> widened(const void* p, DType dtype, int64_t n) {
 LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, LossInputs& io) {
   const int64_t T = c.tokens, H = c.hidden, V = c.vocab, Tb = std::min(c.token_block_rows, c.tokens);
   const int64_t blocks = (T + Tb - 1) / Tb;
-  alloc.set_phase("loss/fwd/blk0");
+  const std::string& prefix = io.phase_prefix;
+  alloc.set_phase(prefix + "/fwd/blk0");
   if (io.on_forward) io.on_forward();
   Tensor lse(alloc, DType::F32, {T}, Category::Vocab);   // [T] fp32
   LossOutputs out;
@@ -102,7 +103,7 @@ LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, 
   };
   if (c.gradients_in_forward) make_grads();
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b > 0) alloc.set_phase("loss/fwd/blk" + std::to_string(b));
+    if (b > 0) alloc.set_phase(prefix + "/fwd/blk" + std::to_string(b));
     CrossEntropyArgs a = args_for(b);
     const int64_t ws_bytes = c.gradients_in_forward ? blocked_cross_entropy_workspace_bytes(a)
                                                     : blocked_cross_entropy_forward_workspace_bytes(a);
@@ -116,11 +117,16 @@ LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, 
     // layers' backward.
     out.mean_loss = mean_of(loss);
     release();
-    alloc.set_phase("loss/bwd");
+    if (io.between) io.between();
+    alloc.set_phase(prefix + "/bwd");
     if (io.on_backward) io.on_backward();
   } else {
+    if (io.between) {
+      io.w_storage.reset();  // gathered again by on_backward
+      io.between();
+    }
     for (int64_t b = 0; b < blocks; ++b) {
-      alloc.set_phase("loss/bwd/blk" + std::to_string(b));
+      alloc.set_phase(prefix + "/bwd/blk" + std::to_string(b));
       if (b == 0) {
         if (io.on_backward) io.on_backward();
         make_grads();
@@ -138,7 +144,7 @@ LossOutputs run_blocked(TrackingAllocator& alloc, const VocabScheduleConfig& c, 
 
 LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig& c, LossInputs& io) {
   const int64_t T = c.tokens, H = c.hidden, V = c.vocab;
-  alloc.set_phase("loss/fwd");
+  alloc.set_phase(io.phase_prefix + "/fwd");
   if (io.on_forward) io.on_forward();
   LossOutputs out;
   Tensor lse(alloc, DType::F32, {T}, Category::Vocab);            // [T] fp32
@@ -160,8 +166,14 @@ LossOutputs run_materialized(TrackingAllocator& alloc, const VocabScheduleConfig
   m.vocab = V;
   m.hidden = H;
   materialized_cross_entropy_forward_cpu(m);
-  alloc.set_phase("loss/bwd");
+  if (io.between) {
+    io.w_storage.reset();  // gathered again by on_backward
+    io.between();
+  }
+  alloc.set_phase(io.phase_prefix + "/bwd");
   if (io.on_backward) io.on_backward();
+  m.w = io.w;
+  m.bias = io.bias;
   Tensor dlogits(alloc, DType::F32, {T, V}, Category::Vocab);        // [T, V] fp32
   out.d_x = Tensor(alloc, DType::BF16, {T, H}, Category::Vocab);     // [T, H] bf16
   m.d_logits = dlogits.data<float>();

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "executor/memory/tensor.h"
@@ -80,6 +81,13 @@ struct LossInputs {
   // Called right before X, W and lse are released: after the forward pass with gradients in
   // forward, after the backward otherwise (a step keeps what its final norm's backward needs).
   std::function<void()> before_release;
+  // Set: the backward is deferred (a step's MTP modules and their losses run in between). Called
+  // once between the passes with the saved set held: without gradients in forward X, lse and the
+  // per-token loss (materialised: and the logits and log-softmax), W released before it (on_backward
+  // must set w_storage, w and bias again); with them dX, dW's buffer and the per-token loss.
+  std::function<void()> between;
+  // The phases' prefix: "loss" (loss/fwd..., loss/bwd...), or an MTP loss's "loss/mtp0".
+  std::string phase_prefix = "loss";
 };
 
 struct LossOutputs {

@@ -686,7 +686,12 @@ TEST(PlannerTiny, MtpModuleHoldsWhatItsBackwardNeeds) {
     EXPECT_EQ(term_bytes(phase(p, name), "final hidden h_L"), th) << name;
   EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/moe/experts"), "reduce-scatter input head"), (8 + 32 * 8) * 4);
   EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/attn"), "MTP eh_proj input"), 2 * th);
-  EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/attn"), "MTP d shifted embedding (for bwd/embed)"), th);
+  // The last module's backward makes the shifted embedding's gradient after eh_proj's backward,
+  // so its attention moment does not hold it; its loss's head-norm gradient [H] waits through
+  // the recompute for the module's grads.
+  EXPECT_THROW(term_bytes(phase(p, "bwd/MTP0/attn"), "MTP d shifted embedding (for bwd/embed)"), std::runtime_error);
+  EXPECT_EQ(term_bytes(phase(p, "bwd/MTP0/recompute/attn"), "MTP0 head norm grad (held for the module's grads)"), 8 * 2);
+  EXPECT_THROW(term_bytes(phase(p, "bwd/MTP0/moe/experts"), "MTP0 head norm grad (held for the module's grads)"), std::runtime_error);
   EXPECT_EQ(term_bytes(phase(p, "loss/bwd"), "d loss input from the next MTP module"), th);
   for (const char* name : {"loss/bwd", "bwd/L1/recompute/attn", "bwd/L0/moe/experts", "bwd/L0/attn"})
     EXPECT_EQ(term_bytes(phase(p, name), "MTP d shifted embedding (for bwd/embed)"), th) << name;

@@ -5,11 +5,12 @@
 // of the planner's prediction of the same scaled step, and every row exact; loss and
 // gradients bitwise the naive step's with the materialised loss, within the stated bound with the
 // blocked one; one predicted term raised by 2 % fails; GLM-4.5's dense layers run (every baseline
-// row exact); MTP is refused (skipped with a note when every component runs); MLA runs. Also how
+// row exact); MTP modules run (every row exact); MLA runs. Also how
 // rows are judged where one allocation unit is more than the tolerance (a --scale too fine).
 // Plans at 8 × H200 and 16K context, verified at --scale 64 on one rank (T = 256, H = 32-45).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <ostream>
@@ -213,33 +214,38 @@ TEST(VerifyJudging, TooFineAScaleIsUnresolvedAndTheNamedScaleJudges) {
   EXPECT_TRUE(named.pass);
 }
 
-TEST(VerifyStep, RefusesMtp) {
-  const VerifyInputs glm = read_plan_inputs(plan_json("GLM-4.5", {}), "plan.json");  // MTP on by default
-  try {
-    verify_step_of(glm);
-    FAIL() << "GLM-4.5's MTP module must be refused";
-  } catch (const InputError& e) {
-    const std::string what = e.what();
-    EXPECT_EQ(what.find("/inputs/model/layers"), std::string::npos) << what;  // its dense layers run
-    EXPECT_NE(what.find("/inputs/run/mtp"), std::string::npos) << what;
+// MTP modules run (GLM-4.5's and DeepSeek-V3's, trained by default): every row exact, the
+// modules' and their losses' phases among them (fwd/MTP0/..., loss/mtp0/..., bwd/MTP0/...); with
+// the materialised loss the loss and grads are bitwise the naive step's. DeepSeek-V3 on its
+// flatpeak plan too: blocked loss with gradients in forward, SCO, the stream optimizer.
+TEST(VerifyStep, MtpRuns) {
+  struct MtpCase {
+    std::string model;
+    Flags flags;
+  };
+  const MtpCase cases[] = {{"GLM-4.5", {{"--schedule", "baseline"}}},
+                           {"DeepSeek-V3", {{"--schedule", "baseline"}}},
+                           {"DeepSeek-V3", {{"--schedule", "flatpeak"}, {"--vocab-backward", "in-forward"}}}};
+  for (const MtpCase& c : cases) {
+    const VerifyInputs in = read_plan_inputs(plan_json(c.model, c.flags), "plan.json");
+    ASSERT_TRUE(in.mtp) << c.model;
+    const VerifyReport r = verify_step_of(in);
+    const std::string what = c.model + " " + c.flags.front().second;
+    EXPECT_TRUE(r.pass) << what;
+    std::set<std::string> mtp_phases;
+    for (const auto& row : r.rows) {
+      EXPECT_EQ(row.measured_bytes, row.predicted_bytes) << what << " " << row.component << " " << row.phase;
+      if (row.phase.find("MTP0") != std::string::npos || row.phase.rfind("loss/mtp0", 0) == 0) mtp_phases.insert(row.phase);
+    }
+    for (const char* p : {"fwd/MTP0/attn", "fwd/MTP0/moe/experts", "bwd/MTP0/recompute/attn", "bwd/MTP0/attn"})
+      EXPECT_TRUE(mtp_phases.count(p)) << what << " " << p;
+    EXPECT_TRUE(std::any_of(mtp_phases.begin(), mtp_phases.end(), [](const std::string& p) { return p.rfind("loss/mtp0/bwd", 0) == 0; }))
+        << what;
+    if (c.flags.front().second == "baseline") {
+      EXPECT_EQ(r.max_abs_dloss, 0.0) << what;
+      EXPECT_EQ(r.max_abs_dgrad, 0.0) << what;
+    }
   }
-  // DeepSeek-V3 trains its MTP module by default: refused for that, not for its MLA.
-  const VerifyInputs v3 = read_plan_inputs(plan_json("DeepSeek-V3", {}), "plan.json");
-  try {
-    verify_step_of(v3);
-    FAIL() << "DeepSeek-V3's MTP module must be refused";
-  } catch (const InputError& e) {
-    const std::string what = e.what();
-    EXPECT_NE(what.find("/inputs/run/mtp"), std::string::npos) << what;
-    EXPECT_EQ(what.find("/inputs/model/attention"), std::string::npos) << what;
-  }
-  // With every component running, the step is skipped with a note and the rest still runs.
-  const VerifyReport all = run_verification(glm, scale_config(glm, 64.0, 1), {"vocab", "step"}, 0.01);
-  bool noted = false;
-  for (const auto& note : all.notes) noted = noted || note.rfind("step: not run (/inputs/run/mtp", 0) == 0;
-  EXPECT_TRUE(noted);
-  EXPECT_FALSE(all.rows.empty());
-  for (const auto& row : all.rows) EXPECT_EQ(row.component, "vocab");
 }
 
 // `model`'s baseline plan without MTP on one rank: every row within 0.05 % (the materialised

@@ -19,7 +19,9 @@
 // column's largest over the phases the prediction lists, the total's over every measured phase.
 // Against the naive step (no checkpointing, materialised loss, optimizer on the device, same data):
 // max_abs_dloss, max_abs_dgrad over every reduced grad shard, and a note with the largest
-// difference of an updated parameter; all three 0 (bitwise) when the plan's loss is materialised.
+// difference of an updated parameter; all three 0 (bitwise) when the plan's loss is materialised
+// (with MTP and the optimizer offloaded, the head's bf16 shard rounds once per loss: within that).
+// MTP modules run when the plan trains them (StepScheduleConfig::mtp, --mtp on in the prediction).
 // On N > 1 ranks step_setup predicts one rank of the N-GPU plan and every rank runs the step
 // (verify_step_ranks.cpp).
 //   flatpeak verify p.json --component step --max-ranks 1
@@ -49,13 +51,15 @@ std::string layer_set_text(const std::vector<bool>& offloaded) {
   return out.empty() ? "0" : out;
 }
 
-// What the step runs beyond the decoder layer: MoE and dense FFN layers, no MTP, an untied head.
+// What the step runs beyond the decoder layer: MoE and dense FFN layers, MTP modules (RMSNorm
+// models), an untied head.
 void check_step_supported(const VerifyInputs& in, const ScaledConfig& s, const ModelSpec& model) {
   InputErrors errs;
   // Its EP ranks route over all E; at CP > 1 its layers' attention is a ring of ranks.
   layer_support_errors(in, s, "step", errs, /*routes_over_every_expert=*/true);
-  if (in.mtp)
-    errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component does not run MTP modules (got true)", "plan with --mtp off"});
+  if (in.mtp && model.mtp_layers > 0 && model.norm_bias)
+    errs.add(Diagnostic{in.file, "/inputs/run/mtp", "the step component runs MTP modules of RMSNorm models only (got LayerNorm norms)",
+                        "plan with --mtp off"});
   if (model.tie_word_embeddings)
     errs.add(Diagnostic{in.file, "/inputs/model/tie_word_embeddings", "the step component runs an untied LM head (got true)", ""});
   for (const Diagnostic& d : s.optimizer_refusal) errs.add(d);
@@ -78,8 +82,6 @@ bool stands_for(const std::string& predicted, bool folded, const std::string& me
   return phase_matches(predicted, folded, measured);
 }
 
-bool is_mtp_phase(const std::string& name) { return name.find("MTP") != std::string::npos || name.rfind("loss/mtp", 0) == 0; }
-
 void compare_step(exec::MemorySpace space, const std::vector<std::string>& columns, const nlohmann::ordered_json& predicted,
                   const exec::TrackingAllocator& alloc, VerifyReport& report) {
   const std::string space_name = exec::memory_space_name(space);
@@ -98,7 +100,7 @@ void compare_step(exec::MemorySpace space, const std::vector<std::string>& colum
         if (r.space == space && r.phase != "init" && !r.phase.empty()) measured_peak = std::max(measured_peak, column_bytes(r, column, columns));
     for (const auto& phase : predicted["phases"]) {
       const std::string name = phase["name"].get<std::string>();
-      if (is_mtp_phase(name) || !phase.contains(space_name)) continue;
+      if (!phase.contains(space_name)) continue;
       const int64_t predicted_bytes = phase[space_name][column].get<int64_t>();
       int64_t measured_bytes = 0;
       for (const auto& r : records)
@@ -146,6 +148,7 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
 
   exec::StepScheduleConfig c;
   c.model = model;
+  c.mtp = in.mtp && model.mtp_layers > 0;  // the plan's MTP modules, trained
   c.ep = ep;
   c.cp = cp;
   c.tokens = s.tokens;
@@ -172,7 +175,7 @@ StepSetup step_setup(const VerifyContext& ctx, int64_t ranks, const RoutingModel
   else
     flags = {{"--sco", "off"}};  // practice: synchronous offload of every layer; otherwise kept
   flags.emplace_back("--optimizer", s.optimizer);
-  if (model.mtp_layers > 0) flags.emplace_back("--mtp", "off");  // the step runs no MTP module (refused when the plan trains one)
+  if (model.mtp_layers > 0) flags.emplace_back("--mtp", c.mtp ? "on" : "off");
   if (s.optimizer == "stream") {
     c.optimizer.bucket_params = std::max<int64_t>(1, (params + s.bucket_count - 1) / std::max<int64_t>(1, s.bucket_count));
     c.optimizer.bucket_depth = s.bucket_depth;

@@ -18,7 +18,9 @@
 // three 0 (bitwise) when the plan's loss is materialised at EP = 1. At CP > 1 the layers'
 // attention is a ring within CP groups of consecutive ranks, in the naive steps too. At EP > 1 the experts' weight
 // grads sum every source's rows in one GEMM (one bf16 rounding, not one per rank), so they and
-// the params they update differ within rounding; everything else stays bitwise. The reference is built first and the
+// the params they update differ within rounding; with MTP modules the LM head, reduced once per
+// loss (its shard sums over the ranks loss by loss, the reference each rank's whole gradient),
+// differs within fp32 rounding; everything else stays bitwise. The reference is built first and the
 // measured step hands its grads and params to the comparison while its buffers hold them
 // (StepScheduleConfig::result_sink), so verify keeps only the reference's [P/N] grads and params.
 //   flatpeak verify p.json --component step        (p.json: --gpus 4 --ep 1; threads or mpirun -np 4)
