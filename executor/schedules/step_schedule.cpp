@@ -257,6 +257,7 @@ class StepRun {
     }
     forward();
     result_ = &r;
+    r.mtp_losses.assign(static_cast<size_t>(M_), 0.0);
     run_loss(0);  // with MTP the modules and their losses run inside it (between its passes)
     r.expert_counts = std::move(expert_counts_);
     backward();
@@ -598,7 +599,7 @@ class StepRun {
     };
     LossOutputs out = run_vocab_loss(a_, config, io);
     if (main_loss) result_->loss = out.mean_loss;
-    else result_->mtp_losses.push_back(out.mean_loss);
+    else result_->mtp_losses[static_cast<size_t>(module)] = out.mean_loss;  // losses end from the last module
     // The norm's backward: dy = d input (the gradient stream), the norm's weight grad: into the
     // head's grads, or an MTP loss's into a [H] buffer its module's unsharded grads take.
     Tensor rstd(a_, DType::F32, {T_}, Category::Activations);
@@ -773,7 +774,8 @@ class StepRun {
       y = layer.forward_no_grad(module_in_[static_cast<size_t>(j)], prefix, nullptr);
       if (!is_dense_layer(c_, l)) expert_counts_.push_back(layer.expert_counts());
     }
-    // The module's head norm, for its loss's X (the unit is released before the loss).
+    // The module's head norm, for its loss's X (the unit is released before the loss): [H], freed
+    // as X is made, before any of the loss's buffers (between two peaks: the planner has no term).
     module_head_norm_ = Tensor(a_, DType::BF16, {H_}, Category::Fsdp);
     std::memcpy(module_head_norm_.raw(), gathered_[static_cast<size_t>(layer_unit(l))].data<Bf16>() + module_head_norm_at(H_),
                 static_cast<size_t>(H_) * 2);
@@ -862,7 +864,7 @@ class StepRun {
       for (int64_t i = 0; i < n.tokens * H_; ++i) e[i] = f32_to_bf16(to_f32(e[i]) + to_f32(db[i]));
     }
     d_in.reset();
-    if (!c_.naive) reshard(layer_unit(l));
+    reshard(layer_unit(l));
     finish_reduce_scatter();
     start_reduce_scatter(layer_unit(l), reduce_scatter_input(layer_unit(l), grads));
     u.reset();  // its backward is done

@@ -147,6 +147,43 @@ TEST(ExecutorStepMtp, CheckpointedStepIsBitwiseTheNaiveStep) {
   }
 }
 
+// The blocked loss (online log-sum-exp, fp32 dW accumulator; W released after each deferred
+// loss's forward and gathered again for its backward, or not read again with gradients in
+// forward) against the naive materialised step, within the one-rank step's bounds
+// (executor_schedule_step_test.cpp): every loss within twice the bf16 rounding of the largest
+// logit, each unit's grads within 2^-5 of its largest.
+TEST(ExecutorStepMtp, BlockedLossWithinStatedBounds) {
+  for (bool in_forward : {false, true}) {
+    StepScheduleConfig c = config(2);
+    c.loss.mode = VocabScheduleMode::Blocked;
+    c.loss.token_block_rows = 16;
+    c.loss.vocab_block_rows = 128;
+    c.loss.gradients_in_forward = in_forward;
+    c.offloaded = {true, false, true};
+    c.prefetch = 1;
+    const StepScheduleResult got = run(c);
+    StepScheduleConfig n = c;
+    n.naive = true;
+    const StepScheduleResult ref = run(n);
+    const std::string what = in_forward ? "in-forward" : "recompute";
+    const double loss_bound = 2.0 * 1.1 * std::sqrt(32.0) * std::ldexp(1.0, -9);
+    EXPECT_LE(std::fabs(got.loss - ref.loss), loss_bound) << what;
+    ASSERT_EQ(got.mtp_losses.size(), 2u);
+    for (size_t j = 0; j < 2; ++j) EXPECT_LE(std::fabs(got.mtp_losses[j] - ref.mtp_losses[j]), loss_bound) << what << " module " << j;
+    size_t at = 0;
+    for (int64_t n_u : got.unit_params) {
+      double diff = 0.0, largest = 0.0;
+      for (int64_t i = 0; i < n_u; ++i) {
+        const size_t k = at + static_cast<size_t>(i);
+        diff = std::max(diff, std::fabs(double(got.grads[k]) - ref.grads[k]));
+        largest = std::max(largest, std::fabs(double(ref.grads[k])));
+      }
+      EXPECT_LE(diff, std::ldexp(largest, -5)) << what << " unit at " << at;
+      at += static_cast<size_t>(n_u);
+    }
+  }
+}
+
 TEST(ExecutorStepMtp, PhasesFollowTheMtpOrder) {
   StepScheduleConfig c = config(2);
   c.loss.mode = VocabScheduleMode::Blocked;

@@ -230,6 +230,8 @@ void verify_step(const VerifyContext& ctx, VerifyReport& report) {
   if (compared != static_cast<int64_t>(ref.grads.size() + ref.params.size()))
     throw std::logic_error("verify step: compared " + std::to_string(compared) + " of the naive step's grads and params");
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - ref.loss));
+  for (size_t j = 0; j < got.mtp_losses.size() && j < ref.mtp_losses.size(); ++j)  // each MTP module's loss too
+    report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mtp_losses[j] - ref.mtp_losses[j]));
 
   compare_step_columns(predicted, alloc, report);
   report.measured_trace = measured_trace(alloc);

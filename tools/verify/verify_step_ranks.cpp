@@ -159,6 +159,7 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
   // rank's slices), so that the step hands its results straight to the comparison (result_sink)
   // while its buffers hold them: verify keeps only the reference's grads and params of the slices.
   double naive_loss = 0.0;
+  std::vector<double> naive_mtp_losses;  // per MTP module
   std::vector<float> ref_grads, ref_params;
   {
     exec::StepScheduleConfig naive = c;
@@ -173,7 +174,9 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
     const std::unique_ptr<exec::Communicator> ring =
         c.cp > 1 ? comm.split(comm.rank() / static_cast<int>(c.cp), comm.rank() % static_cast<int>(c.cp)) : nullptr;
     exec::TrackingAllocator naive_alloc({in.alignment_bytes, -1, -1});
-    naive_loss = exec::run_step_schedule(naive_alloc, naive, ring.get()).loss;
+    const exec::StepScheduleResult naive_run = exec::run_step_schedule(naive_alloc, naive, ring.get());
+    naive_loss = naive_run.loss;
+    naive_mtp_losses = naive_run.mtp_losses;
     ref_grads = shard.take();
     ref_params = exec::step_reference_update(c, ref_grads, exec::step_rank_pieces(c, n, comm.rank()));
   }
@@ -193,6 +196,8 @@ void verify_step_ranks(const VerifyContext& ctx, VerifyReport& report) {
   if (compared != static_cast<int64_t>(ref_grads.size() + ref_params.size()))
     throw std::logic_error("verify step: compared " + std::to_string(compared) + " of the reference's grads and params");
   report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.loss - naive_loss));
+  for (size_t j = 0; j < got.mtp_losses.size() && j < naive_mtp_losses.size(); ++j)
+    report.max_abs_dloss = std::max(report.max_abs_dloss, std::fabs(got.mtp_losses[j] - naive_mtp_losses[j]));
   if (c.ep > 1) {  // the prediction on the routing the layers of this rank's EP group realised
     const int ep = static_cast<int>(c.ep);
     const std::unique_ptr<exec::Communicator> group = ep < n ? comm.split(comm.rank() / ep, comm.rank() % ep) : nullptr;
