@@ -522,8 +522,6 @@ class StepRun {
     const bool layer_norm = c_.model.norm_bias;
     const int64_t norm_params = layer_norm ? 2 * H_ : H_;  // the final norm's weight (and LayerNorm's bias)
     const bool deferred = index < M_;
-    const bool in_forward = in_forward_loss();
-    VocabScheduleConfig config = loss_;
     Tensor head_grads;   // [U] the head's grads, laid out as the unit
     Tensor norm_weight;  // [H] the main loss's final norm weight, kept when W goes
     LossInputs io;
@@ -588,7 +586,7 @@ class StepRun {
     io.on_backward = [&] {
       if (deferred) {
         land_reduce_scatter();  // the module after it: its shard lands, its input stays in flight
-        if (!in_forward) take_head();  // gradients in forward read no W again
+        if (!in_forward_loss()) take_head();  // gradients in forward read no W again
       }
       gather(layer_unit(main_loss ? L_ - 1 : L_ + module));  // prefetch: the layer (or module) before
     };
@@ -597,7 +595,7 @@ class StepRun {
       // gradients in forward kept from the forward, through any MTP modules.
       if (main_loss) keep_norm_weight(norm_weight, io.w_storage);
     };
-    LossOutputs out = run_vocab_loss(a_, config, io);
+    LossOutputs out = run_vocab_loss(a_, loss_, io);
     if (main_loss) result_->loss = out.mean_loss;
     else result_->mtp_losses[static_cast<size_t>(module)] = out.mean_loss;  // losses end from the last module
     // The norm's backward: dy = d input (the gradient stream), the norm's weight grad: into the
