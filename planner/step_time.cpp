@@ -417,8 +417,12 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
     const int64_t vb = std::max<int64_t>(1, std::min(vocab_block, shard));
     const int64_t blocks = R * ceil_div(T_, tb) * ceil_div(shard, vb);
     const bool in_forward = vocab_backward_ == VocabBackward::InForward;
-    // Forward: 1 GEMM per block (3 with gradients in forward); backward: recompute + dX + dW.
-    const double fwd = head_pass_seconds(T_, shard * R, in_forward ? 3 : 1, tb, vb, blocks, false);
+    // Forward: 1 GEMM per block; backward: recompute + dX + dW. Gradients in forward need every
+    // logit's lse before any dz, so they visit the logits twice too (4 GEMMs a block), except
+    // with one vocab block on one rank, where the backward reads the forward's logits block
+    // (the executor's fused pass): 3, as materialised.
+    const int64_t in_forward_gemms = R == 1 && vb >= shard ? 3 : 4;
+    const double fwd = head_pass_seconds(T_, shard * R, in_forward ? in_forward_gemms : 1, tb, vb, blocks, false);
     const double bwd = in_forward ? 0 : head_pass_seconds(T_, shard * R, 3, tb, vb, blocks, false);
     total = d(losses_) * (fwd + bwd);
     if (R > 1) {

@@ -364,10 +364,12 @@ fi
 verify_plans=(  # name|flatpeak plan arguments (--gpu: H200's card, or its calibrated copy above)
   # In order of what they show, so that a stage out of time drops the least: the blocked loss
   # (the planner picks Ring-DTP at R = 1), Ring-DTP at R = 4 (the ring's 4 ranks share the GPU),
-  # the materialised baseline (about 126 GiB at 64K tokens), another model.
+  # the materialised baseline (about 126 GiB at 64K tokens), gradients in forward with one vocab
+  # block (the fused pass reads the forward's logits), another model.
   "gpt-oss-120b flatpeak|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak"
   "gpt-oss-120b ring4|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak --ring-size 4"
   "gpt-oss-120b baseline|--model gpt-oss-120b --gpus 8 --context 64K --schedule baseline"
+  "gpt-oss-120b gif-1vblk|--model gpt-oss-120b --gpus 8 --context 64K --schedule flatpeak --vocab-backward in-forward --ring-size 1 --token-block 4096 --vocab-block 201088"
   "Qwen3-30B-A3B flatpeak|--model Qwen3-30B-A3B --gpus 8 --context 64K --schedule flatpeak"
 )
 # --scale 1 runs the plan's own sizes: the vocab component only (the checkpoint stack's attention

@@ -91,12 +91,14 @@ void forward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, i
   }
 }
 
+// logits_ready: the workspace still holds this token block's logits (the fused pass when one
+// vocab block covers V: the forward just made them), so the block is not recomputed.
 template <class T>
-void backward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, int64_t tb) {
+void backward_block(const CrossEntropyArgs& a, const Workspace& ws, int64_t t0, int64_t tb, bool logits_ready) {
   std::fill(ws.dx_acc, ws.dx_acc + tb * a.hidden, 0.0f);
   for (int64_t v0 = 0; v0 < a.vocab; v0 += a.vocab_block_rows) {
     const int64_t vb = std::min(a.vocab_block_rows, a.vocab - v0);
-    logits_block<T>(a, t0, tb, v0, vb, ws.logits);
+    if (!logits_ready) logits_block<T>(a, t0, tb, v0, vb, ws.logits);
     T* dz = static_cast<T*>(ws.dlogits);  // rounded once to the compute dtype
     for (int64_t r = 0; r < tb; ++r) {
       const float* z = ws.logits + r * vb;
@@ -133,12 +135,15 @@ void run(const CrossEntropyArgs& a, Pass pass) {
     require(!a.bias || a.d_bias, "cross_entropy", "backward with a bias needs d_bias");
   }
   const Workspace ws = carve(a, pass == Pass::Backward);
+  // Fused with one vocab block: the backward reads the logits the forward left (3 GEMMs a block,
+  // as the materialised loss, instead of 4; the same values, so the same bits).
+  const bool reuse_logits = pass == Pass::Fused && a.vocab_block_rows >= a.vocab;
   dispatch_compute(a.dtype, "cross_entropy", [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
       const int64_t tb = std::min(a.token_block_rows, a.tokens - t0);
       if (pass != Pass::Backward) forward_block<T>(a, ws, t0, tb);
-      if (pass != Pass::Forward) backward_block<T>(a, ws, t0, tb);
+      if (pass != Pass::Forward) backward_block<T>(a, ws, t0, tb, reuse_logits);
     }
   });
 }

@@ -78,13 +78,16 @@ void forward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::C
       });
 }
 
+// logits_ready: the workspace still holds this token block's logits (the fused pass when one
+// vocab block covers V), so the logits GEMM is not run again.
 void backward_block(const CrossEntropyArgs& a, const Workspace& ws, const cuda::CublasContext& blas,
-                    int64_t t0, int64_t tb) {
+                    int64_t t0, int64_t tb, bool logits_ready) {
   cudaStream_t stream = blas.stream();
   const int64_t H = a.hidden;
   FLATPEAK_CUDA_CHECK(cudaMemsetAsync(ws.dx_acc, 0, static_cast<size_t>(tb * H) * 4, stream));
   const void* x_blk = offset_rows(a.x, t0, H, a.dtype);
   auto logits_gemm = [&](int64_t v0, int64_t vb) {
+    if (logits_ready) return;
     broadcast_bias(a.bias, a.dtype, v0, tb, vb, ws.logits, stream);
     cuda::gemm_cuda(blas, false, true, tb, vb, H, 1.0f, a.dtype, x_blk, H, a.dtype,
                     offset_rows(a.w, v0, H, a.dtype), H, a.bias != nullptr, DType::F32, ws.logits, vb);
@@ -127,10 +130,13 @@ void run(const CrossEntropyArgs& a, const cuda::CublasContext& blas, Pass pass) 
   }
   dispatch_compute(a.dtype, "cross_entropy", [](auto) {});
   const Workspace ws = carve(a, pass == Pass::Backward);
+  // Fused with one vocab block: the backward reads the logits the forward left (3 GEMMs a block,
+  // as the materialised loss, instead of 4), as the CPU op does.
+  const bool reuse_logits = pass == Pass::Fused && a.vocab_block_rows >= a.vocab;
   for (int64_t t0 = 0; t0 < a.tokens; t0 += a.token_block_rows) {
     const int64_t tb = std::min(a.token_block_rows, a.tokens - t0);
     if (pass != Pass::Backward) forward_block(a, ws, blas, t0, tb);
-    if (pass != Pass::Forward) backward_block(a, ws, blas, t0, tb);
+    if (pass != Pass::Forward) backward_block(a, ws, blas, t0, tb, reuse_logits);
   }
 }
 

@@ -69,6 +69,7 @@ exec::Allocation DeviceAllocator::allocate(int64_t bytes, exec::Category categor
                               options_.capacity_bytes);
     }
   }
+  trim_before_growth(out.tracked_bytes, stream);
   // The pool is asked for the tracked size, so its used figure and ours count the same bytes.
   FLATPEAK_CUDA_CHECK(cudaMallocFromPoolAsync(&out.data, static_cast<size_t>(out.tracked_bytes),
                                               pool_, stream));
@@ -78,6 +79,17 @@ exec::Allocation DeviceAllocator::allocate(int64_t bytes, exec::Category categor
   ++live_allocations_;
   update_peaks_locked();
   return out;
+}
+
+void DeviceAllocator::trim_before_growth(int64_t bytes, cudaStream_t stream) {
+  const int64_t min_bytes = options_.trim_before_growth_min_bytes;
+  if (min_bytes < 0 || bytes < min_bytes) return;
+  const int64_t unused = pool_attribute(pool_, cudaMemPoolAttrReservedMemCurrent) -
+                         pool_attribute(pool_, cudaMemPoolAttrUsedMemCurrent);
+  if (unused <= 0 || unused >= bytes) return;  // nothing to give back, or the reserve may serve it
+  // Blocks freed on `stream` count as in use until the stream has passed their free.
+  FLATPEAK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLATPEAK_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
 }
 
 void DeviceAllocator::release(const exec::Allocation& allocation, cudaStream_t stream) {

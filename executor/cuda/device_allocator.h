@@ -46,6 +46,13 @@ class DeviceAllocator {
     // Pool memory kept reserved after frees; the default keeps all of it (no release on every
     // synchronisation), so the reserved figure is the process's device footprint for the pool.
     uint64_t release_threshold_bytes = UINT64_MAX;
+    // A request of at least this many bytes that the pool's unused reserve cannot hold first
+    // waits for `stream` and returns that reserve to the device (cudaMemPoolTrimTo), so the pool
+    // grows by the request rather than beside blocks it can no longer reuse: a freed 53 GB
+    // logits block is otherwise kept while a 79 GB backward workspace is mapped next to it (seen
+    // on an H200: 134 GB reserved for an 84 GB high-water). Costs a stream wait on such growth
+    // only. -1: never trims.
+    int64_t trim_before_growth_min_bytes = int64_t{64} << 20;
   };
 
   DeviceAllocator() : DeviceAllocator(Options{}) {}
@@ -83,6 +90,7 @@ class DeviceAllocator {
   int device() const { return options_.device; }
 
  private:
+  void trim_before_growth(int64_t bytes, cudaStream_t stream);
   void open_phase_locked(const std::string& phase);
   void update_peaks_locked();
 

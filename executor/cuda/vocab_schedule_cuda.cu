@@ -147,9 +147,13 @@ VocabScheduleCudaResult run_blocked(DeviceAllocator& alloc, const CublasContext&
   } else {
     for (int64_t b = 0; b < blocks; ++b) {
       alloc.set_phase("loss/bwd/blk" + std::to_string(b));
+      // The workspace before dX and dW (the CPU schedule makes them first; the phase holds the
+      // same bytes): the pool then maps it in place of the forward's freed workspace instead of
+      // beside what is left of it once dX and dW are cut from it.
+      DeviceBuffer ws(alloc, exec::blocked_cross_entropy_backward_workspace_bytes(block_shape(c, std::min(Tb, T - b * Tb))),
+                      kVocab, s);
       if (b == 0) make_grads();
       exec::CrossEntropyArgs a = args_for(b);
-      DeviceBuffer ws(alloc, exec::blocked_cross_entropy_backward_workspace_bytes(a), kVocab, s);
       a.workspace = ws.as<float>();
       exec::blocked_cross_entropy_backward_cuda(a, blas);
     }

@@ -199,6 +199,26 @@ void test_failures() {
   FLATPEAK_CUDA_CHECK(cudaSetDevice(0));
 }
 
+// A freed 512 MiB block, then a 768 MiB request: trimmed first, the pool reserves about 768 MiB
+// (the request; the 512 MiB given back); never trimmed (-1), it maps the 768 MiB beside the kept
+// 512 MiB, 1280 MiB in all: printed, not judged (the pool's own growth policy), to show what the
+// trim saves.
+void test_trim_before_growth() {
+  const int64_t mib = int64_t{1} << 20;
+  for (const bool trims : {true, false}) {
+    DeviceAllocator::Options options;
+    if (!trims) options.trim_before_growth_min_bytes = -1;
+    DeviceAllocator alloc(options);
+    { DeviceBuffer first(alloc, 512 * mib, Category::Vocab); }
+    DeviceBuffer second(alloc, 768 * mib, Category::Vocab);
+    FLATPEAK_CUDA_CHECK(cudaDeviceSynchronize());
+    const int64_t reserved_high = alloc.device_view().pool_reserved_high_bytes;
+    const std::string detail = "pool reserved high " + bytes_text(reserved_high) + " after 512 MiB freed, 768 MiB asked";
+    if (trims) expect_true("trim/reserve_given_back", reserved_high <= 800 * mib, detail);
+    else std::printf("info trim/off: %s (the pool's own policy; about 1280 MiB when it maps beside the kept block)\n", detail.c_str());
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -208,6 +228,7 @@ int main() {
   try {
     test_tracking();
     test_device_view();
+    test_trim_before_growth();
     test_nvml_view();
     test_cublas_workspace();
     test_failures();

@@ -3,7 +3,8 @@
 // some ignored targets. Tolerances: lse, loss, d_w (fp32) rel 1e-5 (+ 1e-5 of the largest
 // magnitude; d_w in bf16 + 1e-3, its addends being bf16-rounded dz); d_x rel 1e-5 in f32 and
 // 1e-2 (+ 1e-3) in bf16 storage. On the device the fused
-// variant must equal forward + backward bitwise (same kernels, same order), as on the CPU.
+// variant must equal forward + backward bitwise (same kernels, same order), as on the CPU; with one
+// vocab block too, where it reuses the forward's logits.
 // Random non-zero inputs from a fixed seed; exit 77 (skipped) without a CUDA device.
 #include <cstdio>
 #include <exception>
@@ -28,7 +29,9 @@ struct Outputs {
   HostTensor d_x;
 };
 
-void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType dtype) {
+// vocab_block_rows: 256 (several vocab blocks), or kVocab: one block, where the fused pass reads
+// the forward's logits instead of recomputing them (and must still equal forward + backward).
+void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType dtype, int64_t vocab_block_rows) {
   Rng rng(31);
   HostTensor x = HostTensor::from(rng.uniform(kTokens * kHidden), dtype);
   HostTensor w = HostTensor::from(rng.uniform(kVocab * kHidden), dtype);
@@ -43,7 +46,7 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
   a.hidden = kHidden;
   a.grad_scale = 1.0f / static_cast<float>(kTokens);
   a.token_block_rows = 64;
-  a.vocab_block_rows = 256;
+  a.vocab_block_rows = vocab_block_rows;
 
   // CPU: forward, then backward from the saved lse.
   Outputs cpu{std::vector<float>(kTokens), std::vector<float>(kTokens), d_w0,
@@ -85,7 +88,7 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
     gpu[variant] = Outputs{download<float>(g_lse, kTokens), download<float>(g_loss, kTokens),
                            download<float>(g_dw, kVocab * kHidden), download(g_dx, dtype)};
   }
-  const std::string name = std::string("cross_entropy/") + dtype_name(dtype);
+  const std::string name = std::string("cross_entropy/") + dtype_name(dtype) + "/v_blk" + std::to_string(vocab_block_rows);
   expect_close(name + "/lse", gpu[0].lse, cpu.lse, Tol::f32());
   expect_close(name + "/loss", gpu[0].loss, cpu.loss, Tol::f32());
   expect_close(name + "/d_x", gpu[0].d_x.values(), cpu.d_x.values(), Tol::of(dtype));
@@ -109,7 +112,8 @@ int main() {
   try {
     DeviceAllocator alloc;
     CublasContext blas(alloc, nullptr);
-    for (DType dtype : {DType::F32, DType::BF16}) test_cross_entropy(alloc, blas, dtype);
+    for (DType dtype : {DType::F32, DType::BF16})
+      for (int64_t v_blk : {int64_t{256}, kVocab}) test_cross_entropy(alloc, blas, dtype, v_blk);
   } catch (const std::exception& e) {
     std::printf("FAIL: %s\n", e.what());
     return 1;

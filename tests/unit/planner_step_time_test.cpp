@@ -105,6 +105,22 @@ TEST(PlannerStepTime, RingDtpHopsAsTheExecutorRunsThem) {
   EXPECT_DOUBLE_EQ(model.vocab(2, RingRotate::Weights, 16, 16).ring_bytes, 2 * 128.0 * 2 + 2 * 128.0 * 6);
 }
 
+// Gradients in forward visit the logits twice when V has several blocks (every row's lse before
+// any dz): 4 GEMMs a block, as the executor's fused pass runs them; with one vocab block the
+// backward reads the forward's logits block: 3. With a 1 s kernel latency the launches dominate:
+// V = 32 in two blocks of 16 costs 2·4 launches, in one block 1·3, 5 s apart (3 s if the first
+// counted 3 GEMMs a block).
+TEST(PlannerStepTime, GradientsInForwardVisitTheLogitsTwiceUnlessOneVocabBlock) {
+  const Plan p = plan_of(tiny_moe(), timed_gpu(), {{"--gpus", "2"}, {"--context", "16"}, {"--schedule", "flatpeak"},
+                                                   {"--ring-dtp", "on"}, {"--ring-size", "1"}, {"--vocab-backward", "in-forward"}});
+  Efficiency slow_launches;
+  slow_launches.kernel_latency_s = 1.0;
+  const TimeModel model(p.model, p.hardware, p.run, p.work, slow_launches);
+  const double two_blocks = model.vocab(1, RingRotate::Activations, 16, 16).head_extra_s;
+  const double one_block = model.vocab(1, RingRotate::Activations, 16, 32).head_extra_s;
+  EXPECT_NEAR(two_blocks - one_block, 5.0, 1e-3);
+}
+
 TEST(PlannerStepTime, MtpAddsItsLayerAndHead) {
   ModelSpec m = tiny_moe();
   m.mtp_layers = 1;

@@ -3,6 +3,7 @@
 //             cross-entropy with both backwards: the vocab component's tracked peak, time, the
 //             reduction and the time ratios; the device's own view (pool attributes, cudaMemGetInfo,
 //             NVML's per-process figure when the driver library answers) beside the tracked peak; the
+//             same at 64K with one vocab block per token block (T_blk = --row-t-blk, V_blk = V); the
 //             blocked version alone at 256K and 1M tokens (skipped, naming the bytes, when the
 //             device has too little free memory).
 //   dispatch  one MoE layer at EP = 1 (gpt-oss-120b dims, T = 32K): capped rounds vs one uncapped
@@ -23,7 +24,7 @@
 // Every figure is measured here; lines "summary|check|result|detail" feed tools/gpu-check.sh.
 // Exit: 0 done, 77 no CUDA device, 2 bad arguments, 1 a CUDA/cuBLAS or other runtime error.
 //   cuda_techniques [--only vocab,dispatch,dispatch-ep,attention,checkpoint,offload] [--vocab-tokens 65536] [--big 262144,1048576]
-//                   [--t-blk 8192] [--v-blk 16384] [--dispatch-tokens 32768] [--cap 16384] [--ep-tokens 32768] [--ep-cap 8192]
+//                   [--t-blk 8192] [--v-blk 16384] [--row-t-blk 4096] [--dispatch-tokens 32768] [--cap 16384] [--ep-tokens 32768] [--ep-cap 8192]
 //                   [--ep-min-rows 1024] [--attn-tokens 8192] [--attn-big 65536]
 //                   [--ckpt-tokens 4096] [--offload-params 1000000000] [--bucket 33554432] [--depth 2] [--threads N]
 #include <cuda_runtime.h>
@@ -86,6 +87,9 @@ struct Options {
   int64_t ffn = 2880;         // moe_intermediate_size
   int64_t t_blk = 8192;
   int64_t v_blk = 16384;
+  // The second blocking at 64K: one vocab block of all V per token block (the fused pass then
+  // reads the forward's logits instead of recomputing them: 3 GEMMs a block, as materialised).
+  int64_t row_t_blk = 4096;
   int64_t dispatch_tokens = 32768;
   int64_t cap = 16384;
   // dispatch-ep: tokens per rank and PipelinedLLEP's cap C (at rho=2.5 with m 1024 it shrinks to
@@ -140,6 +144,7 @@ Options parse(int argc, char** argv) {
     } else if (flag == "--vocab-tokens") o.vocab_tokens = parse_int(flag, v);
     else if (flag == "--t-blk") o.t_blk = parse_int(flag, v);
     else if (flag == "--v-blk") o.v_blk = parse_int(flag, v);
+    else if (flag == "--row-t-blk") o.row_t_blk = parse_int(flag, v);
     else if (flag == "--dispatch-tokens") o.dispatch_tokens = parse_int(flag, v);
     else if (flag == "--cap") o.cap = parse_int(flag, v);
     else if (flag == "--ep-tokens") o.ep_tokens = parse_int(flag, v);
@@ -253,6 +258,24 @@ void print_vocab(const char* name, const flatpeak::exec::VocabScheduleConfig& c,
               gib(r.device_used_after).c_str(), gib(r.view.device_total_bytes).c_str(), nvml.c_str());
 }
 
+// The blocked schedule `c` with gradients in forward, then with the recompute backward (one
+// warm-up run each), each printed as "<label> grads-in-fwd" / "<label> recompute".
+std::pair<VocabRun, VocabRun> run_both_backwards(DeviceAllocator& alloc, const CublasContext& blas,
+                                                 flatpeak::exec::VocabScheduleConfig c, const std::string& label) {
+  c.gradients_in_forward = true;
+  const VocabRun gif = run_vocab(alloc, blas, c, true);
+  print_vocab((label + " grads-in-fwd").c_str(), c, gif);
+  c.gradients_in_forward = false;
+  const VocabRun rec = run_vocab(alloc, blas, c, true);
+  print_vocab((label + " recompute").c_str(), c, rec);
+  return {gif, rec};
+}
+
+// How much less vocab memory `run` held than the materialised run, in percent.
+double peak_reduction_percent(const VocabRun& run, const VocabRun& materialised) {
+  return 100.0 * (1.0 - static_cast<double>(run.vocab_peak) / static_cast<double>(materialised.vocab_peak));
+}
+
 void vocab_section(const Options& o) {
   const ScopedStream stream;
   const cudaStream_t s = stream.get();
@@ -272,16 +295,10 @@ void vocab_section(const Options& o) {
   const VocabRun mat = run_vocab(alloc, blas, c, true);
   print_vocab("materialised", c, mat);
   c.mode = flatpeak::exec::VocabScheduleMode::Blocked;
-  c.gradients_in_forward = true;
-  const VocabRun gif = run_vocab(alloc, blas, c, true);
-  print_vocab("blocked grads-in-fwd", c, gif);
-  c.gradients_in_forward = false;
-  const VocabRun rec = run_vocab(alloc, blas, c, true);
-  print_vocab("blocked recompute", c, rec);
+  const auto [gif, rec] = run_both_backwards(alloc, blas, c, "blocked");
   char detail[512];
   if (mat.ran && gif.ran && rec.ran) {
-    const double red_gif = 100.0 * (1.0 - static_cast<double>(gif.vocab_peak) / static_cast<double>(mat.vocab_peak));
-    const double red_rec = 100.0 * (1.0 - static_cast<double>(rec.vocab_peak) / static_cast<double>(mat.vocab_peak));
+    const double red_gif = peak_reduction_percent(gif, mat), red_rec = peak_reduction_percent(rec, mat);
     std::printf("vocab T=%lld: peak reduction %.2f%% (grads-in-fwd), %.2f%% (recompute) [issue: >= 86.6%%]; "
                 "time ratio %.3fx (grads-in-fwd) [<= 1.05x], %.3fx (recompute) [<= 1.40x]\n",
                 static_cast<long long>(c.tokens), red_gif, red_rec, gif.seconds / mat.seconds,
@@ -302,6 +319,27 @@ void vocab_section(const Options& o) {
     summary("vocab T=" + std::to_string(c.tokens) + " Ring-DTP R=1", "skipped",
             (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
                 (gif.ran ? std::string() : "blocked " + gif.skipped));
+  }
+  // One vocab block per token block: the fused pass's backward reuses the forward's logits.
+  {
+    flatpeak::exec::VocabScheduleConfig r = c;
+    r.token_block_rows = o.row_t_blk;
+    r.vocab_block_rows = r.vocab;
+    const auto [gif1, rec1] = run_both_backwards(alloc, blas, r, "one-V-block");
+    const std::string name = "vocab T=" + std::to_string(c.tokens) + " T_blk=" + std::to_string(o.row_t_blk) + " V_blk=V";
+    if (mat.ran && gif1.ran && rec1.ran) {
+      const double red_gif = peak_reduction_percent(gif1, mat), red_rec = peak_reduction_percent(rec1, mat);
+      std::snprintf(detail, sizeof detail,
+                    "vocab peak %s -> %s (-%.1f%%) / %s (-%.1f%%) [>= 86.6%%]; time %.3fx gif [<= 1.05x], %.3fx recompute [<= 1.40x]; "
+                    "loss %.6f vs materialised %.6f",
+                    gib(mat.vocab_peak).c_str(), gib(gif1.vocab_peak).c_str(), red_gif, gib(rec1.vocab_peak).c_str(), red_rec,
+                    gif1.seconds / mat.seconds, rec1.seconds / mat.seconds, gif1.loss, mat.loss);
+      std::printf("%s: %s\n", name.c_str(), detail);
+      summary(name, "measured", detail);
+    } else {
+      summary(name, "skipped", (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
+                                   (gif1.ran ? std::string() : "blocked " + gif1.skipped));
+    }
   }
   for (int64_t tokens : o.big) {
     c.tokens = tokens;
