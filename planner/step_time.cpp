@@ -277,6 +277,7 @@ TimeModel::TimeModel(const ModelSpec& model, const HardwareSpec& hardware, const
   const double head_pass = 2 * T * d(mm.head);
   const bool recompute_logits = vocab_mode_ != VocabMode::Materialized && vocab_backward_ == VocabBackward::Recompute;
   head_passes_ = recompute_logits ? 4 : 3;
+  head_pass_flops_ = head_pass;
   head_ref_s_ = d(losses_) * d(head_passes_) * head_pass / gemm_rate;
   model_flops_mb_ += d(losses_) * 3 * head_pass;
   hw_flops_dense_mb_ += d(losses_) * d(head_passes_) * head_pass;
@@ -399,6 +400,11 @@ double TimeModel::head_pass_seconds(int64_t rows, int64_t cols, int64_t gemms, i
   return gemm_seconds(flops, d(blocks) * block_bytes) + d(blocks) * d(gemms) * eff_.kernel_latency_s;
 }
 
+bool TimeModel::logits_visited_once(int64_t ring_size, int64_t vocab_block) const {
+  return vocab_mode_ != VocabMode::Materialized && vocab_backward_ == VocabBackward::InForward && ring_size == 1 &&
+         vocab_block >= model_.vocab_size;
+}
+
 VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_block, int64_t vocab_block) const {
   VocabTime out;
   const int64_t V = model_.vocab_size;
@@ -416,14 +422,14 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
     const int64_t tb = std::max<int64_t>(1, std::min(token_block, T_));
     const int64_t vb = std::max<int64_t>(1, std::min(vocab_block, shard));
     const int64_t blocks = R * ceil_div(T_, tb) * ceil_div(shard, vb);
-    const bool in_forward = vocab_backward_ == VocabBackward::InForward;
-    // Forward: 1 GEMM per block; backward: recompute + dX + dW. Gradients in forward need every
-    // logit's lse before any dz, so they visit the logits twice too (4 GEMMs a block), except
-    // with one vocab block on one rank, where the backward reads the forward's logits block
-    // (the executor's fused pass): 3, as materialised.
-    const int64_t in_forward_gemms = R == 1 && vb >= shard ? 3 : 4;
-    const double fwd = head_pass_seconds(T_, shard * R, in_forward ? in_forward_gemms : 1, tb, vb, blocks, false);
-    const double bwd = in_forward ? 0 : head_pass_seconds(T_, shard * R, 3, tb, vb, blocks, false);
+    // Two visits of the logits: the forward (1 GEMM per block) makes lse, then the gradient pass
+    // (recompute + dX + dW) in the backward, or right after the forward with gradients in
+    // forward, which need every row's lse before any dz. One visit (3 GEMMs per block, as
+    // materialised) with gradients in forward on one rank with one vocab block: the executor's
+    // fused pass reads the forward's logits block.
+    const bool once = logits_visited_once(R, vb);
+    const double fwd = head_pass_seconds(T_, shard * R, once ? 3 : 1, tb, vb, blocks, false);
+    const double bwd = once ? 0 : head_pass_seconds(T_, shard * R, 3, tb, vb, blocks, false);
     total = d(losses_) * (fwd + bwd);
     if (R > 1) {
       // Each pass goes R hops around the ring, as the executor runs it (ring_dtp_schedule.cpp):
@@ -440,10 +446,11 @@ VocabTime TimeModel::vocab(int64_t ring_size, RingRotate rotate, int64_t token_b
         double last_hop_bytes;  // 1 hop
         double compute_s;
       };
+      // With gradients in forward the gradient pass is a second trip round the ring, as in
+      // backward (ring_dtp_schedule.cpp), so the hops are those of recompute.
       const Pass passes[2] = {
-          weights ? Pass{shard_bytes * (in_forward ? 2 + 4 : 2), shard_bytes * (in_forward ? 2 + 4 : 2), fwd}
-                  : Pass{T * H * 2 + targets_bytes + state_bytes + (in_forward ? dx_bytes : 0),
-                         state_bytes + (in_forward ? dx_bytes : 0), fwd},
+          weights ? Pass{shard_bytes * 2, shard_bytes * 2, fwd}
+                  : Pass{T * H * 2 + targets_bytes + state_bytes, state_bytes, fwd},
           weights ? Pass{shard_bytes * (2 + 4), shard_bytes * (2 + 4), bwd}
                   : Pass{T * H * 2 + targets_bytes + T * 4 + dx_bytes, dx_bytes, bwd}};
       for (const Pass& p : passes) {
@@ -613,10 +620,14 @@ StepTime TimeModel::full(const ResolvedRun& run, const Workload& work) const {
     }
   st.efficiency = eff_;
   st.model_flops_per_gpu = a * model_flops_mb_;
-  st.hardware_flops_per_gpu = a * hw_flops_dense_mb_;
+  // hw_flops_dense_mb_ counts 3 head passes for gradients in forward; a 4th when they visit the
+  // logits twice (vocab() says when).
+  const int64_t R = run.vocab == VocabMode::RingDtp ? std::max<int64_t>(1, run.ring_size) : 1;
+  const bool twice_in_forward = vocab_mode_ != VocabMode::Materialized && vocab_backward_ == VocabBackward::InForward &&
+                                !logits_visited_once(R, std::min(run.vocab_block, ceil_div(model_.vocab_size, R)));
+  st.hardware_flops_per_gpu = a * (hw_flops_dense_mb_ + (twice_in_forward ? d(losses_) * head_pass_flops_ : 0));
   st.tokens_per_second = st.step_seconds > 0 ? tokens_per_step_ / st.step_seconds : 0;
   st.mfu = st.step_seconds > 0 && peak > 0 ? st.model_flops_per_gpu / (st.step_seconds * peak) : 0;
-  (void)run;
   return st;
 }
 

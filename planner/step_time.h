@@ -143,6 +143,9 @@ class TimeModel {
   double forward_wait(const Offloaded& offloaded, double copy_seconds) const;
   double link_seconds(double bytes, int64_t group, bool contiguous) const;
   double gemm_seconds(double flops, double bytes) const;
+  // Whether the blocked/ring loss visits the logits once (gradients in forward on one rank with
+  // one vocab block, vocab_block already capped at the shard): 3 GEMMs a block, else 4.
+  bool logits_visited_once(int64_t ring_size, int64_t vocab_block) const;
   double head_pass_seconds(int64_t rows, int64_t cols, int64_t gemms, int64_t token_block, int64_t vocab_block,
                            int64_t blocks, bool materialized) const;
 
@@ -167,7 +170,8 @@ class TimeModel {
   double compute_ref_s_ = 0, cp_exposed_s_ = 0, cp_busy_s_ = 0, cp_bytes_ = 0;
   double loss_backward_s_ = 0, mtp_backward_s_ = 0;
   double backward_window_s_ = 0;    // the last micro-batch's backward: OffloadStreamAdamW hides here
-  int64_t head_passes_ = 3;         // LM head GEMM passes per loss
+  int64_t head_passes_ = 3;         // LM head GEMM passes per loss (the reference)
+  double head_pass_flops_ = 0;      // one LM head GEMM pass of one loss, per micro-batch
   double fsdp_rest_bytes_ = 0;      // gather + reduce-scatter bytes, all units but the head
   int64_t fsdp_head_params_ = 0;    // the head unit's gathered params (the ring divides them)
   double model_flops_mb_ = 0;     // per micro-batch, mean rank (MFU)

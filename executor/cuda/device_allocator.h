@@ -49,7 +49,7 @@ class DeviceAllocator {
     // A request of at least this many bytes that the pool's unused reserve cannot hold first
     // waits for `stream` and returns that reserve to the device (cudaMemPoolTrimTo), so the pool
     // grows by the request rather than beside blocks it can no longer reuse: a freed 53 GB
-    // logits block is otherwise kept while a 79 GB backward workspace is mapped next to it (seen
+    // logits block is otherwise kept while an 80 GB backward workspace is mapped next to it (seen
     // on an H200: 134 GB reserved for an 84 GB high-water). Costs a stream wait on such growth
     // only. -1: never trims.
     int64_t trim_before_growth_min_bytes = int64_t{64} << 20;

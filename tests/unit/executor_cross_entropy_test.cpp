@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "executor/ops/cross_entropy.h"
 #include "executor_test_util.h"
@@ -200,12 +201,14 @@ TEST(ExecutorCrossEntropyBias, MatchesFp64AndFiniteDifferences) {
   const Vec dx_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(v, w, y, s, nullptr, &b), r); }, x);
   const Vec dw_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(x, v, y, s, nullptr, &b), r); }, w);
   const Vec db_fd = finite_diff([&](const Vec& v) { return dot(ce_ref(x, w, y, s, nullptr, &v), r); }, b);
+  // V_blk = V too: one vocab block, where the fused pass reads the forward's biased logits block.
+  for (const int64_t v_blk : {s.v_blk, s.V})
   for (const bool fused : {false, true}) {
     Buf<float> lse(s.T), loss(s.T), dx(s.T * s.H), dw(s.V * s.H, 0.0f), db(s.V, 0.0f);
     CrossEntropyArgs a;
     a.x = xf.data(); a.w = wf.data(); a.bias = bf.data(); a.targets = y.data(); a.lse = lse.data();
     a.loss = loss.data(); a.d_x = dx.data(); a.d_w = dw.data(); a.d_bias = db.data(); a.tokens = s.T;
-    a.vocab = s.V; a.hidden = s.H; a.token_block_rows = s.t_blk; a.vocab_block_rows = s.v_blk;
+    a.vocab = s.V; a.hidden = s.H; a.token_block_rows = s.t_blk; a.vocab_block_rows = v_blk;
     a.grad_scale = static_cast<float>(g);
     Buf<float> ws(blocked_cross_entropy_workspace_bytes(a) / 4);
     a.workspace = ws.data();
@@ -215,7 +218,7 @@ TEST(ExecutorCrossEntropyBias, MatchesFp64AndFiniteDifferences) {
       blocked_cross_entropy_forward_cpu(a);
       blocked_cross_entropy_backward_cpu(a);
     }
-    SCOPED_TRACE(fused ? "fused" : "recompute");
+    SCOPED_TRACE(std::string(fused ? "fused" : "recompute") + " v_blk " + std::to_string(v_blk));
     expect_close(to_f64(lse), lse_ref, 1e-6, "lse");
     expect_close(to_f64(loss), loss_ref, 1e-5, "loss");
     expect_close(to_f64(dx), dx_fd, 1e-5, "dx");

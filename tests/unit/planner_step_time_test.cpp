@@ -103,13 +103,19 @@ TEST(PlannerStepTime, RingDtpHopsAsTheExecutorRunsThem) {
   EXPECT_DOUBLE_EQ(model.vocab(2, RingRotate::Activations, 16, 16).ring_bytes, (512.0 + 192) + (896.0 + 512));
   // Weights: a [16, 8] bf16 shard per hop, R = 2 hops forward; with its fp32 dW in backward.
   EXPECT_DOUBLE_EQ(model.vocab(2, RingRotate::Weights, 16, 16).ring_bytes, 2 * 128.0 * 2 + 2 * 128.0 * 6);
+  // Gradients in forward: the gradient pass is a second trip round the ring, the same hops.
+  const Plan in_forward = plan_of(tiny_moe(), timed_gpu(), {{"--gpus", "2"}, {"--context", "16"}, {"--schedule", "flatpeak"},
+                                                            {"--ring-dtp", "on"}, {"--ring-size", "2"}, {"--vocab-backward", "in-forward"}});
+  const TimeModel gif(in_forward.model, in_forward.hardware, in_forward.run, in_forward.work, Efficiency{});
+  EXPECT_DOUBLE_EQ(gif.vocab(2, RingRotate::Activations, 16, 16).ring_bytes, (512.0 + 192) + (896.0 + 512));
+  EXPECT_DOUBLE_EQ(gif.vocab(2, RingRotate::Weights, 16, 16).ring_bytes, 2 * 128.0 * 2 + 2 * 128.0 * 6);
 }
 
 // Gradients in forward visit the logits twice when V has several blocks (every row's lse before
 // any dz): 4 GEMMs a block, as the executor's fused pass runs them; with one vocab block the
 // backward reads the forward's logits block: 3. With a 1 s kernel latency the launches dominate:
-// V = 32 in two blocks of 16 costs 2·4 launches, in one block 1·3, 5 s apart (3 s if the first
-// counted 3 GEMMs a block).
+// V = 32 in two blocks of 16 costs 2·(1 + 3) launches, in one block 1·3, 5 s apart (3 s if the
+// first counted 3 GEMMs a block). The hardware FLOPs count the 4th pass in the first case only.
 TEST(PlannerStepTime, GradientsInForwardVisitTheLogitsTwiceUnlessOneVocabBlock) {
   const Plan p = plan_of(tiny_moe(), timed_gpu(), {{"--gpus", "2"}, {"--context", "16"}, {"--schedule", "flatpeak"},
                                                    {"--ring-dtp", "on"}, {"--ring-size", "1"}, {"--vocab-backward", "in-forward"}});
@@ -119,6 +125,13 @@ TEST(PlannerStepTime, GradientsInForwardVisitTheLogitsTwiceUnlessOneVocabBlock) 
   const double two_blocks = model.vocab(1, RingRotate::Activations, 16, 16).head_extra_s;
   const double one_block = model.vocab(1, RingRotate::Activations, 16, 32).head_extra_s;
   EXPECT_NEAR(two_blocks - one_block, 5.0, 1e-3);
+  ResolvedRun run = p.run;
+  run.token_block = 16;
+  run.vocab_block = 32;
+  const double flops_once = model.full(run, p.work).hardware_flops_per_gpu;
+  run.vocab_block = 16;
+  const double flops_twice = model.full(run, p.work).hardware_flops_per_gpu;
+  EXPECT_DOUBLE_EQ(flops_twice - flops_once, 2.0 * 16 * 8 * 32);  // one pass 2·T·H·V, one loss
 }
 
 TEST(PlannerStepTime, MtpAddsItsLayerAndHead) {

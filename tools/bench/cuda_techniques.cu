@@ -338,7 +338,8 @@ void vocab_section(const Options& o) {
       summary(name, "measured", detail);
     } else {
       summary(name, "skipped", (mat.ran ? std::string() : "materialised " + mat.skipped + "; ") +
-                                   (gif1.ran ? std::string() : "blocked " + gif1.skipped));
+                                   (gif1.ran ? std::string() : "grads-in-fwd " + gif1.skipped + "; ") +
+                                   (rec1.ran ? std::string() : "recompute " + rec1.skipped));
     }
   }
   for (int64_t tokens : o.big) {
