@@ -4,7 +4,8 @@
 // magnitude; d_w in bf16 + 1e-3, its addends being bf16-rounded dz); d_x rel 1e-5 in f32 and
 // 1e-2 (+ 1e-3) in bf16 storage. On the device the fused
 // variant must equal forward + backward bitwise (same kernels, same order), as on the CPU; with one
-// vocab block too, where it reuses the forward's logits.
+// vocab block too, where it reuses the forward's logits; each with and without a head bias (its
+// gradient at d_w's tolerance). The bias cases were added after the H200 run of 2026-12-04.
 // Random non-zero inputs from a fixed seed; exit 77 (skipped) without a CUDA device.
 #include <cstdio>
 #include <exception>
@@ -27,17 +28,22 @@ constexpr int64_t kTokens = 150, kVocab = 1000, kHidden = 64;
 struct Outputs {
   std::vector<float> lse, loss, d_w;
   HostTensor d_x;
+  std::vector<float> d_bias;  // [V] fp32, with a head bias
 };
 
 // vocab_block_rows: 256 (several vocab blocks), or kVocab: one block, where the fused pass reads
 // the forward's logits instead of recomputing them (and must still equal forward + backward).
-void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType dtype, int64_t vocab_block_rows) {
+// with_bias: a head bias [V] in the storage dtype (logits x·Wᵀ + b), its gradient compared too.
+void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType dtype, int64_t vocab_block_rows,
+                        bool with_bias) {
   Rng rng(31);
   HostTensor x = HostTensor::from(rng.uniform(kTokens * kHidden), dtype);
   HostTensor w = HostTensor::from(rng.uniform(kVocab * kHidden), dtype);
   std::vector<int32_t> targets = rng.ints(kTokens, 0, static_cast<int32_t>(kVocab - 1));
   for (int64_t t = 5; t < kTokens; t += 17) targets[static_cast<size_t>(t)] = -1;  // ignored
   const std::vector<float> d_w0 = rng.uniform(kVocab * kHidden, 0.001f, 0.01f);
+  HostTensor bias = HostTensor::from(rng.uniform(kVocab), dtype);
+  const std::vector<float> d_bias0(static_cast<size_t>(kVocab), 0.0f);
 
   CrossEntropyArgs a;
   a.dtype = dtype;
@@ -59,12 +65,17 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
   a.loss = cpu.loss.data();
   a.d_x = cpu.d_x.data();
   a.d_w = cpu.d_w.data();
+  cpu.d_bias = d_bias0;
+  a.bias = with_bias ? bias.data() : nullptr;
+  a.d_bias = with_bias ? cpu.d_bias.data() : nullptr;
   a.workspace = cpu_ws.data();
   blocked_cross_entropy_forward_cpu(a);
   blocked_cross_entropy_backward_cpu(a);
 
   DeviceBuffer g_x = upload(alloc, x, Category::Vocab), g_w = upload(alloc, w, Category::Vocab);
   DeviceBuffer g_targets = upload(alloc, targets, Category::Vocab);
+  DeviceBuffer g_bias = upload(alloc, bias, Category::Vocab);
+  a.bias = with_bias ? g_bias.raw() : nullptr;
   DeviceBuffer g_ws(alloc, blocked_cross_entropy_workspace_bytes_cuda(a), Category::Vocab);
   a.x = g_x.raw();
   a.w = g_w.raw();
@@ -75,6 +86,8 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
     DeviceBuffer g_lse(alloc, kTokens * 4, Category::Vocab), g_loss(alloc, kTokens * 4, Category::Vocab);
     DeviceBuffer g_dx(alloc, kTokens * kHidden * dtype_bytes(dtype), Category::Vocab);
     DeviceBuffer g_dw = upload(alloc, d_w0, Category::Grads);
+    DeviceBuffer g_db = upload(alloc, d_bias0, Category::Grads);
+    a.d_bias = with_bias ? g_db.as<float>() : nullptr;
     a.lse = g_lse.as<float>();
     a.loss = g_loss.as<float>();
     a.d_x = g_dx.raw();
@@ -86,9 +99,11 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
       blocked_cross_entropy_fused_cuda(a, blas);
     }
     gpu[variant] = Outputs{download<float>(g_lse, kTokens), download<float>(g_loss, kTokens),
-                           download<float>(g_dw, kVocab * kHidden), download(g_dx, dtype)};
+                           download<float>(g_dw, kVocab * kHidden), download(g_dx, dtype),
+                           download<float>(g_db, kVocab)};
   }
-  const std::string name = std::string("cross_entropy/") + dtype_name(dtype) + "/v_blk" + std::to_string(vocab_block_rows);
+  const std::string name = std::string("cross_entropy/") + dtype_name(dtype) + "/v_blk" + std::to_string(vocab_block_rows) +
+                           (with_bias ? "/bias" : "");
   expect_close(name + "/lse", gpu[0].lse, cpu.lse, Tol::f32());
   expect_close(name + "/loss", gpu[0].loss, cpu.loss, Tol::f32());
   expect_close(name + "/d_x", gpu[0].d_x.values(), cpu.d_x.values(), Tol::of(dtype));
@@ -103,6 +118,11 @@ void test_cross_entropy(DeviceAllocator& alloc, const CublasContext& blas, DType
   expect_equal(name + "/fused_loss", gpu[1].loss, gpu[0].loss);
   expect_equal(name + "/fused_d_x", gpu[1].d_x.bytes, gpu[0].d_x.bytes);
   expect_equal(name + "/fused_d_w", gpu[1].d_w, gpu[0].d_w);
+  if (!with_bias) return;
+  // d bias = Σ_t dz of the same rounded dz: d_w's tolerance.
+  expect_close(name + "/d_bias", gpu[0].d_bias, cpu.d_bias,
+               dtype == DType::BF16 ? Tol{Tol::f32().rel, Tol::bf16().floor} : Tol::f32());
+  expect_equal(name + "/fused_d_bias", gpu[1].d_bias, gpu[0].d_bias);
 }
 
 }  // namespace
@@ -113,7 +133,8 @@ int main() {
     DeviceAllocator alloc;
     CublasContext blas(alloc, nullptr);
     for (DType dtype : {DType::F32, DType::BF16})
-      for (int64_t v_blk : {int64_t{256}, kVocab}) test_cross_entropy(alloc, blas, dtype, v_blk);
+      for (int64_t v_blk : {int64_t{256}, kVocab})
+        for (bool with_bias : {false, true}) test_cross_entropy(alloc, blas, dtype, v_blk, with_bias);
   } catch (const std::exception& e) {
     std::printf("FAIL: %s\n", e.what());
     return 1;
