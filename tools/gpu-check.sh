@@ -60,6 +60,16 @@
 # Usage: tools/gpu-check.sh [BUILD_DIR]   (default build/gpu-check; logs/ and summary.txt there)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+
+# The sources that ran, as one hash: a copied working tree may carry a stale .git (the device
+# tool's does), so the commit line alone cannot say what was built. The same command here, on a
+# checkout, gives the hash to match: FLATPEAK_GPU_CHECK_FINGERPRINT_ONLY=1 bash tools/gpu-check.sh
+source_fingerprint() {
+  find CMakeLists.txt CMakePresets.json cmake models planner executor tools tests -type f \
+       -not -path 'tools/gpu-results/*' -not -name '*.pyc' -print0 2>/dev/null |
+    LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
+}
+if [ -n "${FLATPEAK_GPU_CHECK_FINGERPRINT_ONLY:-}" ]; then source_fingerprint; exit 0; fi
 build_dir="${1:-build/gpu-check}"
 logs="$build_dir/logs"
 rm -rf "$logs"
@@ -110,7 +120,7 @@ print_summary() {
   [ -z "$device" ] && device=$(grep -h '^device 0:' "$logs"/*_test.log 2>/dev/null | head -1)
   {
     echo
-    echo "flatpeak gpu-check  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "flatpeak gpu-check  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with changes)')  sources $(source_fingerprint)"
     echo "device: ${device:-none found}   toolkit: $("$nvcc" --version 2>/dev/null | tail -1)   arch: sm_$arch"
     local row c r s d width=28
     for row in "${summary[@]}"; do c=${row%%|*}; [ ${#c} -gt "$width" ] && width=${#c}; done
