@@ -624,7 +624,7 @@ StepTime TimeModel::full(const ResolvedRun& run, const Workload& work) const {
   // logits twice (vocab() says when).
   const int64_t R = run.vocab == VocabMode::RingDtp ? std::max<int64_t>(1, run.ring_size) : 1;
   const bool twice_in_forward = vocab_mode_ != VocabMode::Materialized && vocab_backward_ == VocabBackward::InForward &&
-                                !logits_visited_once(R, std::min(run.vocab_block, ceil_div(model_.vocab_size, R)));
+                                !logits_visited_once(R, run.vocab_block);
   st.hardware_flops_per_gpu = a * (hw_flops_dense_mb_ + (twice_in_forward ? d(losses_) * head_pass_flops_ : 0));
   st.tokens_per_second = st.step_seconds > 0 ? tokens_per_step_ / st.step_seconds : 0;
   st.mfu = st.step_seconds > 0 && peak > 0 ? st.model_flops_per_gpu / (st.step_seconds * peak) : 0;

@@ -144,7 +144,7 @@ class TimeModel {
   double link_seconds(double bytes, int64_t group, bool contiguous) const;
   double gemm_seconds(double flops, double bytes) const;
   // Whether the blocked/ring loss visits the logits once (gradients in forward on one rank with
-  // one vocab block, vocab_block already capped at the shard): 3 GEMMs a block, else 4.
+  // one vocab block, vocab_block >= V): 3 GEMMs a block, else 4.
   bool logits_visited_once(int64_t ring_size, int64_t vocab_block) const;
   double head_pass_seconds(int64_t rows, int64_t cols, int64_t gemms, int64_t token_block, int64_t vocab_block,
                            int64_t blocks, bool materialized) const;

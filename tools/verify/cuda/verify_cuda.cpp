@@ -61,8 +61,9 @@ void require_free(const std::string& what, int64_t needed_bytes) {
 // tracked byte at the high-water mark less the cuBLAS workspace, plus the plan's runtime overhead
 // (CUDA context, cuBLAS and its workspace). The pool keeps what it reserved (release threshold:
 // never), so what the device holds now is what it held at the peak: the allocator trims its
-// unused reserve only just before growing past it, so the reserve after is larger than before. Measured: the process's own
-// figure where NVML gives one; else the whole device's used memory (run alone then).
+// unused reserve only just before growing past it, so the reserve after is larger than before.
+// Measured: the process's own figure where NVML gives one; else the whole device's used memory
+// (run alone then).
 void add_device_view_row(const std::string& component, const cuda::DeviceAllocator& alloc, const cuda::CublasContext& blas,
                          const VerifyInputs& in, VerifyReport& report) {
   const cuda::DeviceMemoryView view = alloc.device_view();
